@@ -1,0 +1,1 @@
+"""Train ImageNet-class models from WebDataset shards (local, AIStore, GCS)."""
