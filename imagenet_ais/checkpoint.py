@@ -1,0 +1,65 @@
+"""Checkpoints: atomic writes (temp file, fsync, rename) and loading for --resume.
+
+Saved state holds plain tensors and containers only, so loading uses ``weights_only=True``:
+a checkpoint can never run code.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from imagenet_ais.storage import LocalStore
+
+LAST = "last.pt"
+BEST = "best.pt"
+
+
+def save(state: dict[str, Any], output: Path, name: str) -> Path:
+    store = LocalStore(output)
+    tmp = store.scratch_file(name)
+    try:
+        torch.save(state, tmp)
+        store.put_file(tmp, name)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return output / name
+
+
+def find(resume: str | None, output: Path) -> Path | None:
+    """The checkpoint to resume from: ``auto`` → ``output/last.pt`` if any; a path must exist."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        last = output / LAST
+        return last if last.is_file() else None
+    path = Path(resume)
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume {resume}: no such checkpoint file")
+    return path
+
+
+def load(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for a damaged or foreign file
+        raise RuntimeError(f"{path}: cannot load checkpoint ({type(e).__name__}: {e})") from e
+
+
+def rng_state() -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))

@@ -1,0 +1,326 @@
+"""The data pipeline: manifest shards → per-rank, per-epoch sample streams → batches.
+
+Two epoch modes, both giving every rank the same number of steps so DDP never hangs:
+
+- resampled: each DataLoader worker draws shards with replacement (weighted by their sample
+  counts) forever; an epoch is a nominal ceil(N / (world × batch)) steps (the old
+  ``ResizedDataset``).
+- exact: the epoch's shards are laid end to end in a (seed, epoch) permutation and the line
+  is cut into ``world`` equal runs of steps × batch samples, steps = N // (world × batch).
+  Every sample is read at most once per epoch; the last N mod (world × batch) samples of the
+  permuted line (fewer than one global batch) sit that epoch out, and which ones changes
+  with the permutation every epoch.
+
+Workers yield decoded uint8 HWC images (HWC is channels_last once permuted to NCHW on the
+device) in small chunks; the main process shuffles across workers and forms the batches.
+Only image and ``.cls`` members are read: nothing in a shard is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import math
+import multiprocessing as mp
+import random
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import webdataset as wds
+from PIL import Image
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torchvision.transforms import RandomResizedCrop
+
+from imagenet_ais.manifest import SplitInfo
+
+IMAGE_EXTS = ("jpg", "jpeg", "png")
+VAL_RESIZE_RATIO = 0.875  # resize to size / 0.875, then centre-crop size (the usual 256 → 224)
+
+
+class Piece(NamedTuple):
+    """Samples [start, stop) of one shard, in stored order."""
+
+    shard: int
+    start: int
+    stop: int
+
+
+class Batch(NamedTuple):
+    images: torch.Tensor  # uint8, N × H × W × 3
+    labels: torch.Tensor  # int64, N
+    keys: list[str]
+
+
+def exact_assignment(counts: list[int], world: int, batch: int, seed: int, epoch: int) -> tuple[list[list[Piece]], int]:
+    """Per-rank pieces for one exact-mode epoch, and the number of steps every rank runs."""
+    total = sum(counts)
+    steps = total // (world * batch)
+    if steps == 0:
+        raise ValueError(
+            f"the training split has {total} samples, fewer than one global batch "
+            f"({world} ranks × {batch}): lower --batch-size"
+        )
+    order = list(range(len(counts)))
+    random.Random(f"exact:{seed}:{epoch}").shuffle(order)
+    per_rank = steps * batch
+    ranks: list[list[Piece]] = [[] for _ in range(world)]
+    rank, room = 0, per_rank
+    for shard in order:
+        start = 0
+        while start < counts[shard] and rank < world:
+            take = min(room, counts[shard] - start)
+            ranks[rank].append(Piece(shard, start, start + take))
+            start += take
+            room -= take
+            if room == 0:
+                rank, room = rank + 1, per_rank
+    return ranks, steps
+
+
+def contiguous_assignment(counts: list[int], world: int) -> list[list[Piece]]:
+    """Split all samples, in manifest order, into ``world`` runs differing by at most one (validation)."""
+    total = sum(counts)
+    bounds = [total * r // world for r in range(world + 1)]
+    ranks: list[list[Piece]] = [[] for _ in range(world)]
+    offset = 0
+    for shard, count in enumerate(counts):
+        for rank in range(world):
+            lo, hi = max(bounds[rank], offset), min(bounds[rank + 1], offset + count)
+            if lo < hi:
+                ranks[rank].append(Piece(shard, lo - offset, hi - offset))
+        offset += count
+    return ranks
+
+
+def split_among_workers(pieces: list[Piece], workers: int) -> list[list[Piece]]:
+    """Whole pieces per worker, balancing sample counts (a worker may get none)."""
+    loads = [0] * workers
+    out: list[list[Piece]] = [[] for _ in range(workers)]
+    for piece in sorted(pieces, key=lambda p: p.stop - p.start, reverse=True):
+        w = loads.index(min(loads))
+        out[w].append(piece)
+        loads[w] += piece.stop - piece.start
+    return out
+
+
+def _wanted_member(name: str) -> bool:
+    return name.rpartition("/")[2].partition(".")[2].lower() in (*IMAGE_EXTS, "cls")
+
+
+def _crop_resize(img: Image.Image, box: tuple[float, float, float, float], size: int) -> Image.Image:
+    """Resize the (left, top, width, height) box of ``img`` to size × size RGB.
+
+    JPEGs are decoded at the smallest DCT scale (1/2, 1/4, 1/8) that still leaves the box at
+    least ``size`` pixels on each side: most of ImageNet's decode time saved, same output
+    resolution.
+    """
+    left, top, width, height = box
+    full_w, full_h = img.size
+    if img.format == "JPEG":
+        shrink = min(width, height) / size
+        if shrink >= 2:
+            img.draft("RGB", (math.ceil(full_w / shrink), math.ceil(full_h / shrink)))
+    sx, sy = full_w / img.size[0], full_h / img.size[1]
+    scaled = (left / sx, top / sy, (left + width) / sx, (top + height) / sy)
+    out = img.resize((size, size), Image.Resampling.BILINEAR, box=scaled)
+    return out if out.mode == "RGB" else out.convert("RGB")
+
+
+def decode_train(data: bytes, size: int) -> torch.Tensor:
+    """RandomResizedCrop (torchvision's parameters) + horizontal flip → uint8 HWC."""
+    img = Image.open(io.BytesIO(data))
+    top, left, height, width = RandomResizedCrop.get_params(img, scale=[0.08, 1.0], ratio=[3 / 4, 4 / 3])
+    out = _crop_resize(img, (left, top, width, height), size)
+    if torch.rand(1).item() < 0.5:
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return _to_tensor(out)
+
+
+def decode_val(data: bytes, size: int) -> torch.Tensor:
+    """Resize the short side to size / 0.875, centre-crop size → uint8 HWC."""
+    img = Image.open(io.BytesIO(data))
+    w, h = img.size
+    side = min(w, h) * VAL_RESIZE_RATIO  # the crop, in original pixels
+    return _to_tensor(_crop_resize(img, ((w - side) / 2, (h - side) / 2, side, side), size))
+
+
+def _to_tensor(img: Image.Image) -> torch.Tensor:
+    return torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(img.size[1], img.size[0], 3)
+
+
+@dataclass
+class StreamSpec:
+    """What a worker needs to find its samples; picklable for spawned workers."""
+
+    urls: list[str]
+    counts: list[int]
+    world: int
+    rank: int
+    batch: int
+    seed: int
+    image_size: int
+
+
+class ShardStream(IterableDataset):
+    """The samples of this rank for the current epoch, split among DataLoader workers.
+
+    ``epoch`` and the skip counters live in shared memory so that persistent workers see
+    the epoch the main process set and the main process sees what workers skipped.
+    """
+
+    def __init__(self, spec: StreamSpec, mode: str):
+        if mode not in ("resampled", "exact", "val"):
+            raise ValueError(f"unknown epoch mode {mode!r}")
+        self.spec, self.mode = spec, mode
+        self.epoch = mp.Value("q", 0)
+        self.skipped = mp.Value("q", 0)  # samples that failed to decode
+        self.read_errors = mp.Value("q", 0)  # shards that failed part-way
+
+    def _pieces(self, worker: int, workers: int) -> Iterator[Piece]:
+        s, epoch = self.spec, self.epoch.value
+        if self.mode == "resampled":
+            rng = random.Random(f"resampled:{s.seed}:{epoch}:{s.rank}:{worker}")
+            while True:
+                shard = rng.choices(range(len(s.counts)), weights=s.counts)[0]
+                yield Piece(shard, 0, s.counts[shard])
+        if self.mode == "exact":
+            mine = exact_assignment(s.counts, s.world, s.batch, s.seed, epoch)[0][s.rank]
+        else:
+            mine = contiguous_assignment(s.counts, s.world)[s.rank]
+        yield from split_among_workers(mine, workers)[worker]
+
+    def _count(self, counter: mp.Value) -> None:
+        with counter.get_lock():
+            counter.value += 1
+
+    def _read_error(self, exn: Exception) -> bool:
+        print(f"warning: shard read failed, skipping the rest of it: {exn!r}", file=sys.stderr)
+        self._count(self.read_errors)
+        return True
+
+    def _samples(self, piece: Piece) -> Iterator[dict]:
+        url = self.spec.urls[piece.shard]
+        samples = wds.tarfile_samples([{"url": url}], handler=self._read_error, select_files=_wanted_member)
+        return itertools.islice(samples, piece.start, piece.stop)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, int, str]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        decode = decode_val if self.mode == "val" else decode_train
+        for piece in self._pieces(worker, workers):
+            for sample in self._samples(piece):
+                try:
+                    data = next(sample[e] for e in IMAGE_EXTS if e in sample)
+                    label = int(sample["cls"])
+                    image = decode(data, self.spec.image_size)
+                except (StopIteration, KeyError, ValueError, OSError, SyntaxError, Image.DecompressionBombError):
+                    self._count(self.skipped)
+                    continue
+                yield image, label, sample["__key__"]
+
+
+def _loader(dataset: ShardStream, chunk: int, workers: int, pin: bool) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_size=chunk,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        prefetch_factor=4 if workers > 0 else None,
+        pin_memory=pin,
+    )
+
+
+class TrainLoader:
+    """Fixed-length epochs: ``len(self)`` batches of exactly ``batch`` samples, every epoch."""
+
+    def __init__(
+        self, split: SplitInfo, urls: list[str], mode: str, spec_kw: dict, workers: int, shuffle_buffer: int, pin: bool
+    ):
+        counts = [s.samples for s in split.shards]
+        if sum(counts) == 0:
+            raise ValueError("the training split has no samples")
+        self.spec = StreamSpec(urls=urls, counts=counts, **spec_kw)
+        world, batch = self.spec.world, self.spec.batch
+        if mode == "exact":
+            self.steps = exact_assignment(counts, world, batch, self.spec.seed, 0)[1]
+        else:
+            self.steps = math.ceil(sum(counts) / (world * batch))
+        self.dataset = ShardStream(self.spec, mode)
+        self.loader = _loader(self.dataset, min(batch, 32), workers, pin=False)
+        self.shuffle_buffer = max(shuffle_buffer, batch)
+        self.pin = pin
+        self.epoch = 0
+        self.padded = 0  # samples repeated to fill the epoch's last batches when decodes failed
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.dataset.epoch.value = epoch
+
+    def _samples(self) -> Iterator[tuple[torch.Tensor, int, str]]:
+        for images, labels, keys in self.loader:
+            yield from zip(images.unbind(0), labels.tolist(), keys, strict=True)
+
+    def __iter__(self) -> Iterator[Batch]:
+        rng = random.Random(f"buffer:{self.spec.seed}:{self.epoch}:{self.spec.rank}")
+        stream = self._samples()
+        buffer: list[tuple[torch.Tensor, int, str]] = []
+        previous: list[tuple[torch.Tensor, int, str]] = []
+        for _ in range(self.steps):
+            # Read up to two batches per step until the buffer is full: the first batch
+            # comes without waiting for a whole buffer, and mixing improves as it fills.
+            budget = 2 * self.spec.batch
+            for sample in stream:
+                buffer.append(sample)
+                budget -= 1
+                if len(buffer) >= self.shuffle_buffer or (budget <= 0 and len(buffer) >= self.spec.batch):
+                    break
+            picked = []
+            while buffer and len(picked) < self.spec.batch:
+                i = rng.randrange(len(buffer))
+                buffer[i], buffer[-1] = buffer[-1], buffer[i]
+                picked.append(buffer.pop())
+            while len(picked) < self.spec.batch:
+                if not previous:
+                    raise RuntimeError("no decodable training sample in this rank's shards")
+                picked.append(rng.choice(previous))
+                self.padded += 1
+            previous = picked
+            yield _collate(picked, self.pin)
+
+
+def _collate(samples: list[tuple[torch.Tensor, int, str]], pin: bool) -> Batch:
+    images = torch.stack([s[0] for s in samples])
+    labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
+    if pin:
+        images, labels = images.pin_memory(), labels.pin_memory()
+    return Batch(images, labels, [s[2] for s in samples])
+
+
+class ValLoader:
+    """Every validation sample exactly once across ranks (batches may be short)."""
+
+    def __init__(self, split: SplitInfo, urls: list[str], spec_kw: dict, workers: int, pin: bool):
+        counts = [s.samples for s in split.shards]
+        self.spec = StreamSpec(urls=urls, counts=counts, **spec_kw)
+        self.dataset = ShardStream(self.spec, "val")
+        self.loader = _loader(self.dataset, self.spec.batch, workers, pin)
+        self.samples = sum(counts)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for images, labels, keys in self.loader:
+            yield Batch(images, labels, list(keys))
+
+
+def normalize(images: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
+    """uint8 N×H×W×3 on the host → normalised float N×3×H×W on ``device``."""
+    x = images.to(device, non_blocking=True).permute(0, 3, 1, 2).float()
+    mean = torch.tensor([0.485, 0.456, 0.406], device=device).view(1, 3, 1, 1) * 255
+    std = torch.tensor([0.229, 0.224, 0.225], device=device).view(1, 3, 1, 1) * 255
+    x = (x - mean) / std
+    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)

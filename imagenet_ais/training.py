@@ -1,0 +1,368 @@
+"""The training loop: model, optimizer, schedule, steps, validation, metrics, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from imagenet_ais import checkpoint, distributed
+from imagenet_ais.data import TrainLoader, ValLoader, normalize
+from imagenet_ais.manifest import load_manifest
+from imagenet_ais.storage import open_store
+
+SYNTHETIC_CLASSES = 1000
+SYNTHETIC_STEPS = 100  # steps per "epoch" of --synthetic
+
+
+@dataclass
+class TrainConfig:
+    data: str | None
+    output: str
+    arch: str = "resnet50"
+    epochs: int = 90
+    batch_size: int = 256
+    lr: float = 0.1  # for a global batch of 256, scaled linearly
+    warmup_epochs: float = 5.0
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    label_smoothing: float = 0.1
+    workers: int = 8
+    image_size: int = 224
+    amp: str = "auto"  # auto = bf16 on GPU, off on CPU
+    channels_last: bool | None = None  # None = on for GPU
+    compile: bool = False
+    seed: int = 0
+    resume: str | None = None
+    max_steps: int | None = None
+    synthetic: bool = False
+    epoch_mode: str = "resampled"
+    shuffle_buffer: int = 2000
+    log_every: int = 20
+    log_keys: bool = False
+
+
+class SyntheticLoader:
+    """Random images already on the device: the rate with no input pipeline at all."""
+
+    def __init__(self, batch: int, size: int, device: torch.device, channels_last: bool):
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        self.x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=fmt)
+        self.y = torch.randint(0, SYNTHETIC_CLASSES, (batch,), device=device)
+        self.steps = SYNTHETIC_STEPS
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[str]]]:
+        for _ in range(self.steps):
+            yield self.x, self.y, []
+
+
+class MetricsLog:
+    """JSON lines, one record per log interval or validation, appended (resumed runs continue it)."""
+
+    def __init__(self, path: Path | None):
+        self.file = path.open("a", buffering=1) if path else None
+
+    def write(self, **record: Any) -> None:
+        if self.file:
+            self.file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+
+def build_model(arch: str, num_classes: int) -> nn.Module:
+    try:
+        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    except ValueError as e:
+        known = ", ".join(torchvision.models.list_models(module=torchvision.models))
+        raise ValueError(f"--arch {arch!r} is not a torchvision classification model; one of: {known}") from e
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """No weight decay on BatchNorm/LayerNorm parameters and biases (every 1-d parameter)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_lambda(warmup: int, total: int):
+    """Linear warmup to the peak, then cosine to zero, per step."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def autocast(cfg: TrainConfig, device: torch.device):
+    amp = cfg.amp if cfg.amp != "auto" else ("bf16" if device.type == "cuda" else "off")
+    if amp == "off":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+
+
+@torch.no_grad()
+def validate(model: nn.Module, loader: ValLoader, cfg: TrainConfig, d: distributed.Dist, cl: bool) -> dict[str, float]:
+    """Top-1/top-5 over the whole split: each rank scores its own disjoint share, then sums."""
+    model.eval()
+    correct1 = correct5 = seen = 0
+    for images, labels, _ in loader:
+        x = normalize(images, d.device, cl)
+        y = labels.to(d.device, non_blocking=True)
+        with autocast(cfg, d.device):
+            logits = model(x)
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        correct1 += int((top[:, 0] == y).sum())
+        correct5 += int((top == y[:, None]).any(dim=1).sum())
+        seen += len(y)
+    c1, c5, n, skipped = distributed.all_reduce_sum([correct1, correct5, seen, loader.dataset.skipped.value], d.device)
+    model.train()
+    return {"top1": 100 * c1 / max(n, 1), "top5": 100 * c5 / max(n, 1), "samples": int(n), "skipped": int(skipped)}
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    d = distributed.setup()
+    try:
+        return _train(cfg, d)
+    finally:
+        distributed.teardown()
+
+
+def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
+    output = Path(cfg.output)
+    output.mkdir(parents=True, exist_ok=True)
+    random.seed(cfg.seed + d.rank)
+    torch.manual_seed(cfg.seed + d.rank)
+    cuda = d.device.type == "cuda"
+    if cuda:
+        torch.backends.cudnn.benchmark = True
+    cl = cfg.channels_last if cfg.channels_last is not None else cuda
+
+    val_loader: ValLoader | None = None
+    if cfg.synthetic:
+        classes = [str(i) for i in range(SYNTHETIC_CLASSES)]
+        train_loader: TrainLoader | SyntheticLoader = SyntheticLoader(cfg.batch_size, cfg.image_size, d.device, cl)
+    else:
+        if not cfg.data:
+            raise ValueError("no --data given: point it at a shard location holding manifest.json, or use --synthetic")
+        store = open_store(cfg.data)
+        manifest = load_manifest(store)
+        classes = manifest.classes
+        spec = {
+            "world": d.world,
+            "rank": d.rank,
+            "batch": cfg.batch_size,
+            "seed": cfg.seed,
+            "image_size": cfg.image_size,
+        }
+        train_split = manifest.split("train")
+        urls = [store.shard_url(s.name) for s in train_split.shards]
+        train_loader = TrainLoader(train_split, urls, cfg.epoch_mode, spec, cfg.workers, cfg.shuffle_buffer, cuda)
+        val_split = manifest.splits.get("val")
+        if val_split and val_split.samples:
+            val_urls = [store.shard_url(s.name) for s in val_split.shards]
+            val_loader = ValLoader(val_split, val_urls, spec, cfg.workers, cuda)
+
+    raw_model = build_model(cfg.arch, len(classes)).to(d.device)
+    if cl:
+        raw_model = raw_model.to(memory_format=torch.channels_last)
+    steps_per_epoch = len(train_loader)
+    total_steps = steps_per_epoch * cfg.epochs
+    global_batch = cfg.batch_size * d.world
+    optimizer = torch.optim.SGD(
+        param_groups(raw_model, cfg.weight_decay),
+        lr=cfg.lr * global_batch / 256,
+        momentum=cfg.momentum,
+        nesterov=True,
+    )
+    warmup = min(total_steps, round(cfg.warmup_epochs * steps_per_epoch))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup, total_steps))
+    scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.amp == "fp16")
+
+    start_epoch, global_step, first_step, best_top1 = 0, 0, 0, 0.0
+    last_val: dict[str, float] | None = None
+    resume_path = checkpoint.find(cfg.resume, output)
+    if resume_path:
+        state = checkpoint.load(resume_path)
+        if state["arch"] != cfg.arch or state["classes"] != classes:
+            raise ValueError(
+                f"{resume_path} was trained as {state['arch']} on {len(state['classes'])} classes, "
+                f"not {cfg.arch} on {len(classes)}: use another --output or --resume"
+            )
+        raw_model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        start_epoch, global_step, first_step = state["epoch"], state["step"], state["step_in_epoch"]
+        best_top1, last_val = state["best_top1"], state["last_val"]
+        if first_step and state["steps_per_epoch"] != steps_per_epoch:
+            print(
+                f"warning: {resume_path} stopped mid-epoch with {state['steps_per_epoch']} steps per epoch, "
+                f"this run has {steps_per_epoch}: epoch {start_epoch + 1} starts over",
+                file=sys.stderr,
+            )
+            first_step = 0
+        if len(state["rng"]) == d.world:
+            checkpoint.set_rng_state(state["rng"][d.rank])
+        if d.main:
+            print(f"resumed from {resume_path}: epoch {start_epoch + 1}, step {global_step}", flush=True)
+    if start_epoch >= cfg.epochs:
+        if d.main:
+            print(f"{output}: already trained {cfg.epochs} epochs; use a new --output or more --epochs", flush=True)
+        return {"step": global_step, "val": last_val, "complete": True}
+
+    model: nn.Module = raw_model
+    if d.world > 1:
+        model = DistributedDataParallel(raw_model, device_ids=[d.local_rank] if cuda else None)
+    if cfg.compile:
+        model = torch.compile(model)
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    log = MetricsLog(output / "metrics.jsonl" if d.main else None)
+
+    def save(epoch: int, step_in_epoch: int, names: list[str]) -> None:
+        rng = distributed.gather_objects(checkpoint.rng_state())  # every rank's, a collective
+        if not d.main:
+            return
+        state = {
+            "model": raw_model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(),
+            "epoch": epoch,
+            "step": global_step,
+            "step_in_epoch": step_in_epoch,
+            "steps_per_epoch": steps_per_epoch,
+            "best_top1": best_top1,
+            "last_val": last_val,
+            "rng": rng,
+            "arch": cfg.arch,
+            "classes": classes,
+            "config": asdict(cfg),
+        }
+        for name in names:
+            checkpoint.save(state, output, name)
+
+    model.train()
+    for epoch in range(start_epoch, cfg.epochs):
+        train_loader.set_epoch(epoch)
+        batches = iter(train_loader)
+        keys_out = None
+        if cfg.log_keys:
+            (output / "keys").mkdir(exist_ok=True)
+            keys_out = (output / "keys" / f"epoch{epoch:03d}-rank{d.rank}.txt").open("a")
+        bar = tqdm(
+            total=steps_per_epoch,
+            initial=first_step,
+            disable=not d.main,
+            desc=f"epoch {epoch + 1}/{cfg.epochs}",
+            unit="step",
+            dynamic_ncols=True,
+        )
+        losses: list[torch.Tensor] = []
+        waited = 0.0
+        window_start = time.perf_counter()
+        window_steps = 0
+        stopped = False
+        for step_in_epoch in range(first_step, steps_per_epoch):
+            t0 = time.perf_counter()
+            images, labels, keys = next(batches)
+            if cfg.synthetic:
+                x, y = images, labels
+            else:
+                x = normalize(images, d.device, cl)
+                y = labels.to(d.device, non_blocking=True)
+            waited += time.perf_counter() - t0
+            with autocast(cfg, d.device):
+                loss = criterion(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            global_step += 1
+            window_steps += 1
+            losses.append(loss.detach())
+            if keys_out:
+                keys_out.write("".join(f"{k}\n" for k in keys))
+            bar.update(1)
+            last_of_epoch = step_in_epoch == steps_per_epoch - 1
+            stopped = cfg.max_steps is not None and global_step >= cfg.max_steps
+            if global_step % cfg.log_every == 0 or last_of_epoch or stopped:
+                elapsed = time.perf_counter() - window_start
+                counters = _counters(train_loader)
+                loss_sum, *totals = distributed.all_reduce_sum(
+                    [float(torch.stack(losses).float().mean()), *counters.values()], d.device
+                )
+                record = {
+                    "kind": "train",
+                    "epoch": epoch,
+                    "step": global_step,
+                    "loss": loss_sum / d.world,
+                    "lr": scheduler.get_last_lr()[0],
+                    "img_per_s": window_steps * global_batch / elapsed,
+                    "data_wait": waited / elapsed,
+                    **{k: int(v) for k, v in zip(counters, totals, strict=True)},
+                }
+                log.write(**record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", img_s=f"{record['img_per_s']:.0f}")
+                losses, waited, window_steps = [], 0.0, 0
+                window_start = time.perf_counter()
+            if stopped:
+                break
+        bar.close()
+        if keys_out:
+            keys_out.close()
+        first_step = 0
+        if stopped:
+            save(epoch, step_in_epoch + 1, [checkpoint.LAST])
+            if d.main:
+                print(f"stopped at step {global_step} (--max-steps); continue with --resume auto", flush=True)
+            return {"step": global_step, "val": last_val, "complete": False}
+        names = [checkpoint.LAST]
+        if val_loader is not None:
+            last_val = validate(raw_model, val_loader, cfg, d, cl)
+            log.write(kind="val", epoch=epoch, step=global_step, **last_val)
+            if d.main:
+                print(
+                    f"epoch {epoch + 1}: val top-1 {last_val['top1']:.2f}% top-5 {last_val['top5']:.2f}% "
+                    f"over {last_val['samples']} images",
+                    flush=True,
+                )
+            if last_val["top1"] > best_top1:
+                best_top1 = last_val["top1"]
+                names.append(checkpoint.BEST)
+        save(epoch + 1, 0, names)
+
+    if d.main and last_val:
+        print(
+            f"final validation top-1 {last_val['top1']:.2f}% (top-5 {last_val['top5']:.2f}%) "
+            f"over {last_val['samples']} images; chance is {100 / len(classes):.2f}%",
+            flush=True,
+        )
+    return {"step": global_step, "val": last_val, "complete": True}
+
+
+def _counters(loader: TrainLoader | SyntheticLoader) -> dict[str, int]:
+    if isinstance(loader, SyntheticLoader):
+        return {"skipped": 0, "read_errors": 0, "padded": 0}
+    ds = loader.dataset
+    return {"skipped": ds.skipped.value, "read_errors": ds.read_errors.value, "padded": loader.padded}

@@ -1,0 +1,44 @@
+#!/usr/bin/env python3
+"""Train a torchvision classifier on ImageNet WebDataset shards (single process or torchrun DDP)."""
+
+from __future__ import annotations
+
+import click
+
+from imagenet_ais.training import TrainConfig, train
+
+
+@click.command(context_settings={"show_default": True, "max_content_width": 100})
+@click.option("--data", help="shard location holding manifest.json (directory, file://, ais://, gs://)")
+@click.option("--output", default="runs/train", help="checkpoints, metrics.jsonl and logs go here")
+@click.option("--arch", default="resnet50", help="any torchvision classification model")
+@click.option("--epochs", default=90, type=click.IntRange(min=1))
+@click.option("--batch-size", default=256, type=click.IntRange(min=1), help="per process")
+@click.option("--lr", default=0.1, type=float, help="peak learning rate per 256 images (scaled by global batch)")
+@click.option("--warmup-epochs", default=5.0, type=click.FloatRange(min=0))
+@click.option("--weight-decay", default=1e-4, type=float, help="not applied to norm layers and biases")
+@click.option("--label-smoothing", default=0.1, type=click.FloatRange(0, 1))
+@click.option("--workers", default=8, type=click.IntRange(min=0), help="DataLoader workers per process")
+@click.option("--image-size", default=224, type=click.IntRange(min=16))
+@click.option("--amp", default="auto", type=click.Choice(["auto", "bf16", "fp16", "off"]), help="auto: bf16 on GPU")
+@click.option("--channels-last/--no-channels-last", default=None, help="[default: on for GPU]")
+@click.option("--compile", "compile_", is_flag=True, help="torch.compile the model")
+@click.option("--seed", default=0)
+@click.option("--resume", help="'auto' (the last checkpoint in --output, if any) or a checkpoint path")
+@click.option("--max-steps", type=click.IntRange(min=1), help="stop after this global step (checkpointed)")
+@click.option("--synthetic", is_flag=True, help="random data already on the device: the throughput ceiling")
+@click.option("--epoch-mode", default="resampled", type=click.Choice(["resampled", "exact"]))
+@click.option("--shuffle-buffer", default=2000, type=click.IntRange(min=1), help="samples mixed across workers")
+@click.option("--log-every", default=20, type=click.IntRange(min=1), help="steps per metrics record")
+@click.option("--log-keys", is_flag=True, help="write every training key per epoch and rank under OUTPUT/keys/")
+def main(compile_: bool, **options: object) -> None:
+    """Train with fixed-length epochs, DDP, validation and checkpoints every epoch."""
+    cfg = TrainConfig(compile=compile_, **options)  # type: ignore[arg-type]
+    try:
+        train(cfg)
+    except (FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e)) from e
+
+
+if __name__ == "__main__":
+    main()
