@@ -29,6 +29,12 @@ def save(state: dict[str, Any], output: Path, name: str) -> Path:
     return output / name
 
 
+def sweep_partials(output: Path) -> None:
+    """Remove temp files a killed run left mid-write (never under a final name)."""
+    for debris in output.glob(".*.partial"):
+        debris.unlink(missing_ok=True)
+
+
 def find(resume: str | None, output: Path) -> Path | None:
     """The checkpoint to resume from: ``auto`` → ``output/last.pt`` if any; a path must exist."""
     if resume is None:

@@ -148,11 +148,13 @@ def write_shard(src: Path, dest_url: str, plan: ShardPlan) -> tuple[ShardInfo, l
                 tar.write({"__key__": key, "jpg": jpeg, "cls": str(cls).encode()})
                 count += 1
         info = ShardInfo(plan.name, count, tmp.stat().st_size, file_sha256(tmp), plan.digest)
+        # The record goes first: a shard under its final name always has one, so a re-run
+        # can verify it instead of rebuilding it (a record without its shard is just ignored).
+        record = {"shard": asdict(info), "rejected": rejected}
+        store.write_bytes(f"{JOURNAL}/{plan.name}.json", json.dumps(record).encode())
         store.put_file(tmp, plan.name)
     finally:
         tmp.unlink(missing_ok=True)
-    record = {"shard": asdict(info), "rejected": rejected}
-    store.write_bytes(f"{JOURNAL}/{plan.name}.json", json.dumps(record).encode())
     return info, rejected
 
 

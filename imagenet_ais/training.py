@@ -150,6 +150,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
     output = Path(cfg.output)
     output.mkdir(parents=True, exist_ok=True)
+    if d.main:
+        checkpoint.sweep_partials(output)
     random.seed(cfg.seed + d.rank)
     torch.manual_seed(cfg.seed + d.rank)
     cuda = d.device.type == "cuda"

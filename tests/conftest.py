@@ -1,0 +1,73 @@
+"""Shared fixtures: real synthetic trees, real shards, and the project's CLIs as subprocesses."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from imagenet_ais import synth
+from imagenet_ais.manifest import Manifest, ShardInfo, SplitInfo
+from imagenet_ais.shards import file_sha256
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: str | Path, check: bool = True, env: dict[str, str] | None = None, timeout: float = 600):
+    """Run a project script (or torchrun) with this interpreter; output captured."""
+    cmd = [str(a) for a in args]
+    if cmd[0].endswith(".py"):
+        cmd = [sys.executable, str(ROOT / cmd[0]), *cmd[1:]]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6 classes × 12 train (with CMYK, gray, PNG quirks) + 3 bad files, 4 val per class."""
+    out = tmp_path_factory.mktemp("tree")
+    synth.make_tree(out, classes=6, train_per_class=12, val_per_class=4, seed=1, with_bad=True)
+    return out
+
+
+def tiny_jpeg(rng: random.Random, cls: int) -> bytes:
+    img = Image.new("RGB", (rng.randint(40, 90), rng.randint(40, 90)), (cls * 40 % 256, 80, 200 - cls * 30 % 200))
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=85)
+    return buf.getvalue()
+
+
+def write_shards(
+    dest: Path, sizes: dict[str, list[int]], classes: int = 4, corrupt: set[str] = frozenset()
+) -> Manifest:
+    """Shards of the given sizes per split, with keys `<split>-<shard>-<i>`, plus their manifest.
+
+    Keys named in ``corrupt`` get bytes that are not an image."""
+    rng = random.Random(0)
+    dest.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest([f"c{k}" for k in range(classes)], {})
+    for split, counts in sizes.items():
+        info = SplitInfo()
+        for s, count in enumerate(counts):
+            name = f"imagenet-{split}-{s:06d}.tar"
+            with wds.TarWriter(str(dest / name)) as tar:
+                for i in range(count):
+                    key, cls = f"{split}-{s}-{i}", rng.randrange(classes)
+                    data = b"garbage" if key in corrupt else tiny_jpeg(rng, cls)
+                    tar.write({"__key__": key, "jpg": data, "cls": str(cls).encode()})
+            path = dest / name
+            info.shards.append(ShardInfo(name, count, path.stat().st_size, file_sha256(path), "test"))
+        manifest.splits[split] = info
+    (dest / "manifest.json").write_text(manifest.to_json())
+    return manifest

@@ -1,0 +1,198 @@
+"""The data pipeline on real tar shards with real DataLoader worker processes."""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+import random
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+from conftest import tiny_jpeg, write_shards
+from PIL import Image
+
+from imagenet_ais.data import (
+    TrainLoader,
+    ValLoader,
+    contiguous_assignment,
+    decode_train,
+    decode_val,
+    exact_assignment,
+    split_among_workers,
+)
+from imagenet_ais.manifest import Manifest
+
+UNEVEN = [3, 11, 7, 19, 8]  # 48 samples in 5 shards of unequal sizes
+
+
+def spec(rank: int, world: int, batch: int, size: int = 32) -> dict:
+    return {"world": world, "rank": rank, "batch": batch, "seed": 7, "image_size": size}
+
+
+def loaders(root: Path, manifest: Manifest, mode: str, world: int, batch: int, workers: int) -> list[TrainLoader]:
+    split = manifest.split("train")
+    urls = [str(root / s.name) for s in split.shards]
+    return [TrainLoader(split, urls, mode, spec(r, world, batch), workers, 16, pin=False) for r in range(world)]
+
+
+@pytest.mark.parametrize(("world", "batch"), [(1, 5), (2, 4), (3, 4), (4, 2), (8, 1)])
+def test_exact_assignment_is_balanced_disjoint_and_reshuffled(world: int, batch: int) -> None:
+    total = sum(UNEVEN)
+    orders = []
+    for epoch in range(4):
+        ranks, steps = exact_assignment(UNEVEN, world, batch, seed=1, epoch=epoch)
+        assert steps == total // (world * batch)
+        assert [sum(p.stop - p.start for p in r) for r in ranks] == [steps * batch] * world
+        covered = Counter((p.shard, i) for r in ranks for p in r for i in range(p.start, p.stop))
+        assert max(covered.values()) == 1
+        assert total - len(covered) == total % (world * batch) < world * batch
+        orders.append(tuple(p.shard for r in ranks for p in r))
+    assert len(set(orders)) > 1, "the shard order must change from epoch to epoch"
+
+
+def test_exact_assignment_refuses_less_than_one_global_batch() -> None:
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        exact_assignment([3, 4], world=2, batch=4, seed=0, epoch=0)
+
+
+def test_validation_assignment_covers_every_sample_once() -> None:
+    for world in (1, 2, 3, 7, 64):
+        ranks = contiguous_assignment(UNEVEN, world)
+        sizes = [sum(p.stop - p.start for p in r) for r in ranks]
+        assert sum(sizes) == sum(UNEVEN) and max(sizes) - min(sizes) <= 1
+        covered = Counter((p.shard, i) for r in ranks for p in r for i in range(p.start, p.stop))
+        assert len(covered) == sum(UNEVEN) and max(covered.values()) == 1
+
+
+def test_fewer_pieces_than_workers_leaves_workers_idle() -> None:
+    ranks = contiguous_assignment([10], 1)
+    assert [len(w) for w in split_among_workers(ranks[0], 4)] == [1, 0, 0, 0]
+
+
+def test_exact_mode_two_ranks_see_every_key_once_per_epoch(tmp_path: Path) -> None:
+    manifest = write_shards(tmp_path, {"train": UNEVEN})
+    ranks = loaders(tmp_path, manifest, "exact", world=2, batch=4, workers=2)
+    assert [len(r) for r in ranks] == [6, 6]
+    epochs = []
+    for epoch in range(2):
+        keys: list[str] = []
+        for loader in ranks:
+            loader.set_epoch(epoch)
+            batches = list(loader)
+            assert len(batches) == 6
+            for images, labels, batch_keys in batches:
+                assert images.shape == (4, 32, 32, 3) and images.dtype == torch.uint8
+                assert labels.shape == (4,)
+                keys += batch_keys
+        assert sorted(keys) == sorted(f"train-{s}-{i}" for s, n in enumerate(UNEVEN) for i in range(n))
+        epochs.append(keys)
+    assert epochs[0] != epochs[1]
+
+
+def test_resampled_mode_has_nominal_length_and_full_batches(tmp_path: Path) -> None:
+    manifest = write_shards(tmp_path, {"train": UNEVEN})
+    ranks = loaders(tmp_path, manifest, "resampled", world=3, batch=5, workers=2)
+    for loader in ranks:
+        assert len(loader) == math.ceil(48 / 15)
+        loader.set_epoch(0)
+        batches = list(loader)
+        assert len(batches) == len(loader)
+        assert all(len(b.keys) == 5 for b in batches)
+    rank0 = [k for b in list(ranks[0]) for k in b.keys]
+    rank1 = [k for b in list(ranks[1]) for k in b.keys]
+    assert rank0 != rank1, "ranks must not read the same stream"
+
+
+def test_corrupt_samples_are_skipped_counted_and_steps_kept(tmp_path: Path) -> None:
+    bad = {"train-1-0", "train-1-5", "train-3-2"}
+    manifest = write_shards(tmp_path, {"train": UNEVEN}, corrupt=bad)
+    (loader,) = loaders(tmp_path, manifest, "exact", world=1, batch=8, workers=2)
+    loader.set_epoch(0)
+    keys = [k for b in loader for k in b.keys]
+    assert len(keys) == 48  # 6 full batches: 3 slots padded with repeats
+    assert not bad & set(keys)
+    assert loader.dataset.skipped.value == 3
+    assert loader.padded == 3
+
+
+def test_truncated_shard_is_reported_and_the_epoch_completes(tmp_path: Path) -> None:
+    manifest = write_shards(tmp_path, {"train": UNEVEN})
+    shard = tmp_path / "imagenet-train-000003.tar"
+    shard.write_bytes(shard.read_bytes()[:6000])
+    (loader,) = loaders(tmp_path, manifest, "exact", world=1, batch=8, workers=1)
+    loader.set_epoch(0)
+    assert len(list(loader)) == 6
+    assert loader.dataset.read_errors.value == 1
+    assert loader.padded > 0
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (Path.touch, (Path(_Exploit.target),))
+
+
+def test_pickles_inside_shards_are_never_loaded(tmp_path: Path) -> None:
+    _Exploit.target = str(tmp_path / "pwned")
+    manifest = write_shards(tmp_path, {"train": [4]})
+    with wds.TarWriter(str(tmp_path / "imagenet-train-000000.tar")) as tar:
+        for i in range(4):
+            tar.write(
+                {
+                    "__key__": f"k{i}",
+                    "jpg": tiny_jpeg(random.Random(i), 1),
+                    "cls": b"1",
+                    "pyd": pickle.dumps(_Exploit()),
+                    "pth": pickle.dumps(_Exploit()),
+                }
+            )
+    (loader,) = loaders(tmp_path, manifest, "exact", world=1, batch=4, workers=0)
+    loader.set_epoch(0)
+    assert len(list(loader)) == 1
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_validation_two_ranks_cover_the_split_exactly(tmp_path: Path) -> None:
+    manifest = write_shards(tmp_path, {"train": [4], "val": [5, 2, 9]})
+    split = manifest.split("val")
+    urls = [str(tmp_path / s.name) for s in split.shards]
+    keys: list[str] = []
+    for rank in range(2):
+        for batch in ValLoader(split, urls, spec(rank, 2, 3), workers=2, pin=False):
+            assert batch.images.shape[1:] == (32, 32, 3)
+            keys += batch.keys
+    assert sorted(keys) == sorted(f"val-{s}-{i}" for s, n in enumerate([5, 2, 9]) for i in range(n))
+
+
+def _photo(w: int, h: int) -> bytes:
+    y, x = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    pixels = torch.stack([x * 255 // w, y * 255 // h, (x + y) * 255 // (w + h)], dim=-1).to(torch.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels.numpy()).save(buf, format="JPEG", quality=95)
+    return buf.getvalue()
+
+
+def test_reduced_scale_decoding_matches_a_full_decode() -> None:
+    data = _photo(640, 480)
+    # val: the centre crop of a full decode, resized, against the draft-mode path
+    full = Image.open(io.BytesIO(data)).convert("RGB")
+    side = 480 * 0.875
+    box = ((640 - side) / 2, (480 - side) / 2, (640 + side) / 2, (480 + side) / 2)
+    expected = torch.from_numpy(np.array(full.resize((56, 56), Image.Resampling.BILINEAR, box=box)))
+    got = decode_val(data, 56)
+    assert got.shape == (56, 56, 3)
+    assert (got.int() - expected.int()).abs().float().mean() < 3.0
+    torch.manual_seed(0)
+    crops = torch.stack([decode_train(data, 48) for _ in range(20)])
+    assert crops.shape == (20, 48, 48, 3) and crops.float().std() > 10
+
+
+def test_gray_jpeg_decodes_to_three_channels() -> None:
+    buf = io.BytesIO()
+    Image.new("L", (200, 150), 128).save(buf, format="JPEG")
+    assert decode_train(buf.getvalue(), 32).shape == (32, 32, 3)
+    assert decode_val(buf.getvalue(), 32).shape == (32, 32, 3)

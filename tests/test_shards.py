@@ -1,0 +1,166 @@
+"""imagenet_shards.py against real trees and real tar files."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+from conftest import ROOT, run_cli
+from PIL import Image
+
+from imagenet_ais.synth import wnid
+
+
+def members(shard: Path) -> dict[str, bytes]:
+    with tarfile.open(shard) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+
+
+def test_convert_accepts_quirks_rejects_bad_and_shuffles(tree: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "shards"
+    out = run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "10", "--workers", "2", "--seed", "3")
+    manifest = json.loads((dest / "manifest.json").read_text())
+    train, val = manifest["splits"]["train"], manifest["splits"]["val"]
+    assert manifest["classes"] == [wnid(k) for k in range(6)]
+    assert train["samples"] == 72 and val["samples"] == 24
+
+    rejected = {Path(r["path"]).name: r["reason"] for r in train["rejected"]}
+    assert set(rejected) == {f"{wnid(0)}_{bad}.JPEG" for bad in ("truncated", "empty", "notimage")}
+    assert "truncated" in rejected[f"{wnid(0)}_truncated.JPEG"]
+    assert rejected[f"{wnid(0)}_empty.JPEG"] == "empty file"
+    assert f"{wnid(0)}_notimage.JPEG" in out.stdout  # listed for the user too
+
+    samples: dict[str, bytes] = {}
+    for shard in train["shards"]:
+        found = members(dest / shard["name"])
+        assert all("/" not in n and ".." not in n for n in found)
+        assert len(found) == 2 * shard["samples"]
+        samples.update(found)
+        labels = {int(v) for n, v in found.items() if n.endswith(".cls")}
+        assert len(labels) > 1, f"{shard['name']} holds a single class: shards must be shuffled"
+
+    def stored(key: str) -> Image.Image:
+        img = Image.open(io.BytesIO(samples[f"{key}.jpg"]))
+        assert img.format == "JPEG"
+        return img
+
+    # quirks: the last training image of classes 0, 1, 2 is CMYK, gray, PNG (see synth.QUIRKS)
+    assert stored(f"{wnid(0)}_11").mode == "RGB"  # CMYK re-encoded
+    gray_src = (tree / "train" / wnid(1) / f"{wnid(1)}_11.JPEG").read_bytes()
+    assert samples[f"{wnid(1)}_11.jpg"] == gray_src  # a gray JPEG keeps its bytes
+    assert stored(f"{wnid(2)}_11").mode == "RGB"  # PNG re-encoded
+    plain_src = (tree / "train" / wnid(3) / f"{wnid(3)}_0.JPEG").read_bytes()
+    assert samples[f"{wnid(3)}_0.jpg"] == plain_src
+    assert samples[f"{wnid(3)}_0.cls"] == b"3"
+
+    verified = run_cli("imagenet_shards.py", "verify", dest)
+    assert "all shards match" in verified.stdout
+    summary = run_cli("imagenet_shards.py", "summary", dest).stdout
+    assert "train: imagenet-train-{000000..000007}.tar  shards=8 samples=72" in summary
+    assert "val: imagenet-val-{000000..000002}.tar  shards=3 samples=24" in summary
+    assert not list(dest.glob(".*")), "scratch files left behind"
+
+
+def test_verify_names_the_shard_with_a_flipped_byte(tree: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "shards"
+    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20", "--workers", "2")
+    victim = dest / "imagenet-train-000002.tar"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    proc = run_cli("imagenet_shards.py", "verify", dest, check=False)
+    assert proc.returncode == 1
+    assert "imagenet-train-000002.tar: sha256" in proc.stderr
+    assert proc.stderr.count("BAD") == 1
+
+
+def test_verify_and_summary_refuse_a_missing_manifest(tmp_path: Path) -> None:
+    for verb in ("verify", "summary"):
+        proc = run_cli("imagenet_shards.py", verb, tmp_path, check=False)
+        assert proc.returncode == 1
+        assert f"no manifest.json in {tmp_path}" in proc.stderr
+
+
+def test_killed_conversion_leaves_no_partial_shard_and_resumes(tree: Path, tmp_path: Path) -> None:
+    args = ["--maxcount", "1", "--workers", "1", "--seed", "5"]
+    reference = tmp_path / "reference"
+    run_cli("imagenet_shards.py", "convert", tree, reference, *args)
+
+    dest = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, ROOT / "imagenet_shards.py", "convert", tree, dest, *args],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 60
+    while len(list(dest.glob("imagenet-*.tar"))) < 10:
+        assert proc.poll() is None and time.monotonic() < deadline, "conversion ended before it could be killed"
+        time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    assert not (dest / "manifest.json").exists()
+    finished = sorted(dest.glob("imagenet-*.tar"))
+    assert 10 <= len(finished) < 96
+    for shard in finished:  # whatever has a final name is complete
+        assert shard.read_bytes() == (reference / shard.name).read_bytes(), shard.name
+    before = {p.name: p.stat().st_mtime_ns for p in finished}
+
+    run_cli("imagenet_shards.py", "convert", tree, dest, *args)
+    assert {p.name: p.stat().st_mtime_ns for p in finished} == before, "finished shards were rewritten"
+    assert (dest / "manifest.json").read_text() == (reference / "manifest.json").read_text()
+    assert sorted(p.name for p in dest.glob("imagenet-*.tar")) == sorted(p.name for p in reference.glob("*.tar"))
+    assert not (dest / "_progress").exists()
+    run_cli("imagenet_shards.py", "verify", dest)
+
+
+def test_rerun_rebuilds_only_a_damaged_shard(tree: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "shards"
+    args = ["--maxcount", "20", "--workers", "2"]
+    run_cli("imagenet_shards.py", "convert", tree, dest, *args)
+    good = (dest / "imagenet-train-000001.tar").read_bytes()
+    (dest / "imagenet-train-000001.tar").write_bytes(good[:1000])  # a damaged copy under the final name
+    mtimes = {p.name: p.stat().st_mtime_ns for p in dest.glob("*.tar")}
+    run_cli("imagenet_shards.py", "convert", tree, dest, *args)
+    assert (dest / "imagenet-train-000001.tar").read_bytes() == good
+    changed = [p.name for p in dest.glob("*.tar") if p.stat().st_mtime_ns != mtimes[p.name]]
+    assert changed == ["imagenet-train-000001.tar"]
+
+
+def test_changed_plan_replaces_old_shards(tree: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "shards"
+    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "5", "--splits", "train")
+    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "30", "--splits", "train")
+    names = sorted(p.name for p in dest.glob("*.tar"))
+    assert names == [f"imagenet-train-{i:06d}.tar" for i in range(3)]
+    manifest = json.loads((dest / "manifest.json").read_text())
+    counts = [s["samples"] for s in manifest["splits"]["train"]["shards"]]
+    assert sum(counts) == 72 and max(counts) <= 30  # 75 files planned 30/30/15, 3 of them rejected
+    run_cli("imagenet_shards.py", "verify", dest)
+
+
+def test_convert_rejects_a_tree_without_train(tmp_path: Path) -> None:
+    (tmp_path / "src" / "val").mkdir(parents=True)
+    proc = run_cli("imagenet_shards.py", "convert", tmp_path / "src", tmp_path / "out", check=False)
+    assert proc.returncode == 1
+    assert "train not found" in proc.stderr
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_synth_pictures_have_varied_sizes(tmp_path: Path) -> None:
+    run_cli("imagenet_shards.py", "synth", tmp_path, "--classes", "2", "--train-per-class", "8", "--val-per-class", "1")
+    sizes = [Image.open(p).size for p in (tmp_path / "train").rglob("*.JPEG")]
+    assert len(sizes) == 16
+    assert all(150 <= s <= 600 for wh in sizes for s in wh)
+    assert len(set(sizes)) > 8
+    shutil.rmtree(tmp_path / "train")

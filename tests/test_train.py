@@ -1,0 +1,226 @@
+"""train.py end to end: real torch training on tiny shards, DDP over gloo with torchrun, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, run_cli, write_shards
+
+from imagenet_ais import synth
+
+TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--lr", "0.1", "--warmup-epochs", "0"]
+UNEVEN = [3, 11, 7, 19, 8]  # 48 training samples in 5 unequal shards: 6 steps at 2 ranks × 4
+
+
+def metrics(output: Path) -> list[dict]:
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+def torchrun(nproc: int, *args: str | Path) -> subprocess.CompletedProcess:
+    # OMP_NUM_THREADS=1: two ranks share this machine's cores
+    return run_cli(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        ROOT / "train.py",
+        *args,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+
+
+@pytest.mark.parametrize("mode", ["exact", "resampled"])
+def test_ddp_two_ranks_uneven_shards(mode: str, tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": UNEVEN, "val": [5, 2, 6]})
+    torchrun(
+        2,
+        "--data",
+        data,
+        "--output",
+        output,
+        *TINY,
+        "--epochs",
+        "2",
+        "--workers",
+        "2",
+        "--epoch-mode",
+        mode,
+        "--log-keys",
+        "--log-every",
+        "2",
+    )
+
+    all_keys = {f"train-{s}-{i}" for s, n in enumerate(UNEVEN) for i in range(n)}
+    for epoch in range(2):
+        per_rank = [(output / "keys" / f"epoch{epoch:03d}-rank{r}.txt").read_text().split() for r in range(2)]
+        assert [len(k) for k in per_rank] == [6 * 4, 6 * 4], "both ranks run the same number of full steps"
+        if mode == "exact":
+            seen = Counter(per_rank[0] + per_rank[1])
+            assert set(seen) == all_keys and set(seen.values()) == {1}, "each key exactly once per epoch"
+        else:
+            assert set(per_rank[0] + per_rank[1]) <= all_keys
+    records = metrics(output)
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [2, 4, 6, 8, 10, 12]
+    assert all(r["skipped"] == 0 and 0 <= r["data_wait"] <= 1 and r["img_per_s"] > 0 for r in train)
+    val = [r for r in records if r["kind"] == "val"]
+    assert [(r["epoch"], r["samples"]) for r in val] == [(0, 13), (1, 13)], "every val image counted once"
+    state = torch.load(output / "last.pt", weights_only=True)
+    assert (state["epoch"], state["step"], len(state["rng"])) == (2, 12, 2)
+
+
+def test_stopped_run_resumes_at_the_right_step(tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": UNEVEN, "val": [6]})
+    args = [
+        "--data",
+        data,
+        "--output",
+        output,
+        *TINY,
+        "--epochs",
+        "3",
+        "--workers",
+        "1",
+        "--epoch-mode",
+        "exact",
+        "--log-every",
+        "1",
+        "--resume",
+        "auto",
+    ]
+    first = run_cli("train.py", *args, "--max-steps", "17")  # 12 steps per epoch: stops inside epoch 2
+    assert "stopped at step 17" in first.stdout
+    state = torch.load(output / "last.pt", weights_only=True)
+    assert (state["epoch"], state["step"], state["step_in_epoch"]) == (1, 17, 5)
+
+    second = run_cli("train.py", *args)
+    assert "resumed from" in second.stdout and "epoch 2, step 17" in second.stdout
+    steps = [r["step"] for r in metrics(output) if r["kind"] == "train"]
+    assert steps == list(range(1, 37)), "no step repeated or skipped across the restart"
+    assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [0, 1, 2]
+    assert torch.load(output / "last.pt", weights_only=True)["step"] == 36
+
+    third = run_cli("train.py", *args)  # nothing left to do, and it says so
+    assert "already trained 3 epochs" in third.stdout
+
+
+def test_killed_run_resumes_from_its_last_epoch(tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": UNEVEN, "val": [6]})
+    args = ["--data", data, "--output", output, *TINY, "--epochs", "4", "--workers", "1", "--resume", "auto"]
+    proc = subprocess.Popen(
+        [sys.executable, ROOT / "train.py", *map(str, args)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while not (output / "last.pt").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "run ended before its first checkpoint"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = torch.load(output / "last.pt", weights_only=True)
+    assert done["step"] == done["epoch"] * 12 and done["epoch"] >= 1
+
+    second = run_cli("train.py", *args)
+    assert f"epoch {done['epoch'] + 1}, step {done['step']}" in second.stdout
+    assert torch.load(output / "last.pt", weights_only=True)["step"] == 48
+    assert not list(output.glob(".*")), "no half-written checkpoint left behind"
+
+
+def test_resume_refuses_a_checkpoint_of_another_model(tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [8]})
+    run_cli("train.py", "--data", data, "--output", output, *TINY, "--epochs", "1", "--workers", "0")
+    proc = run_cli(
+        "train.py",
+        "--data",
+        data,
+        "--output",
+        output,
+        *TINY[2:],
+        "--arch",
+        "mobilenet_v3_small",
+        "--epochs",
+        "2",
+        "--workers",
+        "0",
+        "--resume",
+        "auto",
+        check=False,
+    )
+    assert proc.returncode == 1 and "was trained as resnet18" in proc.stderr
+
+
+def test_bad_inputs_get_one_line_errors(tmp_path: Path) -> None:
+    proc = run_cli("train.py", "--data", tmp_path, "--output", tmp_path / "o", check=False)
+    assert proc.returncode == 1 and f"no manifest.json in {tmp_path}" in proc.stderr
+    write_shards(tmp_path, {"train": [8]})
+    proc = run_cli("train.py", "--data", tmp_path, "--output", tmp_path / "o", "--arch", "resnet5000", check=False)
+    assert proc.returncode == 1 and "'resnet5000' is not a torchvision classification model" in proc.stderr
+    proc = run_cli(
+        "train.py",
+        "--data",
+        tmp_path,
+        "--output",
+        tmp_path / "o",
+        "--epoch-mode",
+        "exact",
+        "--batch-size",
+        "16",
+        check=False,
+    )
+    assert proc.returncode == 1 and "fewer than one global batch" in proc.stderr
+
+
+def test_training_learns_the_synthetic_classes(tmp_path: Path) -> None:
+    tree, data, output = tmp_path / "tree", tmp_path / "shards", tmp_path / "run"
+    synth.make_tree(tree, classes=4, train_per_class=48, val_per_class=12, seed=3)
+    run_cli("imagenet_shards.py", "convert", tree, data, "--maxcount", "40", "--workers", "2")
+    out = run_cli(
+        "train.py",
+        "--data",
+        data,
+        "--output",
+        output,
+        "--arch",
+        "resnet18",
+        "--image-size",
+        "48",
+        "--batch-size",
+        "16",
+        "--lr",
+        "0.4",
+        "--warmup-epochs",
+        "1",
+        "--epochs",
+        "5",
+        "--workers",
+        "2",
+    )
+    final = [r for r in metrics(output) if r["kind"] == "val"][-1]
+    assert final["samples"] == 48
+    assert final["top1"] >= 3 * 25, out.stdout  # chance is 25%
+    assert "final validation top-1" in out.stdout
+    assert (output / "best.pt").exists()
+
+
+def test_synthetic_mode_trains_without_data(tmp_path: Path) -> None:
+    out = run_cli("train.py", "--synthetic", "--output", tmp_path, *TINY, "--epochs", "1", "--max-steps", "3")
+    assert "stopped at step 3" in out.stdout
+    assert [r["step"] for r in metrics(tmp_path) if r["kind"] == "train"][-1] == 3
