@@ -18,6 +18,7 @@ Only image and ``.cls`` members are read: nothing in a shard is ever unpickled.
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 import math
@@ -29,12 +30,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import webdataset as wds
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchvision.transforms import RandomResizedCrop
+from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from imagenet_ais.manifest import SplitInfo
+from imagenet_ais.storage import Store, open_store
 
 IMAGE_EXTS = ("jpg", "jpeg", "png")
 VAL_RESIZE_RATIO = 0.875  # resize to size / 0.875, then centre-crop size (the usual 256 → 224)
@@ -151,11 +153,18 @@ def _to_tensor(img: Image.Image) -> torch.Tensor:
     return torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(img.size[1], img.size[0], 3)
 
 
+@functools.cache
+def _store(location: str) -> Store:
+    """One storage client per process (DataLoader workers each open their own)."""
+    return open_store(location)
+
+
 @dataclass
 class StreamSpec:
     """What a worker needs to find its samples; picklable for spawned workers."""
 
-    urls: list[str]
+    location: str  # the shard location (a storage URL); names are relative to it
+    names: list[str]
     counts: list[int]
     world: int
     rank: int
@@ -202,9 +211,19 @@ class ShardStream(IterableDataset):
         return True
 
     def _samples(self, piece: Piece) -> Iterator[dict]:
-        url = self.spec.urls[piece.shard]
-        samples = wds.tarfile_samples([{"url": url}], handler=self._read_error, select_files=_wanted_member)
-        return itertools.islice(samples, piece.start, piece.stop)
+        name = self.spec.names[piece.shard]
+        try:
+            stream = _store(self.spec.location).open(name)
+        except Exception as e:  # after the storage client's own retries
+            self._read_error(e)
+            return
+        with stream:
+            files = tar_file_expander(
+                [{"url": f"{self.spec.location}/{name}", "stream": stream}],
+                handler=self._read_error,
+                select_files=_wanted_member,
+            )
+            yield from itertools.islice(group_by_keys(files, handler=self._read_error), piece.start, piece.stop)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, int, str]]:
         info = get_worker_info()
@@ -237,12 +256,12 @@ class TrainLoader:
     """Fixed-length epochs: ``len(self)`` batches of exactly ``batch`` samples, every epoch."""
 
     def __init__(
-        self, split: SplitInfo, urls: list[str], mode: str, spec_kw: dict, workers: int, shuffle_buffer: int, pin: bool
+        self, split: SplitInfo, location: str, mode: str, spec_kw: dict, workers: int, shuffle_buffer: int, pin: bool
     ):
         counts = [s.samples for s in split.shards]
         if sum(counts) == 0:
             raise ValueError("the training split has no samples")
-        self.spec = StreamSpec(urls=urls, counts=counts, **spec_kw)
+        self.spec = StreamSpec(location, [s.name for s in split.shards], counts, **spec_kw)
         world, batch = self.spec.world, self.spec.batch
         if mode == "exact":
             self.steps = exact_assignment(counts, world, batch, self.spec.seed, 0)[1]
@@ -305,9 +324,9 @@ def _collate(samples: list[tuple[torch.Tensor, int, str]], pin: bool) -> Batch:
 class ValLoader:
     """Every validation sample exactly once across ranks (batches may be short)."""
 
-    def __init__(self, split: SplitInfo, urls: list[str], spec_kw: dict, workers: int, pin: bool):
+    def __init__(self, split: SplitInfo, location: str, spec_kw: dict, workers: int, pin: bool):
         counts = [s.samples for s in split.shards]
-        self.spec = StreamSpec(urls=urls, counts=counts, **spec_kw)
+        self.spec = StreamSpec(location, [s.name for s in split.shards], counts, **spec_kw)
         self.dataset = ShardStream(self.spec, "val")
         self.loader = _loader(self.dataset, self.spec.batch, workers, pin)
         self.samples = sum(counts)

@@ -23,7 +23,7 @@ from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, load_manifest
-from imagenet_ais.storage import Store, open_store
+from imagenet_ais.storage import Store, open_store, stream_sha256
 
 JOURNAL = "_progress"  # per-shard records of a conversion in flight; removed once the manifest is written
 TAR_OVERHEAD = 1536  # header + padding for the two members of a sample, for --maxsize planning
@@ -116,19 +116,7 @@ def as_training_jpeg(data: bytes) -> bytes:
 
 
 def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def store_sha256(store: Store, name: str) -> str:
-    h = hashlib.sha256()
-    with store.open(name) as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return stream_sha256(path.open("rb"))
 
 
 def write_shard(src: Path, dest_url: str, plan: ShardPlan) -> tuple[ShardInfo, list[dict[str, str]]]:
@@ -183,7 +171,7 @@ def _known_records(store: Store) -> dict[str, tuple[ShardInfo, list[dict[str, st
 def _still_good(store: Store, info: ShardInfo) -> bool:
     if not store.exists(info.name) or store.size(info.name) != info.bytes:
         return False
-    return store_sha256(store, info.name) == info.sha256
+    return stream_sha256(store.open(info.name)) == info.sha256
 
 
 def convert(
@@ -247,7 +235,7 @@ def check_shard(dest_url: str, info: ShardInfo, num_classes: int) -> str | None:
         return "missing"
     if (size := store.size(info.name)) != info.bytes:
         return f"size {size} != manifest {info.bytes}"
-    if (digest := store_sha256(store, info.name)) != info.sha256:
+    if (digest := stream_sha256(store.open(info.name))) != info.sha256:
         return f"sha256 {digest[:12]}… != manifest {info.sha256[:12]}…"
     samples: dict[str, set[str]] = {}
     try:

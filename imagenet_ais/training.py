@@ -176,13 +176,12 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
             "seed": cfg.seed,
             "image_size": cfg.image_size,
         }
-        train_split = manifest.split("train")
-        urls = [store.shard_url(s.name) for s in train_split.shards]
-        train_loader = TrainLoader(train_split, urls, cfg.epoch_mode, spec, cfg.workers, cfg.shuffle_buffer, cuda)
+        train_loader = TrainLoader(
+            manifest.split("train"), cfg.data, cfg.epoch_mode, spec, cfg.workers, cfg.shuffle_buffer, cuda
+        )
         val_split = manifest.splits.get("val")
         if val_split and val_split.samples:
-            val_urls = [store.shard_url(s.name) for s in val_split.shards]
-            val_loader = ValLoader(val_split, val_urls, spec, cfg.workers, cuda)
+            val_loader = ValLoader(val_split, cfg.data, spec, cfg.workers, cuda)
 
     raw_model = build_model(cfg.arch, len(classes)).to(d.device)
     if cl:
