@@ -13,6 +13,11 @@
 : "${DEMO_TRAIN_PER_CLASS:=160}"
 : "${DEMO_VAL_PER_CLASS:=30}"
 
+# AIStore: DATA=ais://bucket/prefix reads from the cluster at AIS_ENDPOINT (token: AIS_AUTHN_TOKEN).
+# Unset, ./run uses the local playground (./run ais-up) when it is running.
+: "${AIS_ENDPOINT:=}"
+: "${AIS_ROOT:=.cache/ais}"       # the local playground's configs, data and logs
+
 # Training (train.py options). The demo gets a small model and images that a CPU trains in minutes.
 if [ -z "$DATA" ]; then
   : "${ARCH:=resnet18}" "${EPOCHS:=8}" "${BATCH_SIZE:=32}" "${IMAGE_SIZE:=64}" "${LR:=0.4}" "${WARMUP_EPOCHS:=1}"

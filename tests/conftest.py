@@ -71,3 +71,22 @@ def write_shards(
         manifest.splits[split] = info
     (dest / "manifest.json").write_text(manifest.to_json())
     return manifest
+
+
+@pytest.fixture(scope="session")
+def ais(tmp_path_factory: pytest.TempPathFactory):
+    """A real AIStore (1 proxy + 1 target, aisnode v1.5.0) on free loopback ports, for the session.
+
+    Without aisnode the AIStore tests are skipped, except under CI=true, where that is a failure."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from ais_local import DEFAULT_AISNODE, Playground
+
+    if not DEFAULT_AISNODE.exists():
+        message = f"{DEFAULT_AISNODE} missing: build it with ./run ais-install (needs Go)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    playground = Playground(tmp_path_factory.mktemp("ais"))
+    playground.up(targets=1)
+    yield playground
+    playground.down()

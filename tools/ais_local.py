@@ -288,6 +288,15 @@ def up(pg: Playground, targets: int, port: int | None) -> None:
 
 
 @cli.command()
+@click.pass_obj
+def endpoint(pg: Playground) -> None:
+    """Print the endpoint if the playground is up; exit 1 if not."""
+    if not pg.healthy():
+        raise click.ClickException(f"the AIStore playground in {pg.root} is not running: ./run ais-up")
+    click.echo(pg.endpoint)
+
+
+@cli.command()
 @click.option("--wipe", is_flag=True, help="also delete its configs, data and logs")
 @click.pass_obj
 def down(pg: Playground, wipe: bool) -> None:
