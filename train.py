@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from imagenet_ais.training import TrainConfig, train
@@ -31,13 +33,23 @@ from imagenet_ais.training import TrainConfig, train
 @click.option("--shuffle-buffer", default=2000, type=click.IntRange(min=1), help="samples mixed across workers")
 @click.option("--log-every", default=20, type=click.IntRange(min=1), help="steps per metrics record")
 @click.option("--log-keys", is_flag=True, help="write every training key per epoch and rank under OUTPUT/keys/")
+@click.option("--upload", help="also upload checkpoints, metrics and log here (gs://, ais:// or a directory)")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), help="steps between checkpoints (besides epoch ends)")
+@click.option("--keep-last", default=3, type=click.IntRange(min=1), help="step checkpoints kept in --output")
+@click.option("--upload-retry-seconds", default=120.0, help="retry a failing upload this long before warning")
+@click.option("--flush-timeout", default=600.0, help="at exit, wait this long for pending uploads")
 def main(compile_: bool, **options: object) -> None:
-    """Train with fixed-length epochs, DDP, validation and checkpoints every epoch."""
+    """Train with fixed-length epochs, DDP, validation and checkpoints every epoch.
+
+    Exit status: 0 done (or --max-steps reached); 1 bad input; 3 some upload never made it
+    (local copies kept); 75 stopped by SIGTERM/SIGUSR1 after saving: continue with --resume auto.
+    """
     cfg = TrainConfig(compile=compile_, **options)  # type: ignore[arg-type]
     try:
-        train(cfg)
+        outcome = train(cfg)
     except (FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e)) from e
+    sys.exit(outcome["exit_code"])
 
 
 if __name__ == "__main__":

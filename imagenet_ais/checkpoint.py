@@ -6,6 +6,7 @@ a checkpoint can never run code.
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -14,19 +15,37 @@ import torch
 
 from imagenet_ais.storage import LocalStore
 
-LAST = "last.pt"
+LAST = "last.pt"  # hard links to the newest and the best ckpt-<step>.pt
 BEST = "best.pt"
 
 
-def save(state: dict[str, Any], output: Path, name: str) -> Path:
+def name_for(step: int) -> str:
+    return f"ckpt-{step:08d}.pt"
+
+
+def save(state: dict[str, Any], output: Path, step: int, keep_last: int) -> Path:
+    """Write ``ckpt-<step>.pt`` atomically, point ``last.pt`` at it, keep the newest ``keep_last``."""
     store = LocalStore(output)
+    name = name_for(step)
     tmp = store.scratch_file(name)
     try:
         torch.save(state, tmp)
         store.put_file(tmp, name)
     finally:
         tmp.unlink(missing_ok=True)
-    return output / name
+    path = output / name
+    link(path, LAST)
+    for old in sorted(output.glob("ckpt-*.pt"))[:-keep_last]:
+        old.unlink()  # last.pt and best.pt are links of their own: their data stays
+    return path
+
+
+def link(path: Path, alias: str) -> None:
+    """Make ``alias`` (next to ``path``) another name for it, atomically."""
+    tmp = LocalStore(path.parent).scratch_file(alias)
+    tmp.unlink()
+    os.link(path, tmp)
+    os.replace(tmp, path.parent / alias)
 
 
 def sweep_partials(output: Path) -> None:

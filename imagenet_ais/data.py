@@ -24,6 +24,7 @@ import itertools
 import math
 import multiprocessing as mp
 import random
+import signal
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -187,6 +188,9 @@ class ShardStream(IterableDataset):
         self.epoch = mp.Value("q", 0)
         self.skipped = mp.Value("q", 0)  # samples that failed to decode
         self.read_errors = mp.Value("q", 0)  # shards that failed part-way
+        # (epoch, {shard: sample indices}) already trained on before a restart; set before the
+        # workers start, so even persistent workers see it
+        self.skip: tuple[int, dict[int, set[int]]] = (-1, {})
 
     def _pieces(self, worker: int, workers: int) -> Iterator[Piece]:
         s, epoch = self.spec, self.epoch.value
@@ -210,7 +214,7 @@ class ShardStream(IterableDataset):
         self._count(self.read_errors)
         return True
 
-    def _samples(self, piece: Piece) -> Iterator[dict]:
+    def _samples(self, piece: Piece) -> Iterator[tuple[int, dict]]:
         name = self.spec.names[piece.shard]
         try:
             stream = _store(self.spec.location).open(name)
@@ -223,14 +227,19 @@ class ShardStream(IterableDataset):
                 handler=self._read_error,
                 select_files=_wanted_member,
             )
-            yield from itertools.islice(group_by_keys(files, handler=self._read_error), piece.start, piece.stop)
+            skip_epoch, skip = self.skip
+            done = skip.get(piece.shard, set()) if skip_epoch == self.epoch.value else set()
+            samples = itertools.islice(
+                enumerate(group_by_keys(files, handler=self._read_error)), piece.start, piece.stop
+            )
+            yield from ((i, sample) for i, sample in samples if i not in done)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, int, str]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, int, str, int, int]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         decode = decode_val if self.mode == "val" else decode_train
         for piece in self._pieces(worker, workers):
-            for sample in self._samples(piece):
+            for index, sample in self._samples(piece):
                 try:
                     data = next(sample[e] for e in IMAGE_EXTS if e in sample)
                     label = int(sample["cls"])
@@ -238,7 +247,14 @@ class ShardStream(IterableDataset):
                 except (StopIteration, KeyError, ValueError, OSError, SyntaxError, Image.DecompressionBombError):
                     self._count(self.skipped)
                     continue
-                yield image, label, sample["__key__"]
+                yield image, label, sample["__key__"], piece.shard, index
+
+
+def _worker_init(_: int) -> None:
+    # Preemption signals are the training process's to handle (checkpoint, then exit); a worker
+    # dying of one first would only turn that into a DataLoader error.
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _loader(dataset: ShardStream, chunk: int, workers: int, pin: bool) -> DataLoader:
@@ -249,6 +265,7 @@ def _loader(dataset: ShardStream, chunk: int, workers: int, pin: bool) -> DataLo
         persistent_workers=workers > 0,
         prefetch_factor=4 if workers > 0 else None,
         pin_memory=pin,
+        worker_init_fn=_worker_init,
     )
 
 
@@ -273,23 +290,37 @@ class TrainLoader:
         self.pin = pin
         self.epoch = 0
         self.padded = 0  # samples repeated to fill the epoch's last batches when decodes failed
+        self.delivered: dict[int, set[int]] = {}  # this epoch's samples handed to training, by shard
 
     def __len__(self) -> int:
         return self.steps
 
     def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch or epoch != self.dataset.skip[0]:
+            self.delivered = {}
         self.epoch = epoch
         self.dataset.epoch.value = epoch
 
-    def _samples(self) -> Iterator[tuple[torch.Tensor, int, str]]:
-        for images, labels, keys in self.loader:
-            yield from zip(images.unbind(0), labels.tolist(), keys, strict=True)
+    def position(self) -> dict:
+        """Where this rank is in the epoch: the samples already trained on, by shard."""
+        return {"epoch": self.epoch, "delivered": {k: sorted(v) for k, v in self.delivered.items()}}
+
+    def restore(self, position: dict) -> None:
+        """Continue an epoch without the samples ``position`` says were trained on (exact mode)."""
+        delivered = {int(k): set(v) for k, v in position["delivered"].items()}
+        self.dataset.skip = (position["epoch"], delivered)
+        self.epoch = position["epoch"]
+        self.delivered = {k: set(v) for k, v in delivered.items()}
+
+    def _samples(self) -> Iterator[tuple]:
+        for images, labels, keys, shards, indices in self.loader:
+            yield from zip(images.unbind(0), labels.tolist(), keys, shards.tolist(), indices.tolist(), strict=True)
 
     def __iter__(self) -> Iterator[Batch]:
         rng = random.Random(f"buffer:{self.spec.seed}:{self.epoch}:{self.spec.rank}")
         stream = self._samples()
-        buffer: list[tuple[torch.Tensor, int, str]] = []
-        previous: list[tuple[torch.Tensor, int, str]] = []
+        buffer: list[tuple] = []
+        previous: list[tuple] = []
         for _ in range(self.steps):
             # Read up to two batches per step until the buffer is full: the first batch
             # comes without waiting for a whole buffer, and mixing improves as it fills.
@@ -310,10 +341,12 @@ class TrainLoader:
                 picked.append(rng.choice(previous))
                 self.padded += 1
             previous = picked
+            for sample in picked:
+                self.delivered.setdefault(sample[3], set()).add(sample[4])
             yield _collate(picked, self.pin)
 
 
-def _collate(samples: list[tuple[torch.Tensor, int, str]], pin: bool) -> Batch:
+def _collate(samples: list[tuple], pin: bool) -> Batch:
     images = torch.stack([s[0] for s in samples])
     labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
     if pin:
@@ -332,7 +365,7 @@ class ValLoader:
         self.samples = sum(counts)
 
     def __iter__(self) -> Iterator[Batch]:
-        for images, labels, keys in self.loader:
+        for images, labels, keys, _, _ in self.loader:
             yield Batch(images, labels, list(keys))
 
 

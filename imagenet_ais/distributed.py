@@ -54,6 +54,20 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when it is true on any (so all ranks stop at the same step)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order (a one-element list when not distributed)."""
     if not dist.is_initialized():

@@ -1,6 +1,7 @@
 """Storage URLs: where shards and manifests live, behind one small interface.
 
-A location is a directory-like URL: a local path or ``file://``, or ``ais://bucket/prefix``.
+A location is a directory-like URL: a local path or ``file://``, ``ais://bucket/prefix`` or
+``gs://bucket/prefix``.
 Writes are all-or-nothing: an object appears under its final name only once it is complete.
 """
 
@@ -25,7 +26,9 @@ class Store(Protocol):
     def open(self, name: str) -> BinaryIO: ...
     def read_bytes(self, name: str) -> bytes: ...
     def write_bytes(self, name: str, data: bytes) -> None: ...
-    def put_file(self, src: Path, name: str) -> None: ...  # consumes src
+    # Publishes src under name; src is consumed unless keep. With once, an existing object is
+    # never replaced: FileExistsError (the caller decides whether the copy there is the same).
+    def put_file(self, src: Path, name: str, *, keep: bool = False, once: bool = False) -> None: ...
     def scratch_file(self, name: str) -> Path: ...
 
 
@@ -73,19 +76,26 @@ class LocalStore:
         tmp.write_bytes(data)
         self.put_file(tmp, name)
 
-    def put_file(self, src: Path, name: str) -> None:
-        """Move ``src`` under ``name`` atomically (fsync, then rename)."""
+    def put_file(self, src: Path, name: str, *, keep: bool = False, once: bool = False) -> None:
+        """Publish ``src`` under ``name`` atomically (fsync, then rename; with once, link)."""
         dest = self._path(name)
-        if src.stat().st_dev != self.root.stat().st_dev:
+        if keep or src.stat().st_dev != self.root.stat().st_dev:
             tmp = self.scratch_file(name)
             shutil.copyfile(src, tmp)
-            src.unlink()
+            if not keep:
+                src.unlink()
             src = tmp
         src.chmod(0o644)
         with src.open("rb") as f:
             os.fsync(f.fileno())
         dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(src, dest)
+        if once:
+            try:
+                os.link(src, dest)  # atomic, and fails rather than replace
+            finally:
+                src.unlink()
+        else:
+            os.replace(src, dest)
         dir_fd = os.open(dest.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
@@ -171,12 +181,17 @@ class AISStore:
         tmp.write_bytes(data)
         self.put_file(tmp, name)
 
-    def put_file(self, src: Path, name: str) -> None:
-        """Upload, then read back and compare size and SHA-256; a bad copy is deleted."""
+    def put_file(self, src: Path, name: str, *, keep: bool = False, once: bool = False) -> None:
+        """Upload, then read back and compare size and SHA-256; a bad copy is deleted.
+
+        AIStore has no write preconditions: ``once`` is an existence check just before the PUT.
+        """
         try:
             if not self._bucket_ready:
                 self.bucket.create(exist_ok=True)
                 self._bucket_ready = True
+            if once and self.exists(name):
+                raise FileExistsError(f"{self.url}/{name} exists")
             obj = self._obj(name)
             size = src.stat().st_size
             if size > self.MULTIPART_THRESHOLD:
@@ -189,7 +204,8 @@ class AISStore:
                 self.delete(name)
                 raise OSError(f"{self.url}/{name}: upload verification failed (size {stored}/{size}, sha256 mismatch)")
         finally:
-            src.unlink(missing_ok=True)
+            if not keep:
+                src.unlink(missing_ok=True)
 
     def _put_multipart(self, obj, src: Path) -> None:
         upload = obj.multipart_upload().create()
@@ -209,6 +225,134 @@ class AISStore:
         return Path(tmp)
 
 
+class GCSStore:
+    """``gs://bucket[/prefix]`` through google-cloud-storage.
+
+    Credentials come from ``GOOGLE_APPLICATION_CREDENTIALS`` / application default credentials,
+    or none at all when ``STORAGE_EMULATOR_HOST`` points at an emulator. Uploads over 8 MiB are
+    resumable; every upload is crc32c-checked by the library and then against the stored
+    object's size and crc32c; ``once`` is a real precondition (``if_generation_match=0``).
+    """
+
+    def __init__(self, url: str, retry_seconds: float = 120):
+        from google.api_core.retry import Retry
+        from google.auth.exceptions import DefaultCredentialsError
+        from google.cloud import storage
+
+        scheme, _, rest = url.partition("://")
+        bucket, _, prefix = rest.partition("/")
+        if scheme != "gs" or not bucket:
+            raise ValueError(f"bad GCS URL {url!r}: expected gs://bucket[/prefix]")
+        try:
+            self.client = storage.Client()
+        except DefaultCredentialsError as e:
+            raise ValueError(
+                f"{url}: no Google credentials; set GOOGLE_APPLICATION_CREDENTIALS, run "
+                "`gcloud auth application-default login`, or set STORAGE_EMULATOR_HOST for an emulator"
+            ) from e
+        self.url = url.rstrip("/")
+        self.prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+        self.bucket = self.client.bucket(bucket)
+        # every call here is idempotent (uploads are whole-object), so retry them all, with backoff
+        self.retry = Retry(initial=1.0, maximum=16.0, multiplier=2.0, timeout=retry_seconds, predicate=_gcs_transient)
+
+    def _blob(self, name: str):
+        if not name or name.startswith("/") or ".." in name.split("/"):
+            raise ValueError(f"invalid object name {name!r} in {self.url}")
+        return self.bucket.blob(self.prefix + name)
+
+    def exists(self, name: str) -> bool:
+        return self._blob(name).exists(retry=self.retry)
+
+    def size(self, name: str) -> int:
+        blob = self._blob(name)
+        blob.reload(retry=self.retry)
+        return int(blob.size)
+
+    def list(self, prefix: str = "") -> list[str]:
+        blobs = self.client.list_blobs(self.bucket, prefix=self.prefix + prefix, retry=self.retry)
+        return sorted(b.name[len(self.prefix) :] for b in blobs)
+
+    def delete(self, name: str) -> None:
+        from google.api_core.exceptions import NotFound
+
+        with contextlib.suppress(NotFound):
+            self._blob(name).delete(retry=self.retry)
+
+    def open(self, name: str) -> BinaryIO:
+        return self._blob(name).open("rb", retry=self.retry)
+
+    def read_bytes(self, name: str) -> bytes:
+        return self._blob(name).download_as_bytes(retry=self.retry)
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        tmp = self.scratch_file(name)
+        tmp.write_bytes(data)
+        self.put_file(tmp, name)
+
+    def put_file(self, src: Path, name: str, *, keep: bool = False, once: bool = False) -> None:
+        from google.api_core.exceptions import PreconditionFailed
+
+        try:
+            blob = self._blob(name)
+            try:
+                blob.upload_from_filename(
+                    str(src), checksum="crc32c", if_generation_match=0 if once else None, retry=self.retry
+                )
+            except PreconditionFailed as e:
+                raise FileExistsError(f"{self.url}/{name} exists") from e
+            blob.reload(retry=self.retry)
+            if (int(blob.size), blob.crc32c) != (src.stat().st_size, file_crc32c(src)):
+                blob.delete(retry=self.retry)
+                raise OSError(f"{self.url}/{name}: stored object differs from {src} (size or crc32c); deleted")
+        finally:
+            if not keep:
+                src.unlink(missing_ok=True)
+
+    def scratch_file(self, name: str) -> Path:
+        fd, tmp = tempfile.mkstemp(prefix=f".{Path(name).name}.", suffix=".partial")
+        os.close(fd)
+        return Path(tmp)
+
+    def crc32c(self, name: str) -> str:
+        blob = self._blob(name)
+        blob.reload(retry=self.retry)
+        return blob.crc32c
+
+
+def _gcs_transient(e: Exception) -> bool:
+    """Network errors and 408/429/5xx: worth retrying."""
+    import requests
+    from google.api_core import exceptions as gexc
+
+    if isinstance(e, (ConnectionError, requests.exceptions.ConnectionError, requests.exceptions.Timeout)):
+        return True
+    return isinstance(
+        e,
+        (
+            gexc.TooManyRequests,
+            gexc.InternalServerError,
+            gexc.BadGateway,
+            gexc.ServiceUnavailable,
+            gexc.GatewayTimeout,
+            gexc.RequestRangeNotSatisfiable,
+        ),
+    ) or (isinstance(e, gexc.GoogleAPICallError) and e.code == 408)
+
+
+def file_crc32c(path: Path) -> str:
+    """Base64 big-endian crc32c, as GCS reports it."""
+    import base64
+
+    import google_crc32c
+
+    checksum = google_crc32c.Checksum()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            checksum.update(block)
+    return base64.b64encode(checksum.digest()).decode()
+
+
 def _not_found(e: Exception) -> bool:
     """An AIStore 404: no such object or bucket (a HEAD's 404 carries no error body to tell which)."""
     from aistore.sdk.errors import AISError
@@ -225,8 +369,10 @@ def stream_sha256(stream: BinaryIO) -> str:
     return h.hexdigest()
 
 
-def open_store(url: str) -> Store:
-    """The store for a location URL; unsupported schemes fail with a one-line reason."""
+def open_store(url: str, retry_seconds: float = 120) -> Store:
+    """The store for a location URL; unsupported schemes fail with a one-line reason.
+
+    ``retry_seconds`` bounds the retries of a GCS call (AIStore uses its SDK's defaults)."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return LocalStore(url)
@@ -234,4 +380,6 @@ def open_store(url: str) -> Store:
         return LocalStore(rest)
     if scheme == "ais":
         return AISStore(url)
-    raise ValueError(f"unsupported storage URL {url!r}: use a local directory, file:// or ais://bucket/prefix")
+    if scheme == "gs":
+        return GCSStore(url, retry_seconds)
+    raise ValueError(f"unsupported storage URL {url!r}: use a local directory, file://, ais:// or gs://")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from imagenet_ais import checkpoint, distributed
+from imagenet_ais import checkpoint, distributed, upload
 from imagenet_ais.data import TrainLoader, ValLoader, normalize
 from imagenet_ais.manifest import load_manifest
 from imagenet_ais.storage import open_store
@@ -53,6 +54,17 @@ class TrainConfig:
     shuffle_buffer: int = 2000
     log_every: int = 20
     log_keys: bool = False
+    upload: str | None = None  # gs://, ais:// or a directory: checkpoints, metrics and log go here too
+    checkpoint_every: int | None = None  # steps, besides every epoch end
+    keep_last: int = 3  # step checkpoints kept in --output
+    upload_retry_seconds: float = 120
+    flush_timeout: float = 600  # at exit, wait this long for pending uploads
+
+
+EXIT_UPLOAD_FAILED = 3  # trained (or stopped cleanly), but some upload never made it: see stderr
+EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after saving (and uploading): resume with --resume auto
+LOG = "train.log"
+METRICS = "metrics.jsonl"
 
 
 class SyntheticLoader:
@@ -84,6 +96,33 @@ class MetricsLog:
     def write(self, **record: Any) -> None:
         if self.file:
             self.file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+
+class Reporter:
+    """Rank 0's messages, on the console and in ``train.log``."""
+
+    def __init__(self, path: Path | None):
+        self.file = path.open("a", buffering=1) if path else None
+
+    def say(self, message: str, err: bool = False) -> None:
+        if self.file:
+            print(message, file=sys.stderr if err else sys.stdout, flush=True)
+            self.file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+
+
+class StopSignal:
+    """SIGTERM / SIGUSR1 (preemption, Slurm's warning): finish the step, save, upload, exit."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.received = signum
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def build_model(arch: str, num_classes: int) -> nn.Module:
@@ -201,7 +240,17 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
 
     start_epoch, global_step, first_step, best_top1 = 0, 0, 0, 0.0
     last_val: dict[str, float] | None = None
+    say = Reporter(output / LOG if d.main else None).say
     resume_path = checkpoint.find(cfg.resume, output)
+    if resume_path is None and cfg.resume == "auto" and cfg.upload:
+        # a fresh node: continue from what the last run uploaded (one download per node)
+        if d.local_rank == 0:
+            fetched = upload.fetch_latest(cfg.upload, output, extra=(METRICS, LOG))
+            if fetched:
+                checkpoint.link(fetched, checkpoint.LAST)
+        distributed.barrier()
+        resume_path = checkpoint.find("auto", output)
+    position = None
     if resume_path:
         state = checkpoint.load(resume_path)
         if state["arch"] != cfg.arch or state["classes"] != classes:
@@ -216,20 +265,21 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
         start_epoch, global_step, first_step = state["epoch"], state["step"], state["step_in_epoch"]
         best_top1, last_val = state["best_top1"], state["last_val"]
         if first_step and state["steps_per_epoch"] != steps_per_epoch:
-            print(
+            say(
                 f"warning: {resume_path} stopped mid-epoch with {state['steps_per_epoch']} steps per epoch, "
                 f"this run has {steps_per_epoch}: epoch {start_epoch + 1} starts over",
-                file=sys.stderr,
+                err=True,
             )
             first_step = 0
         if len(state["rng"]) == d.world:
             checkpoint.set_rng_state(state["rng"][d.rank])
-        if d.main:
-            print(f"resumed from {resume_path}: epoch {start_epoch + 1}, step {global_step}", flush=True)
+            position = state["data_position"][d.rank] if first_step else None
+        say(f"resumed from {resume_path}: epoch {start_epoch + 1}, step {global_step}")
     if start_epoch >= cfg.epochs:
-        if d.main:
-            print(f"{output}: already trained {cfg.epochs} epochs; use a new --output or more --epochs", flush=True)
-        return {"step": global_step, "val": last_val, "complete": True}
+        say(f"{output}: already trained {cfg.epochs} epochs; use a new --output or more --epochs")
+        return {"step": global_step, "val": last_val, "complete": True, "exit_code": 0}
+    if position and isinstance(train_loader, TrainLoader) and cfg.epoch_mode == "exact":
+        train_loader.restore(position)  # the rest of the epoch, without what was trained on
 
     model: nn.Module = raw_model
     if d.world > 1:
@@ -237,10 +287,16 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
     if cfg.compile:
         model = torch.compile(model)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-    log = MetricsLog(output / "metrics.jsonl" if d.main else None)
+    log = MetricsLog(output / METRICS if d.main else None)
+    uploader = upload.Uploader(cfg.upload, cfg.upload_retry_seconds) if cfg.upload and d.main else None
+    stop = StopSignal()
 
-    def save(epoch: int, step_in_epoch: int, names: list[str]) -> None:
-        rng = distributed.gather_objects(checkpoint.rng_state())  # every rank's, a collective
+    def save(epoch: int, step_in_epoch: int, best: bool = False) -> None:
+        # every rank's RNG and data position: collectives, so all ranks call this
+        rng = distributed.gather_objects(checkpoint.rng_state())
+        positions = distributed.gather_objects(
+            train_loader.position() if isinstance(train_loader, TrainLoader) else None
+        )
         if not d.main:
             return
         state = {
@@ -255,12 +311,29 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
             "best_top1": best_top1,
             "last_val": last_val,
             "rng": rng,
+            "data_position": positions,
             "arch": cfg.arch,
             "classes": classes,
             "config": asdict(cfg),
         }
-        for name in names:
-            checkpoint.save(state, output, name)
+        path = checkpoint.save(state, output, global_step, cfg.keep_last)
+        if best:
+            checkpoint.link(path, checkpoint.BEST)
+        if uploader:
+            uploader.submit(path, checkpoint_step=global_step)
+            for name in (METRICS, LOG):
+                if (output / name).exists():
+                    uploader.submit_copy(output / name)
+
+    def finish(outcome: dict[str, Any]) -> dict[str, Any]:
+        stop.restore()
+        if uploader:
+            say(f"waiting up to {cfg.flush_timeout:.0f}s for uploads to {cfg.upload}")
+            missing = uploader.flush(cfg.flush_timeout)
+            if missing:
+                say(f"ERROR: never uploaded to {cfg.upload}: {', '.join(missing)} (local copies in {output})", err=True)
+                outcome["exit_code"] = EXIT_UPLOAD_FAILED
+        return outcome
 
     model.train()
     for epoch in range(start_epoch, cfg.epochs):
@@ -306,7 +379,12 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
                 keys_out.write("".join(f"{k}\n" for k in keys))
             bar.update(1)
             last_of_epoch = step_in_epoch == steps_per_epoch - 1
-            stopped = cfg.max_steps is not None and global_step >= cfg.max_steps
+            # Ranks agree on the stop step; with several, only at log steps and epoch ends (the
+            # agreement is a collective, and per step it would stall the GPU queue).
+            signalled = (d.world == 1 or global_step % cfg.log_every == 0 or last_of_epoch) and distributed.any_rank(
+                stop.received is not None, d.device
+            )
+            stopped = signalled or (cfg.max_steps is not None and global_step >= cfg.max_steps)
             if global_step % cfg.log_every == 0 or last_of_epoch or stopped:
                 elapsed = time.perf_counter() - window_start
                 counters = _counters(train_loader)
@@ -329,37 +407,37 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
                 window_start = time.perf_counter()
             if stopped:
                 break
+            if cfg.checkpoint_every and global_step % cfg.checkpoint_every == 0 and not last_of_epoch:
+                save(epoch, step_in_epoch + 1)
         bar.close()
         if keys_out:
             keys_out.close()
         first_step = 0
         if stopped:
-            save(epoch, step_in_epoch + 1, [checkpoint.LAST])
-            if d.main:
-                print(f"stopped at step {global_step} (--max-steps); continue with --resume auto", flush=True)
-            return {"step": global_step, "val": last_val, "complete": False}
-        names = [checkpoint.LAST]
+            save(epoch, step_in_epoch + 1)
+            if signalled:
+                say(f"stopped by a signal at step {global_step}, checkpoint saved; continue with --resume auto")
+                return finish({"step": global_step, "val": last_val, "complete": False, "exit_code": EXIT_PREEMPTED})
+            say(f"stopped at step {global_step} (--max-steps); continue with --resume auto")
+            return finish({"step": global_step, "val": last_val, "complete": False, "exit_code": 0})
+        improved = False
         if val_loader is not None:
             last_val = validate(raw_model, val_loader, cfg, d, cl)
             log.write(kind="val", epoch=epoch, step=global_step, **last_val)
-            if d.main:
-                print(
-                    f"epoch {epoch + 1}: val top-1 {last_val['top1']:.2f}% top-5 {last_val['top5']:.2f}% "
-                    f"over {last_val['samples']} images",
-                    flush=True,
-                )
+            say(
+                f"epoch {epoch + 1}: val top-1 {last_val['top1']:.2f}% top-5 {last_val['top5']:.2f}% "
+                f"over {last_val['samples']} images"
+            )
             if last_val["top1"] > best_top1:
-                best_top1 = last_val["top1"]
-                names.append(checkpoint.BEST)
-        save(epoch + 1, 0, names)
+                best_top1, improved = last_val["top1"], True
+        save(epoch + 1, 0, best=improved)
 
-    if d.main and last_val:
-        print(
+    if last_val:
+        say(
             f"final validation top-1 {last_val['top1']:.2f}% (top-5 {last_val['top5']:.2f}%) "
-            f"over {last_val['samples']} images; chance is {100 / len(classes):.2f}%",
-            flush=True,
+            f"over {last_val['samples']} images; chance is {100 / len(classes):.2f}%"
         )
-    return {"step": global_step, "val": last_val, "complete": True}
+    return finish({"step": global_step, "val": last_val, "complete": True, "exit_code": 0})
 
 
 def _counters(loader: TrainLoader | SyntheticLoader) -> dict[str, int]:

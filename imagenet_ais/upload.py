@@ -1,0 +1,146 @@
+"""Uploads of a run's files to cloud storage, in a background thread: training never waits.
+
+Checkpoints go up write-once under their step name, then the small ``latest.json`` pointer
+is rewritten to name them, so a reader that follows the pointer always finds a complete,
+verified checkpoint. An upload that fails after the store's own retries is reported loudly,
+its local copy is kept, and it is tried again later; ``flush`` waits a bounded time for what is
+left and says what never made it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from imagenet_ais.storage import Store, open_store
+
+POINTER = "latest.json"
+
+
+@dataclass
+class Job:
+    snapshot: Path  # a private copy or hard link, consumed by the upload
+    name: str
+    once: bool
+    step: int | None = None  # for checkpoints: move the pointer here once uploaded
+
+
+class Uploader:
+    def __init__(self, dest_url: str, retry_seconds: float = 120):
+        self.store: Store = open_store(dest_url, retry_seconds=retry_seconds)
+        self.url = dest_url
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.failed: list[Job] = []
+        self.pointer_step = -1
+        self.uploaded: list[str] = []
+        self.in_flight: Job | None = None
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="uploader", daemon=True)
+        self.thread.start()
+
+    # called from the training thread ------------------------------------------------------
+    def submit(self, path: Path, name: str | None = None, *, checkpoint_step: int | None = None) -> None:
+        """Queue ``path`` as it is now. Checkpoints (with their step) are written once."""
+        snapshot = self.store.scratch_file(name or path.name)
+        snapshot.unlink()
+        try:  # a hard link: free, and the checkpoint may be pruned locally before it is uploaded
+            os.link(path, snapshot)
+        except OSError:
+            shutil.copyfile(path, snapshot)  # another file system, or a file still being appended to
+        once = checkpoint_step is not None
+        self.jobs.put(Job(snapshot, name or path.name, once, checkpoint_step))
+
+    def submit_copy(self, path: Path, name: str | None = None) -> None:
+        """Queue a snapshot copy of a file that keeps growing (metrics, logs)."""
+        snapshot = self.store.scratch_file(name or path.name)
+        shutil.copyfile(path, snapshot)
+        self.jobs.put(Job(snapshot, name or path.name, once=False))
+
+    def flush(self, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` s for everything queued, retrying failures; the names that never made it."""
+        self.jobs.put(None)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if self.jobs.unfinished_tasks == 0 and not self.failed:
+                    return []
+            time.sleep(0.1)
+        with self.lock:
+            left = [j.name for j in (self.in_flight, *self.failed, *list(self.jobs.queue)) if j is not None]
+        return list(dict.fromkeys(left))
+
+    # the upload thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                if job is None:  # a flush: one more round for the failures
+                    self._retry_failed()
+                else:
+                    self._retry_failed()
+                    self._upload(job)
+            finally:
+                self.jobs.task_done()
+
+    def _retry_failed(self) -> None:
+        with self.lock:
+            pending, self.failed = self.failed, []
+        for job in pending:
+            self._upload(job)
+
+    def _upload(self, job: Job) -> None:
+        self.in_flight = job
+        try:
+            try:
+                self.store.put_file(job.snapshot, job.name, keep=True, once=job.once)
+            except FileExistsError:
+                # an earlier attempt made it, only its answer was lost: the same bytes are fine
+                if self.store.size(job.name) != job.snapshot.stat().st_size:
+                    raise
+            if job.step is not None and job.step > self.pointer_step:
+                pointer = {"checkpoint": job.name, "step": job.step, "time": time.time()}
+                self.store.write_bytes(POINTER, json.dumps(pointer).encode())
+                self.pointer_step = job.step
+        except Exception as e:
+            print(
+                f"WARNING: upload of {job.name} to {self.url} failed ({type(e).__name__}: {e}); "
+                f"the local copy stays, and it will be tried again",
+                file=sys.stderr,
+                flush=True,
+            )
+            with self.lock:
+                self.failed.append(job)
+            return
+        finally:
+            self.in_flight = None
+        job.snapshot.unlink(missing_ok=True)
+        with self.lock:
+            self.uploaded.append(job.name)
+
+
+def fetch_latest(source_url: str, output: Path, extra: tuple[str, ...] = ()) -> Path | None:
+    """Download the checkpoint ``latest.json`` names (and ``extra`` files) into ``output``.
+
+    None when the location has no pointer yet (a first run)."""
+    store = open_store(source_url)
+    if not store.exists(POINTER):
+        return None
+    pointer = json.loads(store.read_bytes(POINTER))
+    local = open_store(str(output))
+    for name in (pointer["checkpoint"], *extra):
+        if store.exists(name):
+            tmp = local.scratch_file(name)
+            with store.open(name) as src, tmp.open("wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            if tmp.stat().st_size != store.size(name):
+                tmp.unlink()
+                raise OSError(f"{source_url}/{name}: download incomplete")
+            local.put_file(tmp, name)
+    return output / pointer["checkpoint"]
