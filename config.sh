@@ -32,4 +32,5 @@ fi
 : "${WORKERS:=}"                  # DataLoader workers per process; empty = CPU cores / processes, at most 8
 : "${NPROC:=2}"                   # processes for ./run local2
 : "${OUTPUT:=}"                   # run directory; empty = runs/<verb>
+: "${UPLOAD:=}"                   # gs://, ais:// or a directory: checkpoints, metrics and log are uploaded there too
 : "${TRAIN_EXTRA:=}"              # more train.py options, split on spaces

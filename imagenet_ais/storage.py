@@ -30,6 +30,14 @@ class Store(Protocol):
     # never replaced: FileExistsError (the caller decides whether the copy there is the same).
     def put_file(self, src: Path, name: str, *, keep: bool = False, once: bool = False) -> None: ...
     def scratch_file(self, name: str) -> Path: ...
+    def matches(self, name: str, path: Path) -> bool: ...  # the object exists with path's exact bytes
+
+
+def _same_bytes(store: Store, name: str, path: Path) -> bool:
+    """By size, then SHA-256 of both (for stores that keep no comparable checksum)."""
+    if not store.exists(name) or store.size(name) != path.stat().st_size:
+        return False
+    return stream_sha256(store.open(name)) == stream_sha256(path.open("rb"))
 
 
 class LocalStore:
@@ -109,6 +117,9 @@ class LocalStore:
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{Path(name).name}.", suffix=".partial")
         os.close(fd)
         return Path(tmp)
+
+    def matches(self, name: str, path: Path) -> bool:
+        return _same_bytes(self, name, path)
 
 
 class AISStore:
@@ -224,6 +235,9 @@ class AISStore:
         os.close(fd)
         return Path(tmp)
 
+    def matches(self, name: str, path: Path) -> bool:
+        return _same_bytes(self, name, path)
+
 
 class GCSStore:
     """``gs://bucket[/prefix]`` through google-cloud-storage.
@@ -292,6 +306,7 @@ class GCSStore:
 
     def put_file(self, src: Path, name: str, *, keep: bool = False, once: bool = False) -> None:
         from google.api_core.exceptions import PreconditionFailed
+        from google.resumable_media.common import DataCorruption
 
         try:
             blob = self._blob(name)
@@ -301,9 +316,12 @@ class GCSStore:
                 )
             except PreconditionFailed as e:
                 raise FileExistsError(f"{self.url}/{name} exists") from e
+            except DataCorruption as e:  # the server got other bytes than were sent
+                self.delete(name)
+                raise OSError(f"{self.url}/{name}: corrupted in transit (crc32c mismatch); deleted") from e
             blob.reload(retry=self.retry)
             if (int(blob.size), blob.crc32c) != (src.stat().st_size, file_crc32c(src)):
-                blob.delete(retry=self.retry)
+                self.delete(name)
                 raise OSError(f"{self.url}/{name}: stored object differs from {src} (size or crc32c); deleted")
         finally:
             if not keep:
@@ -314,10 +332,9 @@ class GCSStore:
         os.close(fd)
         return Path(tmp)
 
-    def crc32c(self, name: str) -> str:
-        blob = self._blob(name)
-        blob.reload(retry=self.retry)
-        return blob.crc32c
+    def matches(self, name: str, path: Path) -> bool:
+        blob = self.bucket.get_blob(self.prefix + name, retry=self.retry)
+        return blob is not None and (int(blob.size), blob.crc32c) == (path.stat().st_size, file_crc32c(path))
 
 
 def _gcs_transient(e: Exception) -> bool:

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
+
 from imagenet_ais.storage import Store, open_store
 
 POINTER = "latest.json"
@@ -125,6 +127,22 @@ class Uploader:
             self.uploaded.append(job.name)
 
 
+def sync(src: Path, dest_url: str, retry_seconds: float = 120) -> tuple[list[str], list[str]]:
+    """Upload every file under ``src`` to ``dest_url`` unless an identical copy is there.
+
+    Returns (uploaded, skipped) names; raises on the first upload that fails."""
+    store = open_store(dest_url, retry_seconds=retry_seconds)
+    uploaded, skipped = [], []
+    for path in sorted(p for p in src.rglob("*") if p.is_file() and not p.name.endswith(".partial")):
+        name = path.relative_to(src).as_posix()
+        if store.matches(name, path):
+            skipped.append(name)
+        else:
+            store.put_file(path, name, keep=True)
+            uploaded.append(name)
+    return uploaded, skipped
+
+
 def fetch_latest(source_url: str, output: Path, extra: tuple[str, ...] = ()) -> Path | None:
     """Download the checkpoint ``latest.json`` names (and ``extra`` files) into ``output``.
 
@@ -144,3 +162,22 @@ def fetch_latest(source_url: str, output: Path, extra: tuple[str, ...] = ()) -> 
                 raise OSError(f"{source_url}/{name}: download incomplete")
             local.put_file(tmp, name)
     return output / pointer["checkpoint"]
+
+
+@click.command()
+@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("dest")
+@click.option("--retry-seconds", default=120.0, show_default=True, help="retry a failing upload this long")
+def main(src: Path, dest: str, retry_seconds: float) -> None:
+    """Sync the directory SRC to DEST (gs://, ais:// or a directory), skipping identical files."""
+    try:
+        uploaded, skipped = sync(src, dest, retry_seconds)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(str(e)) from e
+    for name in uploaded:
+        click.echo(f"uploaded {name}")
+    click.echo(f"{dest}: {len(uploaded)} uploaded, {len(skipped)} already there")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,8 +5,10 @@ from __future__ import annotations
 import io
 import os
 import random
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,84 @@ def ais(tmp_path_factory: pytest.TempPathFactory):
     playground.up(targets=1)
     yield playground
     playground.down()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GCSEmulator:
+    """fake-gcs-server on a free loopback port, its objects on disk so they survive a restart."""
+
+    def __init__(self, binary: Path, root: Path, external_port: int | None = None):
+        self.port = free_port()
+        self.binary, self.root = binary, root
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        # the address it hands out for resumable upload sessions (a proxy's, to route through one)
+        self.external = f"http://127.0.0.1:{external_port or self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                str(self.binary),
+                "-scheme",
+                "http",
+                "-host",
+                "127.0.0.1",
+                "-port",
+                str(self.port),
+                "-backend",
+                "filesystem",
+                "-filesystem-root",
+                str(self.root),
+                "-external-url",
+                self.endpoint,
+                "-public-host",
+                f"127.0.0.1:{self.port}",
+                "-log-level",
+                "error",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, "fake-gcs-server did not start"
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc:
+            self.proc.terminate()
+            self.proc.wait()
+            self.proc = None
+
+    def make_bucket(self) -> str:
+        from google.cloud import storage
+
+        name = f"b{random.randrange(1 << 40):x}"
+        storage.Client().create_bucket(name)
+        return name
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory: pytest.TempPathFactory):
+    """A real GCS emulator for the session; STORAGE_EMULATOR_HOST points at it (skipped without it, failed under CI)."""
+    binary = ROOT / ".cache" / "bin" / "fake-gcs-server"
+    if not binary.exists():
+        message = f"{binary} missing: ./run test installs it (needs Go)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    emulator = GCSEmulator(binary, tmp_path_factory.mktemp("gcs"))
+    emulator.start()
+    os.environ["STORAGE_EMULATOR_HOST"] = emulator.endpoint
+    yield emulator
+    os.environ.pop("STORAGE_EMULATOR_HOST", None)
+    emulator.stop()

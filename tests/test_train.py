@@ -224,3 +224,29 @@ def test_synthetic_mode_trains_without_data(tmp_path: Path) -> None:
     out = run_cli("train.py", "--synthetic", "--output", tmp_path, *TINY, "--epochs", "1", "--max-steps", "3")
     assert "stopped at step 3" in out.stdout
     assert [r["step"] for r in metrics(tmp_path) if r["kind"] == "train"][-1] == 3
+
+
+def test_step_checkpoints_are_pruned_to_keep_last(tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": UNEVEN})
+    run_cli(
+        "train.py",
+        "--data",
+        data,
+        "--output",
+        output,
+        *TINY,
+        "--epochs",
+        "2",
+        "--workers",
+        "1",
+        "--checkpoint-every",
+        "5",
+        "--keep-last",
+        "2",
+    )
+    # steps 5, 10, 12 (epoch end), 15, 20, 24 (epoch end): the newest two stay
+    assert sorted(p.name for p in output.glob("ckpt-*.pt")) == ["ckpt-00000020.pt", "ckpt-00000024.pt"]
+    assert (output / "last.pt").samefile(output / "ckpt-00000024.pt")
+    state = torch.load(output / "ckpt-00000020.pt", weights_only=True)
+    assert (state["epoch"], state["step_in_epoch"]) == (1, 8)

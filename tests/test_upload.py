@@ -1,0 +1,268 @@
+"""Checkpoints to cloud storage against a real GCS emulator (fake-gcs-server): uploads, outages,
+corruption in transit, preemption and resume on a fresh node, upload.sh."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, GCSEmulator, free_port, run_cli, write_shards
+
+from imagenet_ais.storage import GCSStore, file_crc32c
+
+UNEVEN = [3, 11, 7, 19, 8]  # 48 samples: 12 steps per epoch at batch 4
+TINY = ["--arch", "resnet18", "--batch-size", "4", "--lr", "0.1", "--warmup-epochs", "0", "--log-every", "1"]
+
+
+class FlippingProxy:
+    """A loopback TCP proxy that counts upload requests and can flip one byte of a request body."""
+
+    def __init__(self, target_port: int, flip_at: int | None, port: int | None = None):
+        self.port, self.target_port, self.flip_at = port or free_port(), target_port, flip_at
+        self.client_bytes = b""
+        self.server = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            client, _ = self.server.accept()
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
+        seen = 0
+        try:
+            while data := src.recv(65536):
+                if upstream:
+                    self.client_bytes += data[:200]  # enough to read request lines
+                    if self.flip_at is not None and seen <= self.flip_at < seen + len(data):
+                        i = self.flip_at - seen
+                        data = data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1 :]
+                    seen += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass  # either side hung up
+        finally:
+            dst.close()
+
+
+def big_file(path: Path, size: int = 9 << 20) -> Path:
+    path.write_bytes(os.urandom(size))
+    return path
+
+
+def test_large_checkpoint_goes_up_resumable_and_verified(gcs, tmp_path: Path) -> None:
+    proxy = FlippingProxy(gcs.port, flip_at=None)
+    os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{proxy.port}"
+    try:
+        store = GCSStore(f"gs://{gcs.make_bucket()}/run")
+        ckpt = big_file(tmp_path / "ckpt.pt")
+        store.put_file(ckpt, "ckpt-00000001.pt", keep=True, once=True)
+    finally:
+        os.environ["STORAGE_EMULATOR_HOST"] = gcs.endpoint
+    assert b"uploadType=resumable" in proxy.client_bytes
+    assert store.matches("ckpt-00000001.pt", ckpt)
+    with pytest.raises(FileExistsError):  # written once
+        store.put_file(ckpt, "ckpt-00000001.pt", keep=True, once=True)
+
+
+def test_upload_corrupted_in_transit_is_detected_and_removed(tmp_path: Path) -> None:
+    binary = ROOT / ".cache" / "bin" / "fake-gcs-server"
+    if not binary.exists():
+        pytest.skip("fake-gcs-server missing")
+    proxy_port = free_port()
+    emulator = GCSEmulator(binary, tmp_path / "gcs", external_port=proxy_port)
+    emulator.start()
+    old = os.environ.get("STORAGE_EMULATOR_HOST")
+    try:
+        os.environ["STORAGE_EMULATOR_HOST"] = emulator.endpoint
+        bucket = emulator.make_bucket()
+        # on the port the emulator advertises, so the resumable session's PUTs cross it too
+        proxy = FlippingProxy(emulator.port, flip_at=5 << 20, port=proxy_port)
+        os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{proxy_port}"
+        store = GCSStore(f"gs://{bucket}/run", retry_seconds=5)
+        ckpt = big_file(tmp_path / "ckpt.pt")
+        with pytest.raises(OSError, match=r"corrupted in transit|differs"):
+            store.put_file(ckpt, "ckpt.pt", keep=True)
+        assert ckpt.exists(), "the local copy is kept"
+        proxy.flip_at = None
+        assert not store.exists("ckpt.pt"), "a corrupted object never stays under its name"
+    finally:
+        os.environ["STORAGE_EMULATOR_HOST"] = old or ""
+        emulator.stop()
+
+
+def _train(args: list, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, ROOT / "train.py", *map(str, args)],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        **kw,
+    )
+
+
+def test_uploads_survive_an_emulator_outage_and_finish_at_exit(gcs, tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [8, 8, 8], "val": [6]})
+    dest = f"gs://{gcs.make_bucket()}/run"
+    gcs.stop()
+    try:
+        proc = _train(
+            [
+                "--data",
+                data,
+                "--output",
+                output,
+                *TINY,
+                "--image-size",
+                "32",
+                "--epochs",
+                "3",
+                "--workers",
+                "1",
+                "--upload",
+                dest,
+                "--upload-retry-seconds",
+                "1",
+                "--flush-timeout",
+                "120",
+            ]
+        )
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("waiting up to"):  # training is done; its uploads wait in the flush
+                gcs.start()
+        proc.wait(timeout=300)
+    finally:
+        if gcs.proc is None:
+            gcs.start()
+    log = "".join(lines)
+    assert proc.returncode == 0, log
+    assert "WARNING: upload of ckpt-00000006.pt" in log and "local copy stays" in log
+    assert sorted(p.name for p in output.glob("ckpt-*.pt")) == [
+        "ckpt-00000006.pt",
+        "ckpt-00000012.pt",
+        "ckpt-00000018.pt",
+    ]
+    store = GCSStore(dest)
+    for name in ("ckpt-00000006.pt", "ckpt-00000012.pt", "ckpt-00000018.pt", "metrics.jsonl", "train.log"):
+        assert store.exists(name), name
+    assert store.matches("ckpt-00000018.pt", output / "ckpt-00000018.pt")
+    assert json.loads(store.read_bytes("latest.json"))["checkpoint"] == "ckpt-00000018.pt"
+
+
+def test_exit_status_says_when_uploads_never_made_it(gcs, tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [8]})
+    dest = f"gs://{gcs.make_bucket()}/run"
+    gcs.stop()
+    try:
+        proc = run_cli(
+            "train.py",
+            "--data",
+            data,
+            "--output",
+            output,
+            *TINY,
+            "--image-size",
+            "32",
+            "--epochs",
+            "1",
+            "--workers",
+            "0",
+            "--upload",
+            dest,
+            "--upload-retry-seconds",
+            "1",
+            "--flush-timeout",
+            "3",
+            check=False,
+        )
+    finally:
+        gcs.start()
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "never uploaded" in proc.stderr and "ckpt-00000002.pt" in proc.stderr
+    assert (output / "ckpt-00000002.pt").exists()
+
+
+def test_sigterm_mid_epoch_then_resume_on_a_fresh_node_from_gcs(gcs, tmp_path: Path) -> None:
+    data = tmp_path / "shards"
+    write_shards(data, {"train": UNEVEN, "val": [6]})
+    dest = f"gs://{gcs.make_bucket()}/run"
+    common = [
+        "--data",
+        data,
+        *TINY,
+        "--image-size",
+        "64",
+        "--epochs",
+        "2",
+        "--workers",
+        "2",
+        "--epoch-mode",
+        "exact",
+        "--log-keys",
+        "--upload",
+        dest,
+        "--resume",
+        "auto",
+    ]
+    first, second = tmp_path / "node1", tmp_path / "node2"
+    proc = _train([*common, "--output", first])
+    metrics = first / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and any(json.loads(r)["step"] >= 15 for r in metrics.read_text().splitlines())):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 75, log
+    pointer = json.loads(GCSStore(dest).read_bytes("latest.json"))
+    stopped_at = pointer["step"]
+    assert 15 <= stopped_at < 24, "stopped inside the second epoch"
+    assert "stopped by a signal" in log
+
+    resumed = run_cli("train.py", *common, "--output", second)  # an empty --output: all from gs://
+    assert f"epoch 2, step {stopped_at}" in resumed.stdout
+    assert torch.load(second / "last.pt", weights_only=True)["step"] == 24
+    steps = [
+        json.loads(r)["step"]
+        for r in (second / "metrics.jsonl").read_text().splitlines()
+        if json.loads(r)["kind"] == "train"
+    ]
+    assert steps == list(range(1, 25)), "the uploaded metrics continue without a gap or a repeat"
+    seen = (first / "keys" / "epoch001-rank0.txt").read_text().split()
+    seen += (second / "keys" / "epoch001-rank0.txt").read_text().split()
+    assert len(seen) == len(set(seen)) == 48, "no training key twice in the interrupted epoch, none missed"
+
+
+def test_upload_sh_twice_uploads_nothing_the_second_time(gcs, tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    (results / "keys").mkdir(parents=True)
+    big_file(results / "ckpt-00000001.pt", 1 << 20)
+    (results / "metrics.jsonl").write_text('{"step": 1}\n')
+    (results / "keys" / "epoch000-rank0.txt").write_text("a\nb\n")
+    dest = f"gs://{gcs.make_bucket()}/results"
+    env = {"STORAGE_EMULATOR_HOST": gcs.endpoint}
+    first = run_cli(ROOT / "upload.sh", results, dest, env=env).stdout
+    assert f"{dest}: 3 uploaded, 0 already there" in first
+    second = run_cli(ROOT / "upload.sh", results, dest, env=env).stdout
+    assert f"{dest}: 0 uploaded, 3 already there" in second
+    (results / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    third = run_cli(ROOT / "upload.sh", results, dest, env=env).stdout
+    assert "uploaded metrics.jsonl" in third and "1 uploaded, 2 already there" in third
+    assert GCSStore(dest).matches("ckpt-00000001.pt", results / "ckpt-00000001.pt")
+    assert file_crc32c(results / "ckpt-00000001.pt")

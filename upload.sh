@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# upload.sh SRC DEST: sync a results directory to gs://bucket/prefix, ais://bucket/prefix or a
+# directory with the project's own uploader (no gsutil), skipping files already there unchanged.
+# Credentials: GOOGLE_APPLICATION_CREDENTIALS / application default credentials (or
+# STORAGE_EMULATOR_HOST); AIS_ENDPOINT and AIS_AUTHN_TOKEN for AIStore.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+python=python3
+[ -x "$here/.venv/bin/python" ] && python=$here/.venv/bin/python
+PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" exec "$python" -m imagenet_ais.upload "$@"
