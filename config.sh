@@ -18,19 +18,39 @@
 : "${AIS_ENDPOINT:=}"
 : "${AIS_ROOT:=.cache/ais}"       # the local playground's configs, data and logs
 
-# Training (train.py options). The demo gets a small model and images that a CPU trains in minutes.
-if [ -z "$DATA" ]; then
-  : "${ARCH:=resnet18}" "${EPOCHS:=8}" "${BATCH_SIZE:=32}" "${IMAGE_SIZE:=64}" "${LR:=0.4}" "${WARMUP_EPOCHS:=1}"
-fi
-: "${ARCH:=resnet50}"
-: "${EPOCHS:=90}"
-: "${BATCH_SIZE:=256}"            # per process
-: "${IMAGE_SIZE:=224}"
-: "${LR:=0.1}"                    # per 256 images, scaled by the global batch
-: "${WARMUP_EPOCHS:=5}"
+# Training (train.py options). Empty = ImageNet defaults, or the demo's (small model and images
+# a CPU trains in minutes) when the demo data is used: ARCH resnet50 (demo resnet18), EPOCHS 90 (8),
+# BATCH_SIZE 256 (32) per process, IMAGE_SIZE 224 (64), LR 0.1 (0.4) per 256 images, WARMUP_EPOCHS 5 (1).
+: "${ARCH:=}" "${EPOCHS:=}" "${BATCH_SIZE:=}" "${IMAGE_SIZE:=}" "${LR:=}" "${WARMUP_EPOCHS:=}"
 : "${EPOCH_MODE:=resampled}"      # resampled | exact
 : "${WORKERS:=}"                  # DataLoader workers per process; empty = CPU cores / processes, at most 8
 : "${NPROC:=2}"                   # processes for ./run local2
 : "${OUTPUT:=}"                   # run directory; empty = runs/<verb>
 : "${UPLOAD:=}"                   # gs://, ais:// or a directory: checkpoints, metrics and log are uploaded there too
 : "${TRAIN_EXTRA:=}"              # more train.py options, split on spaces
+
+# Container (./run build, push, shell, docker2)
+: "${BASE_IMAGE:=nvcr.io/nvidia/pytorch:25.12-py3}"  # NGC PyTorch: torch, torchvision, CUDA, NCCL, DALI
+: "${REGISTRY:=nvcr.io}"
+: "${NGC_ORG:=${NGC_CLI_ORG:-}}"  # your NGC org (the registry path and job submission)
+: "${NGC_TEAM:=${NGC_CLI_TEAM:-}}"
+: "${IMAGE_NAME:=imagenet-ais}"
+: "${IMAGE_TAG:=latest}"
+: "${IMAGE:=$REGISTRY/${NGC_ORG:-local}/${NGC_TEAM:+$NGC_TEAM/}$IMAGE_NAME:$IMAGE_TAG}"
+: "${RESULTS:=runs/docker}"       # host directory mounted at /results by shell and docker2
+: "${DOCKER_GPUS:=all}"           # docker run --gpus
+
+# NGC Base Command (./run singlenode, ais, tail, killall)
+: "${NGC_ACE:=${NGC_CLI_ACE:-}}"
+: "${NGC_INSTANCE:=dgxa100.80g.8.norm}"
+: "${NGC_GPUS:=8}"                # GPUs per node of that instance (processes per node)
+: "${NGC_REPLICAS:=2}"            # nodes for ./run ais
+: "${NGC_TOTAL_RUNTIME:=8H}"      # multinode wall-clock limit, [nD][nH][nM][nS]
+: "${NGC_RESULT_DIR:=/results}"
+: "${NGC_PREEMPT:=RESUMABLE}"     # RESUMABLE: a preempted job restarts and resumes from its checkpoint
+: "${NGC_LABEL:=imagenet_ais}"    # marks this project's jobs (killall touches only these)
+: "${NGC_JOB_NAME:=imagenet-ais}"
+: "${NGC_DATA:=}"                 # DATA inside the job (a mounted dataset path, gs://...); ais uses AIS_BUCKET
+: "${NGC_MOUNTS:=}"               # extra ngc flags, e.g. "--datasetid 123:/data --workspace ws:/ws:RO"
+: "${NGC_SECRETS:=}"              # NGC secret specs NAME[:KEY[:ALIAS]] (credentials never go on the command line)
+: "${AIS_BUCKET:=}"               # ./run ais trains from ais://$AIS_BUCKET at AIS_ENDPOINT

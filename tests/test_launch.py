@@ -1,0 +1,237 @@
+"""./run's container and NGC verbs: dry-run command lines, a recording ngc stand-in, the node
+entry script, and real 2-process CPU runs of local2 and of the entry script."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, run_cli, write_shards
+
+SECRET = "s3cr3t-token-value"
+
+
+def dry(*args: str, env: dict | None = None) -> list[list[str]]:
+    """The commands ./run -n prints (pip lines of a venv refresh left out)."""
+    out = run_cli(ROOT / "run", "-n", *args, env={"AIS_AUTHN_TOKEN": SECRET, **(env or {})}).stdout
+    assert SECRET not in out
+    return [shlex.split(line) for line in out.splitlines() if line and "pip install" not in line]
+
+
+def flag(cmd: list[str], name: str) -> list[str]:
+    return [cmd[i + 1] for i, a in enumerate(cmd) if a == name]
+
+
+def test_build_and_push() -> None:
+    env = {
+        "NGC_ORG": "myorg",
+        "NGC_TEAM": "vision",
+        "IMAGE_TAG": "v3",
+        "BASE_IMAGE": "nvcr.io/nvidia/pytorch:26.01-py3",
+    }
+    assert dry("build", env=env)[-1] == [
+        "docker",
+        "build",
+        "--build-arg",
+        "BASE_IMAGE=nvcr.io/nvidia/pytorch:26.01-py3",
+        "-t",
+        "nvcr.io/myorg/vision/imagenet-ais:v3",
+        ".",
+    ]
+    assert dry("push", env=env)[-1] == ["docker", "push", "nvcr.io/myorg/vision/imagenet-ais:v3"]
+
+
+def test_docker2_and_shell_mount_data_and_results(tmp_path: Path) -> None:
+    write_shards(tmp_path / "shards", {"train": [8]})
+    env = {"DATA": str(tmp_path / "shards"), "RESULTS": "runs/t", "AIS_ENDPOINT": "http://ais:1"}
+    cmd = dry("docker2", "--epochs", "1", env=env)[-1]
+    assert cmd[:3] == ["docker", "run", "--rm"] and "--ipc=host" in cmd and flag(cmd, "--gpus") == ["all"]
+    assert f"{tmp_path / 'shards'}:/data:ro" in flag(cmd, "-v") and f"{ROOT}/runs/t:/results" in flag(cmd, "-v")
+    i = cmd.index("torch.distributed.run")
+    assert cmd[i + 1 : i + 4] == ["--standalone", "--nproc-per-node", "2"]
+    assert flag(cmd, "--data") == ["/data"] and flag(cmd, "--output") == ["/results/docker2"]
+    remote = dry("docker2", env={**env, "DATA": "ais://b/p"})[-1]
+    assert flag(remote, "--data") == ["ais://b/p"] and {"AIS_ENDPOINT", "AIS_AUTHN_TOKEN"} <= set(flag(remote, "-e"))
+    shell = dry("shell", env=env)[-1]
+    assert "-it" in shell and f"{ROOT}:/workspace/imagenet-ais" in flag(shell, "-v") and shell[-1] == "bash"
+
+
+def test_singlenode_and_ais_submit_real_ngc_flags() -> None:
+    env = {
+        "NGC_DATA": "/mount/imagenet",
+        "NGC_SECRETS": "gcs-sa ais-token:AIS_AUTHN_TOKEN",
+        "NGC_ORG": "o",
+        "UPLOAD": "gs://ckpt/run",
+        "NGC_MOUNTS": "--datasetid 123:/mount/imagenet",
+    }
+    single = dry("singlenode", env=env)[-1]
+    assert single[:4] == ["ngc", "base-command", "job", "run"]
+    assert flag(single, "--preempt") == ["RESUMABLE"] and flag(single, "--label") == ["imagenet_ais"]
+    assert flag(single, "--secret") == ["gcs-sa", "ais-token:AIS_AUTHN_TOKEN"]
+    assert flag(single, "--datasetid") == ["123:/mount/imagenet"] and flag(single, "--org") == ["o"]
+    assert "--replicas" not in single
+    job = shlex.split(flag(single, "--commandline")[0].split("&&", 1)[1])
+    assert job[:2] == ["bash", "tools/ngc_node.sh"] and flag(job, "--arch") == ["resnet50"]
+    assert flag(job, "--upload") == ["gs://ckpt/run"] and "auto" in flag(job, "--resume")
+
+    multi = dry("ais", env={**env, "AIS_BUCKET": "imagenet", "AIS_ENDPOINT": "http://ais:51080", "NGC_REPLICAS": "4"})[
+        -1
+    ]
+    assert flag(multi, "--replicas") == ["4"] and flag(multi, "--array-type") == ["PYTORCH"]
+    assert flag(multi, "--total-runtime") == ["8H"]
+    assert set(flag(multi, "--env-var")) == {"AIS_ENDPOINT:http://ais:51080", "DATA:ais://imagenet"}
+
+
+def test_missing_tools_get_one_line_each(tmp_path: Path) -> None:
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for tool in ("bash", "dirname", "cat", "sha256sum", "cut", "id", "nproc"):
+        os.symlink(shutil.which(tool), bare / tool)
+    proc = run_cli(ROOT / "run", "build", env={"PATH": str(bare)}, check=False)
+    assert proc.returncode == 1 and proc.stderr.strip().startswith("run: docker not found: install Docker")
+    proc = run_cli(ROOT / "run", "tail", "7", env={"PATH": str(bare)}, check=False)
+    assert proc.returncode == 1 and "ngc not found: install the NGC CLI" in proc.stderr
+
+
+@pytest.fixture
+def fake_ngc(tmp_path: Path) -> dict:
+    state = tmp_path / "ngc.json"
+    return {"PATH": f"{ROOT / 'tests' / 'standins'}:{os.environ['PATH']}", "FAKE_NGC_STATE": str(state)}
+
+
+def test_submit_tail_and_killall_against_the_ngc_stand_in(fake_ngc: dict, tmp_path: Path) -> None:
+    env = {**fake_ngc, "AIS_BUCKET": "imagenet", "AIS_ENDPOINT": "http://ais:51080", "NGC_SECRETS": "ais-token"}
+    last_job = ROOT / ".cache" / "last-job"
+    saved = last_job.read_text() if last_job.exists() else None
+    try:
+        out = run_cli(ROOT / "run", "ais", env=env).stdout
+        assert "submitted NGC job 1000" in out and last_job.read_text().strip() == "1000"
+        followed = run_cli(ROOT / "tools" / "ngc.py", "tail", "--poll", "0", env=env)
+        lines = followed.stdout.splitlines()
+        assert lines[:9] == [f"log line {i}" for i in range(1, 10)], "each log line once, in order"
+        assert lines[-1] == "job 1000 ended: FINISHED_SUCCESS" and "is QUEUED; waiting" in followed.stderr
+    finally:
+        if saved is None:
+            last_job.unlink(missing_ok=True)
+        else:
+            last_job.write_text(saved)
+
+    state = json.loads(Path(env["FAKE_NGC_STATE"]).read_text())
+    for job_id, labels in (("2001", ["imagenet_ais"]), ("2002", ["imagenet_ais"]), ("2003", ["someone_else"])):
+        state["jobs"][job_id] = {
+            "id": int(job_id),
+            "labels": labels,
+            "status": "RUNNING",
+            "infos": 0,
+            "logs": 0,
+            "name": job_id,
+        }
+    Path(env["FAKE_NGC_STATE"]).write_text(json.dumps(state))
+    refused = run_cli(ROOT / "run", "killall", env=env, check=False)  # no tty: the question gets no yes
+    assert refused.returncode == 1
+    killed = run_cli(ROOT / "run", "killall", "--yes", env=env).stdout
+    assert "killed 2001" in killed and "killed 2002" in killed and "2003" not in killed
+    state = json.loads(Path(env["FAKE_NGC_STATE"]).read_text())
+    assert {k: j["status"] for k, j in state["jobs"].items()} == {
+        "1000": "FINISHED_SUCCESS",
+        "2001": "KILLED_BY_USER",
+        "2002": "KILLED_BY_USER",
+        "2003": "RUNNING",
+    }
+    assert all(SECRET not in " ".join(call) for call in state["calls"])
+
+
+def test_node_entry_script_for_two_nodes_dry_run() -> None:
+    env = {
+        "NGC_ARRAY_SIZE": "2",
+        "NGC_ARRAY_INDEX": "1",
+        "NGC_MASTER_ADDR": "10.0.0.7",
+        "NGC_GPUS_PER_NODE": "8",
+        "DRY_RUN": "1",
+    }
+    cmd = shlex.split(run_cli("bash", ROOT / "tools" / "ngc_node.sh", "--data", "ais://b", env=env).stdout)
+    assert cmd[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "8",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "10.0.0.7",
+        "--master-port",
+        "29500",
+        "train.py",
+        "--resume",
+        "auto",
+        "--data",
+        "ais://b",
+    ]
+
+
+def test_node_entry_script_really_trains_one_node_two_processes(tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "results"
+    write_shards(data, {"train": [9, 7, 16], "val": [4]})
+    env = {
+        "NGC_ARRAY_SIZE": "1",
+        "NGC_ARRAY_INDEX": "0",
+        "NGC_MASTER_ADDR": "127.0.0.1",
+        "NGC_GPUS_PER_NODE": "2",
+        "TRAIN_PYTHON": str(Path(os.sys.executable)),
+        "MASTER_PORT": str(29500 + os.getpid() % 1000),
+        "OMP_NUM_THREADS": "1",
+    }
+    run_cli(
+        "bash",
+        ROOT / "tools" / "ngc_node.sh",
+        "--data",
+        data,
+        "--output",
+        output,
+        "--arch",
+        "resnet18",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--epochs",
+        "1",
+        "--workers",
+        "1",
+        env=env,
+    )
+    state = torch.load(output / "last.pt", weights_only=True)
+    assert state["step"] == 4 and len(state["rng"]) == 2  # 32 samples / (2 ranks × 4)
+
+
+def test_local2_really_runs_two_cpu_processes(tmp_path: Path) -> None:
+    data = tmp_path / "shards"
+    write_shards(data, {"train": [10, 14], "val": [4]})
+    env = {
+        "DATA": str(data),
+        "OUTPUT": str(tmp_path / "run"),
+        "ARCH": "resnet18",
+        "IMAGE_SIZE": "32",
+        "BATCH_SIZE": "4",
+        "EPOCHS": "1",
+        "WORKERS": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    run_cli(ROOT / "run", "local2", "--max-steps", "2", env=env)
+    state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert state["step"] == 2 and len(state["rng"]) == 2
+
+
+def test_dockerfile_is_hadolint_clean_and_context_has_no_secrets() -> None:
+    proc = run_cli(Path(os.sys.executable).parent / "hadolint", ROOT / "Dockerfile", check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for pattern in (".git", ".venv", "config.local.sh", "**/*credentials*", "**/*.key"):
+        assert pattern in ignored
