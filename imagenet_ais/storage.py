@@ -40,7 +40,25 @@ def _same_bytes(store: Store, name: str, path: Path) -> bool:
     return stream_sha256(store.open(name)) == stream_sha256(path.open("rb"))
 
 
-class LocalStore:
+class _StoreBase:
+    """What every store does the same way on top of its own primitives."""
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        tmp = self.scratch_file(name)
+        tmp.write_bytes(data)
+        self.put_file(tmp, name)
+
+    def scratch_file(self, name: str) -> Path:
+        """A new empty temp file to build ``name`` in before it goes up."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{Path(name).name}.", suffix=".partial")
+        os.close(fd)
+        return Path(tmp)
+
+    def matches(self, name: str, path: Path) -> bool:
+        return _same_bytes(self, name, path)
+
+
+class LocalStore(_StoreBase):
     """A directory on a local or mounted file system."""
 
     def __init__(self, root: str | os.PathLike[str]):
@@ -79,11 +97,6 @@ class LocalStore:
     def read_bytes(self, name: str) -> bytes:
         return self._path(name).read_bytes()
 
-    def write_bytes(self, name: str, data: bytes) -> None:
-        tmp = self.scratch_file(name)
-        tmp.write_bytes(data)
-        self.put_file(tmp, name)
-
     def put_file(self, src: Path, name: str, *, keep: bool = False, once: bool = False) -> None:
         """Publish ``src`` under ``name`` atomically (fsync, then rename; with once, link)."""
         dest = self._path(name)
@@ -118,11 +131,8 @@ class LocalStore:
         os.close(fd)
         return Path(tmp)
 
-    def matches(self, name: str, path: Path) -> bool:
-        return _same_bytes(self, name, path)
 
-
-class AISStore:
+class AISStore(_StoreBase):
     """``ais://bucket[/prefix]`` on the AIStore cluster at ``AIS_ENDPOINT`` (token: ``AIS_AUTHN_TOKEN``).
 
     Reads stream through the SDK and resume an interrupted GET where it broke off; writes are
@@ -187,11 +197,6 @@ class AISStore:
     def read_bytes(self, name: str) -> bytes:
         return self._obj(name).get_reader().read_all()
 
-    def write_bytes(self, name: str, data: bytes) -> None:
-        tmp = self.scratch_file(name)
-        tmp.write_bytes(data)
-        self.put_file(tmp, name)
-
     def put_file(self, src: Path, name: str, *, keep: bool = False, once: bool = False) -> None:
         """Upload, then read back and compare size and SHA-256; a bad copy is deleted.
 
@@ -230,16 +235,8 @@ class AISStore:
                 upload.abort()
             raise
 
-    def scratch_file(self, name: str) -> Path:
-        fd, tmp = tempfile.mkstemp(prefix=f".{Path(name).name}.", suffix=".partial")
-        os.close(fd)
-        return Path(tmp)
 
-    def matches(self, name: str, path: Path) -> bool:
-        return _same_bytes(self, name, path)
-
-
-class GCSStore:
+class GCSStore(_StoreBase):
     """``gs://bucket[/prefix]`` through google-cloud-storage.
 
     Credentials come from ``GOOGLE_APPLICATION_CREDENTIALS`` / application default credentials,
@@ -299,11 +296,6 @@ class GCSStore:
     def read_bytes(self, name: str) -> bytes:
         return self._blob(name).download_as_bytes(retry=self.retry)
 
-    def write_bytes(self, name: str, data: bytes) -> None:
-        tmp = self.scratch_file(name)
-        tmp.write_bytes(data)
-        self.put_file(tmp, name)
-
     def put_file(self, src: Path, name: str, *, keep: bool = False, once: bool = False) -> None:
         from google.api_core.exceptions import PreconditionFailed
         from google.resumable_media.common import DataCorruption
@@ -326,11 +318,6 @@ class GCSStore:
         finally:
             if not keep:
                 src.unlink(missing_ok=True)
-
-    def scratch_file(self, name: str) -> Path:
-        fd, tmp = tempfile.mkstemp(prefix=f".{Path(name).name}.", suffix=".partial")
-        os.close(fd)
-        return Path(tmp)
 
     def matches(self, name: str, path: Path) -> bool:
         blob = self.bucket.get_blob(self.prefix + name, retry=self.retry)
