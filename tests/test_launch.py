@@ -27,6 +27,26 @@ def flag(cmd: list[str], name: str) -> list[str]:
     return [cmd[i + 1] for i, a in enumerate(cmd) if a == name]
 
 
+def test_dry_run_of_the_other_verbs() -> None:
+    assert dry("shards", "summary", "some/dir")[-1] == [".venv/bin/python", "imagenet_shards.py", "summary", "some/dir"]
+    assert dry("tail", "42")[-2:] == [
+        ["ngc", "base-command", "job", "info", "42", "--format_type", "json"],
+        ["ngc", "base-command", "job", "log", "42", "--tail", "--lines", "200"],
+    ]
+    listing, kill = dry("killall")[-2:]
+    assert listing[:6] == ["ngc", "base-command", "job", "list", "--label", "imagenet_ais"]
+    assert kill[:4] == ["ngc", "base-command", "job", "kill"]
+    assert dry("ais-up", "--targets", "2")[-1][1:] == [
+        "tools/ais_local.py",
+        "--root",
+        ".cache/ais",
+        "up",
+        "--targets",
+        "2",
+    ]
+    assert dry("ais-down")[-1][1:] == ["tools/ais_local.py", "--root", ".cache/ais", "down"]
+
+
 def test_build_and_push() -> None:
     env = {
         "NGC_ORG": "myorg",
