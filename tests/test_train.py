@@ -250,3 +250,50 @@ def test_step_checkpoints_are_pruned_to_keep_last(tmp_path: Path) -> None:
     assert (output / "last.pt").samefile(output / "ckpt-00000024.pt")
     state = torch.load(output / "ckpt-00000020.pt", weights_only=True)
     assert (state["epoch"], state["step_in_epoch"]) == (1, 8)
+
+
+def test_sigterm_to_torchrun_saves_both_ranks_mid_epoch_and_resumes(tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [40, 40, 48], "val": [4]})  # 16 steps per epoch at 2 ranks × 4
+    args = [
+        "--data",
+        data,
+        "--output",
+        output,
+        *TINY,
+        "--image-size",
+        "48",
+        "--epochs",
+        "2",
+        "--workers",
+        "1",
+        "--epoch-mode",
+        "exact",
+        "--log-keys",
+        "--log-every",
+        "1",
+        "--resume",
+        "auto",
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", ROOT / "train.py"]
+    proc = subprocess.Popen(
+        [*map(str, cmd), *map(str, args)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 300
+    while not ((output / "metrics.jsonl").exists() and any(r["step"] >= 19 for r in metrics(output))):
+        assert proc.poll() is None and time.monotonic() < deadline, "run ended before the signal"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both ranks
+    proc.wait(timeout=300)
+    state = torch.load(output / "last.pt", weights_only=True)
+    assert state["epoch"] == 1 and 0 < state["step_in_epoch"] < 16, "saved inside the second epoch"
+    assert len(state["data_position"]) == 2
+
+    run_cli(*map(str, cmd), *map(str, args), env={"OMP_NUM_THREADS": "1"})
+    assert torch.load(output / "last.pt", weights_only=True)["step"] == 32
+    seen = [k for r in range(2) for k in (output / "keys" / f"epoch001-rank{r}.txt").read_text().split()]
+    assert len(seen) == len(set(seen)) == 128, "the interrupted epoch: every key once across the restart"
