@@ -35,6 +35,15 @@ def run_cli(*args: str | Path, check: bool = True, env: dict[str, str] | None = 
     return proc
 
 
+def wait_until(proc: subprocess.Popen, ready, what: str, timeout: float = 300, poll: float = 0.02) -> None:
+    """Poll ``ready()`` while ``proc`` runs; fail with ``what`` if it ends first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"{what}: the process ended first"
+        assert time.monotonic() < deadline, f"{what}: not after {timeout:.0f}s"
+        time.sleep(poll)
+
+
 @pytest.fixture(scope="session")
 def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """6 classes × 12 train (with CMYK, gray, PNG quirks) + 3 bad files, 4 val per class."""

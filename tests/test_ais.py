@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, wait_until
 
 from imagenet_ais.storage import AISStore
 
@@ -103,10 +103,7 @@ def test_training_survives_a_killed_and_restarted_target(tree: Path, ais, env: d
         text=True,
     )
     metrics = output / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
-        time.sleep(0.1)
+    wait_until(proc, lambda: metrics.exists() and metrics.read_text().count("\n") >= 3, "3 training steps")
     target = next(n for n in ais.nodes() if n.role == "target")
     ais.stop_node(target, signal.SIGKILL)
     time.sleep(3)  # the run goes on reading into a dead target for a while
@@ -132,10 +129,8 @@ def test_killed_upload_resumes_to_exactly_the_manifest_shards(tree: Path, env: d
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    deadline = time.monotonic() + 120
-    while len([n for n in objects(url) if n.endswith(".tar")]) < 5:  # uploaded as each shard finishes
-        assert proc.poll() is None and time.monotonic() < deadline, "conversion ended before it could be killed"
-        time.sleep(0.05)
+    # uploaded as each shard finishes
+    wait_until(proc, lambda: len([n for n in objects(url) if n.endswith(".tar")]) >= 5, "5 shards uploaded")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert "manifest.json" not in objects(url)

@@ -10,10 +10,9 @@ import signal
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, wait_until
 from PIL import Image
 
 from imagenet_ais.synth import wnid
@@ -102,10 +101,7 @@ def test_killed_conversion_leaves_no_partial_shard_and_resumes(tree: Path, tmp_p
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    deadline = time.monotonic() + 60
-    while len(list(dest.glob("imagenet-*.tar"))) < 10:
-        assert proc.poll() is None and time.monotonic() < deadline, "conversion ended before it could be killed"
-        time.sleep(0.002)
+    wait_until(proc, lambda: len(list(dest.glob("imagenet-*.tar"))) >= 10, "10 shards written", poll=0.002)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 

@@ -7,13 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli, write_shards
+from conftest import ROOT, run_cli, wait_until, write_shards
 
 from imagenet_ais import synth
 
@@ -128,10 +127,7 @@ def test_killed_run_resumes_from_its_last_epoch(tmp_path: Path) -> None:
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    deadline = time.monotonic() + 300
-    while not (output / "last.pt").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "run ended before its first checkpoint"
-        time.sleep(0.05)
+    wait_until(proc, (output / "last.pt").exists, "a first checkpoint")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     done = torch.load(output / "last.pt", weights_only=True)
@@ -283,10 +279,9 @@ def test_sigterm_to_torchrun_saves_both_ranks_mid_epoch_and_resumes(tmp_path: Pa
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 300
-    while not ((output / "metrics.jsonl").exists() and any(r["step"] >= 19 for r in metrics(output))):
-        assert proc.poll() is None and time.monotonic() < deadline, "run ended before the signal"
-        time.sleep(0.02)
+    wait_until(
+        proc, lambda: (output / "metrics.jsonl").exists() and any(r["step"] >= 19 for r in metrics(output)), "step 19"
+    )
     proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both ranks
     proc.wait(timeout=300)
     state = torch.load(output / "last.pt", weights_only=True)

@@ -10,12 +10,11 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, GCSEmulator, free_port, run_cli, write_shards
+from conftest import ROOT, GCSEmulator, free_port, run_cli, wait_until, write_shards
 
 from imagenet_ais.storage import GCSStore, file_crc32c
 
@@ -223,10 +222,11 @@ def test_sigterm_mid_epoch_then_resume_on_a_fresh_node_from_gcs(gcs, tmp_path: P
     first, second = tmp_path / "node1", tmp_path / "node2"
     proc = _train([*common, "--output", first])
     metrics = first / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and any(json.loads(r)["step"] >= 15 for r in metrics.read_text().splitlines())):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-        time.sleep(0.02)
+    wait_until(
+        proc,
+        lambda: metrics.exists() and any(json.loads(r)["step"] >= 15 for r in metrics.read_text().splitlines()),
+        "step 15",
+    )
     proc.send_signal(signal.SIGTERM)
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode == 75, log
