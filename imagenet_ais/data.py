@@ -196,8 +196,9 @@ class ShardStream(IterableDataset):
         s, epoch = self.spec, self.epoch.value
         if self.mode == "resampled":
             rng = random.Random(f"resampled:{s.seed}:{epoch}:{s.rank}:{worker}")
+            cumulative = list(itertools.accumulate(s.counts))
             while True:
-                shard = rng.choices(range(len(s.counts)), weights=s.counts)[0]
+                shard = rng.choices(range(len(s.counts)), cum_weights=cumulative)[0]
                 yield Piece(shard, 0, s.counts[shard])
         if self.mode == "exact":
             mine = exact_assignment(s.counts, s.world, s.batch, s.seed, epoch)[0][s.rank]

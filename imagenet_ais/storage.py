@@ -33,6 +33,29 @@ class Store(Protocol):
     def matches(self, name: str, path: Path) -> bool: ...  # the object exists with path's exact bytes
 
 
+def _checked(name: str, url: str) -> str:
+    """An object name relative to a location: no absolute paths, no way out of it."""
+    if not name or name.startswith("/") or ".." in name.split("/"):
+        raise ValueError(f"invalid object name {name!r} in {url}")
+    return name
+
+
+def _bucket_and_prefix(url: str, scheme: str) -> tuple[str, str]:
+    """``scheme://bucket[/prefix]`` → (bucket, "prefix/" or "")."""
+    found, _, rest = url.partition("://")
+    bucket, _, prefix = rest.partition("/")
+    if found != scheme or not bucket:
+        raise ValueError(f"bad storage URL {url!r}: expected {scheme}://bucket[/prefix]")
+    prefix = prefix.strip("/")
+    return bucket, f"{prefix}/" if prefix else ""
+
+
+def _blocks(stream: BinaryIO):
+    """Everything left in ``stream``, 1 MiB at a time; the stream is closed afterwards."""
+    with stream:
+        yield from iter(lambda: stream.read(1 << 20), b"")
+
+
 def _same_bytes(store: Store, name: str, path: Path) -> bool:
     """By size, then SHA-256 of both (for stores that keep no comparable checksum)."""
     if not store.exists(name) or store.size(name) != path.stat().st_size:
@@ -66,9 +89,7 @@ class LocalStore(_StoreBase):
         self.url = str(self.root)
 
     def _path(self, name: str) -> Path:
-        if not name or name.startswith("/") or ".." in Path(name).parts:
-            raise ValueError(f"invalid object name {name!r} in {self.url}")
-        return self.root / name
+        return self.root / _checked(name, self.url)
 
     def exists(self, name: str) -> bool:
         return self._path(name).is_file()
@@ -146,22 +167,16 @@ class AISStore(_StoreBase):
     def __init__(self, url: str):
         from aistore.sdk import Client  # imported here: local-only runs never need the SDK
 
-        scheme, _, rest = url.partition("://")
-        bucket, _, prefix = rest.partition("/")
-        if scheme != "ais" or not bucket:
-            raise ValueError(f"bad AIStore URL {url!r}: expected ais://bucket[/prefix]")
+        bucket, self.prefix = _bucket_and_prefix(url, "ais")
         endpoint = os.environ.get("AIS_ENDPOINT")
         if not endpoint:
             raise ValueError(f"{url}: set AIS_ENDPOINT to the cluster's URL (e.g. http://aistore-proxy:51080)")
         self.url = url.rstrip("/")
-        self.prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
         self.bucket = Client(endpoint, token=os.environ.get("AIS_AUTHN_TOKEN") or None).bucket(bucket)
         self._bucket_ready = False
 
     def _obj(self, name: str):
-        if not name or name.startswith("/") or ".." in name.split("/"):
-            raise ValueError(f"invalid object name {name!r} in {self.url}")
-        return self.bucket.object(self.prefix + name)
+        return self.bucket.object(self.prefix + _checked(name, self.url))
 
     def exists(self, name: str) -> bool:
         try:
@@ -250,10 +265,7 @@ class GCSStore(_StoreBase):
         from google.auth.exceptions import DefaultCredentialsError
         from google.cloud import storage
 
-        scheme, _, rest = url.partition("://")
-        bucket, _, prefix = rest.partition("/")
-        if scheme != "gs" or not bucket:
-            raise ValueError(f"bad GCS URL {url!r}: expected gs://bucket[/prefix]")
+        bucket, self.prefix = _bucket_and_prefix(url, "gs")
         try:
             self.client = storage.Client()
         except DefaultCredentialsError as e:
@@ -262,15 +274,12 @@ class GCSStore(_StoreBase):
                 "`gcloud auth application-default login`, or set STORAGE_EMULATOR_HOST for an emulator"
             ) from e
         self.url = url.rstrip("/")
-        self.prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
         self.bucket = self.client.bucket(bucket)
         # every call here is idempotent (uploads are whole-object), so retry them all, with backoff
         self.retry = Retry(initial=1.0, maximum=16.0, multiplier=2.0, timeout=retry_seconds, predicate=_gcs_transient)
 
     def _blob(self, name: str):
-        if not name or name.startswith("/") or ".." in name.split("/"):
-            raise ValueError(f"invalid object name {name!r} in {self.url}")
-        return self.bucket.blob(self.prefix + name)
+        return self.bucket.blob(self.prefix + _checked(name, self.url))
 
     def exists(self, name: str) -> bool:
         return self._blob(name).exists(retry=self.retry)
@@ -351,9 +360,8 @@ def file_crc32c(path: Path) -> str:
     import google_crc32c
 
     checksum = google_crc32c.Checksum()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            checksum.update(block)
+    for block in _blocks(path.open("rb")):
+        checksum.update(block)
     return base64.b64encode(checksum.digest()).decode()
 
 
@@ -367,9 +375,8 @@ def _not_found(e: Exception) -> bool:
 def stream_sha256(stream: BinaryIO) -> str:
     """SHA-256 of everything left in ``stream``, which is closed afterwards."""
     h = hashlib.sha256()
-    with stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            h.update(block)
+    for block in _blocks(stream):
+        h.update(block)
     return h.hexdigest()
 
 

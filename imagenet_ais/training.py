@@ -323,7 +323,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
             uploader.submit(path, checkpoint_step=global_step)
             for name in (METRICS, LOG):
                 if (output / name).exists():
-                    uploader.submit_copy(output / name)
+                    uploader.submit(output / name)
 
     def finish(outcome: dict[str, Any]) -> dict[str, Any]:
         stop.restore()

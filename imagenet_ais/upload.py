@@ -41,29 +41,26 @@ class Uploader:
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.failed: list[Job] = []
         self.pointer_step = -1
-        self.uploaded: list[str] = []
         self.in_flight: Job | None = None
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="uploader", daemon=True)
         self.thread.start()
 
     # called from the training thread ------------------------------------------------------
-    def submit(self, path: Path, name: str | None = None, *, checkpoint_step: int | None = None) -> None:
-        """Queue ``path`` as it is now. Checkpoints (with their step) are written once."""
-        snapshot = self.store.scratch_file(name or path.name)
-        snapshot.unlink()
-        try:  # a hard link: free, and the checkpoint may be pruned locally before it is uploaded
-            os.link(path, snapshot)
-        except OSError:
-            shutil.copyfile(path, snapshot)  # another file system, or a file still being appended to
-        once = checkpoint_step is not None
-        self.jobs.put(Job(snapshot, name or path.name, once, checkpoint_step))
-
-    def submit_copy(self, path: Path, name: str | None = None) -> None:
-        """Queue a snapshot copy of a file that keeps growing (metrics, logs)."""
-        snapshot = self.store.scratch_file(name or path.name)
-        shutil.copyfile(path, snapshot)
-        self.jobs.put(Job(snapshot, name or path.name, once=False))
+    def submit(self, path: Path, *, checkpoint_step: int | None = None) -> None:
+        """Queue ``path`` as it is now. Checkpoints (with their step) are written once and
+        snapshotted by hard link (free, and safe from local pruning); growing files (metrics,
+        logs) by copy."""
+        snapshot = self.store.scratch_file(path.name)
+        if checkpoint_step is None:
+            shutil.copyfile(path, snapshot)
+        else:
+            snapshot.unlink()
+            try:
+                os.link(path, snapshot)
+            except OSError:  # another file system
+                shutil.copyfile(path, snapshot)
+        self.jobs.put(Job(snapshot, path.name, checkpoint_step is not None, checkpoint_step))
 
     def flush(self, timeout: float) -> list[str]:
         """Wait up to ``timeout`` s for everything queued, retrying failures; the names that never made it."""
@@ -81,12 +78,10 @@ class Uploader:
     # the upload thread ------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            job = self.jobs.get()
+            job = self.jobs.get()  # None: a flush, just one more round for the failures
             try:
-                if job is None:  # a flush: one more round for the failures
-                    self._retry_failed()
-                else:
-                    self._retry_failed()
+                self._retry_failed()
+                if job is not None:
                     self._upload(job)
             finally:
                 self.jobs.task_done()
@@ -104,7 +99,7 @@ class Uploader:
                 self.store.put_file(job.snapshot, job.name, keep=True, once=job.once)
             except FileExistsError:
                 # an earlier attempt made it, only its answer was lost: the same bytes are fine
-                if self.store.size(job.name) != job.snapshot.stat().st_size:
+                if not self.store.matches(job.name, job.snapshot):
                     raise
             if job.step is not None and job.step > self.pointer_step:
                 pointer = {"checkpoint": job.name, "step": job.step, "time": time.time()}
@@ -123,8 +118,6 @@ class Uploader:
         finally:
             self.in_flight = None
         job.snapshot.unlink(missing_ok=True)
-        with self.lock:
-            self.uploaded.append(job.name)
 
 
 def sync(src: Path, dest_url: str, retry_seconds: float = 120) -> tuple[list[str], list[str]]:
