@@ -35,9 +35,22 @@ def cli() -> None:
 @click.option("--val-per-class", default=20, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--with-bad", is_flag=True, help="also write a truncated, an empty and a non-image file to train/")
-def synth_cmd(out: Path, classes: int, train_per_class: int, val_per_class: int, seed: int, with_bad: bool) -> None:
+@click.option("--size", type=(int, int), help="fix every picture's WIDTH HEIGHT (ImageNet-like: 500 375)")
+@click.option("--quality", type=click.IntRange(1, 100), help="JPEG quality (ImageNet-like: 95) [default: 75-95]")
+@click.option("--workers", default=os.cpu_count() or 1, show_default=True, type=click.IntRange(min=1))
+def synth_cmd(
+    out: Path,
+    classes: int,
+    train_per_class: int,
+    val_per_class: int,
+    seed: int,
+    with_bad: bool,
+    size: tuple[int, int] | None,
+    quality: int | None,
+    workers: int,
+) -> None:
     """Write a learnable synthetic tree in the ImageNet layout to OUT."""
-    counts = synth.make_tree(out, classes, train_per_class, val_per_class, seed, with_bad)
+    counts = synth.make_tree(out, classes, train_per_class, val_per_class, seed, with_bad, size, quality, workers)
     click.echo(f"{out}: {counts['train']} train and {counts['val']} val files in {classes} classes")
 
 

@@ -25,6 +25,18 @@ from imagenet_ais.training import TrainConfig, train
 @click.option("--amp", default="auto", type=click.Choice(["auto", "bf16", "fp16", "off"]), help="auto: bf16 on GPU")
 @click.option("--channels-last/--no-channels-last", default=None, help="[default: on for GPU]")
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile the model")
+@click.option(
+    "--compile-mode",
+    default="default",
+    type=click.Choice(["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]),
+    help="torch.compile mode (reduce-overhead: CUDA graphs)",
+)
+@click.option(
+    "--decode",
+    default="cpu",
+    type=click.Choice(["cpu", "gpu"]),
+    help="cpu: PIL in the DataLoader workers; gpu: nvJPEG, crop and resize on the GPU",
+)
 @click.option("--seed", default=0)
 @click.option("--resume", help="'auto' (the last checkpoint in --output, if any) or a checkpoint path")
 @click.option("--max-steps", type=click.IntRange(min=1), help="stop after this global step (checkpointed)")

@@ -1,82 +1,231 @@
 #!/usr/bin/env python3
 """Training rate through the real input pipeline against the ceiling, in one run.
 
-(a) ceiling: train.py --synthetic (random batches already on the device);
-(b) end to end: train.py on shards at DATA, same model, batch, image size and steps.
-Prints img/s of both, the fraction of step time spent waiting for data, and (b)/(a).
-Without --data it generates demo-like shards (synthetic ImageNet pictures) first.
+For each model of the preset: (a) the ceiling, ``train.py --synthetic`` (random batches
+already on the device); (b) end to end, ``train.py --data SHARDS`` with CPU and/or GPU
+decoding, same model, batch, image size and compile mode. Prints img/s, the fraction of
+step time spent waiting for data, and (b)/(a); on CUDA also where a batch's time goes
+(nvJPEG decode, crop+resize, H2D copy, PIL decode per core).
+
+Without --data it generates shards first: for the GPU presets ImageNet-like ones (1,000
+classes, 500×375 JPEGs of ~110 KB), for the CPU preset a small demo-like set.
 """
 
 from __future__ import annotations
 
+import io
+import itertools
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from imagenet_ais.transforms import (  # noqa: E402
+    decode_on_cpu,
+    decode_on_device,
+    encode_for_device,
+    join,
+    pack,
+    split,
+)
 
 
-def run(args: list[str], output: Path) -> dict[str, float]:
-    subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args, "--output", str(output)], check=True, stdout=subprocess.DEVNULL
-    )
+@dataclass(frozen=True)
+class Model:
+    arch: str
+    batch: int
+    size: int
+    compile: str | None  # torch.compile mode, None = eager
+    decodes: tuple[str, ...]  # end-to-end variants to run besides the ceiling
+    steps: int  # per measurement (the first windows are dropped as warm-up)
+    e2e_steps: int
+
+
+@dataclass(frozen=True)
+class Preset:
+    classes: int
+    per_class: int
+    picture: tuple[int, int] | None  # fixed (width, height), None = the demo's random sizes
+    quality: int | None
+    models: tuple[Model, ...]
+
+
+PRESETS = {
+    # the development machine: 2 cores, no GPU
+    "cpu": Preset(10, 200, None, None, (Model("resnet18", 32, 64, None, ("cpu",), 60, 60),)),
+    # a GPU machine in two minutes: do both decode paths run?
+    "gpu-smoke": Preset(
+        100,
+        20,
+        (500, 375),
+        95,
+        (Model("resnet50", 256, 224, None, ("gpu", "cpu"), 40, 60),),
+    ),
+    # one H100, 16 cores: part 1 and part 2 fit one device call each
+    "gpu1": Preset(
+        1000,
+        40,
+        (500, 375),
+        95,
+        (Model("resnet50", 256, 224, "default", ("gpu", "cpu"), 300, 1200),),
+    ),
+    "gpu2": Preset(
+        1000,
+        40,
+        (500, 375),
+        95,
+        (
+            Model("resnet50", 256, 224, "reduce-overhead", ("gpu",), 300, 600),
+            Model("resnet18", 512, 224, None, ("gpu", "cpu"), 200, 400),
+        ),
+    ),
+}
+
+
+def make_shards(work: Path, preset: Preset, workers: int) -> str:
+    tree, data = work / "tree", work / "shards"
+    if (data / "manifest.json").exists():
+        return str(data)
+    synth = ["synth", str(tree), "--classes", str(preset.classes), "--train-per-class", str(preset.per_class)]
+    synth += ["--val-per-class", "0", "--workers", str(workers)]
+    if preset.picture:
+        synth += ["--size", *map(str, preset.picture), "--quality", str(preset.quality)]
+    convert = ["convert", str(tree), str(data), "--splits", "train", "--workers", str(workers)]
+    for cmd in (synth, convert):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, str(ROOT / "imagenet_shards.py"), *cmd], check=True, stderr=subprocess.DEVNULL)
+        click.echo(f"  {cmd[0]}: {time.perf_counter() - start:.0f}s", err=True)
+    return str(data)
+
+
+def train(args: list[str], batch: int, output: Path, log: Path) -> dict[str, float]:
+    shutil.rmtree(output, ignore_errors=True)  # a fresh run, not a resumed one
+    with log.open("a") as out:
+        out.write(f"\n$ train.py {' '.join(args)}\n")
+        out.flush()
+        subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), *args, "--output", str(output)],
+            check=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-    steady = [r for r in records if r["kind"] == "train"][1:]  # the first window includes start-up
+    train_records = [r for r in records if r["kind"] == "train"]
+    # steady state: not the first windows (compile, cudnn autotuning, buffer fill), and not a
+    # window that starts an epoch (epoch-end checkpoint, loader restart)
+    windows = [
+        ((r["step"] - prev["step"]) * batch, r)
+        for i, (prev, r) in enumerate(itertools.pairwise(train_records))
+        if i >= 2 and r["epoch"] == prev["epoch"]
+    ]
+    seconds = [images / r["img_per_s"] for images, r in windows]
     return {
-        "img_per_s": sum(r["img_per_s"] for r in steady) / len(steady),
-        "data_wait": sum(r["data_wait"] for r in steady) / len(steady),
+        "img_per_s": sum(images for images, _ in windows) / sum(seconds),
+        "data_wait": sum(r["data_wait"] * s for (_, r), s in zip(windows, seconds, strict=True)) / sum(seconds),
+        "seconds": sum(seconds),
+    }
+
+
+def measure(model: Model, data: str, workers: int, work: Path, log: Path) -> list[tuple[str, dict[str, float]]]:
+    common = ["--arch", model.arch, "--batch-size", str(model.batch), "--image-size", str(model.size)]
+    common += ["--epochs", "1000", "--log-every", "10", "--keep-last", "1"]
+    if model.compile:
+        common += ["--compile", "--compile-mode", model.compile]
+    ceiling = train([*common, "--synthetic", "--max-steps", str(model.steps)], model.batch, work / "ceiling", log)
+    rows = [("ceiling", ceiling)]
+    for decode in model.decodes:
+        args = [*common, "--data", data, "--workers", str(workers), "--decode", decode, "--max-steps"]
+        rows.append((f"{decode} decode", train([*args, str(model.e2e_steps)], model.batch, work / decode, log)))
+    return rows
+
+
+def breakdown(data: str, batch: int, size: int) -> dict[str, float]:
+    """Per-stage rates for one training batch of the shards on this machine's GPU, in img/s."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
+    shard = sorted(Path(data).glob("*.tar"))[0]
+    with shard.open("rb") as stream:
+        samples = group_by_keys(tar_file_expander([{"url": str(shard), "stream": stream}]))
+        jpegs = [s["jpg"] for _, s in zip(range(batch), samples, strict=False)]
+    device = torch.device("cuda")
+    encoded = pack(split(join([encode_for_device(raw, train=True) for raw in jpegs])))
+    pixels = torch.empty(len(jpegs), size, size, 3, dtype=torch.uint8, pin_memory=True)
+
+    def rate(fn: object, repeat: int = 10) -> float:
+        fn()  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        torch.cuda.synchronize()
+        return repeat * len(jpegs) / (time.perf_counter() - start)
+
+    start = time.perf_counter()
+    for raw in jpegs[:64]:
+        decode_on_cpu(raw, size, train=True)
+    pil = 64 / (time.perf_counter() - start)
+    return {
+        "nvJPEG decode": rate(lambda: decode_jpeg(encoded.data, mode=ImageReadMode.RGB, device=device)),
+        "nvJPEG decode + crop/resize/flip/normalise": rate(lambda: decode_on_device(encoded, size, device, True)),
+        "H2D copy of decoded uint8 (pinned)": rate(lambda: pixels.to(device, non_blocking=True)),
+        "PIL decode + crop/resize/flip, 1 core": pil,
     }
 
 
 @click.command()
-@click.option("--data", help="shard location (default: generate synthetic shards)")
-@click.option("--arch", default="resnet50")
-@click.option("--batch-size", default=256)
-@click.option("--image-size", default=224)
-@click.option("--steps", default=200, help="steps per measurement")
-@click.option("--workers", default=8)
-@click.option("--extra", default="", help="more train.py options for both runs, e.g. '--compile'")
-def main(data: str | None, arch: str, batch_size: int, image_size: int, steps: int, workers: int, extra: str) -> None:
+@click.option("--preset", default="cpu", type=click.Choice(list(PRESETS)), show_default=True)
+@click.option("--data", help="shard location (default: generate shards for the preset)")
+@click.option("--work", type=click.Path(file_okay=False, path_type=Path), help="keep shards and runs here")
+@click.option("--workers", default=min(16, os.cpu_count() or 1), show_default=True, help="DataLoader workers")
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), help="also write the numbers here")
+def main(preset: str, data: str | None, work: Path | None, workers: int, json_out: Path | None) -> None:
+    p = PRESETS[preset]
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        if not data:
-            tree, data = work / "tree", str(work / "shards")
-            per_class = max(2, steps * batch_size // 10 // 10)
-            for cmd in (
-                ["synth", str(tree), "--classes", "10", "--train-per-class", str(per_class), "--val-per-class", "1"],
-                ["convert", str(tree), data, "--splits", "train"],
-            ):
-                subprocess.run(
-                    [sys.executable, str(ROOT / "imagenet_shards.py"), *cmd],
-                    check=True,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
+        root = work or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        data = data or make_shards(root, p, workers)
+        log = root / "train-runs.log"
+        results: dict[str, object] = {"preset": preset, "device": _device(), "workers": workers, "models": []}
+        table = io.StringIO()
+        table.write(f"{'model':38} {'variant':12} {'img/s':>8} {'data wait':>10} {'ratio':>6} {'secs':>5}\n")
+        for model in p.models:
+            rows = measure(model, data, workers, root / model.arch, log)
+            ceiling = rows[0][1]["img_per_s"]
+            name = f"{model.arch} bs{model.batch} {model.size}px {model.compile or 'eager'}"
+            for variant, r in rows:
+                ratio = r["img_per_s"] / ceiling
+                table.write(
+                    f"{name:38} {variant:12} {r['img_per_s']:8.1f} {r['data_wait']:10.3f} {ratio:6.3f} "
+                    f"{r['seconds']:5.0f}\n"
                 )
-        common = [
-            "--arch",
-            arch,
-            "--batch-size",
-            str(batch_size),
-            "--image-size",
-            str(image_size),
-            "--max-steps",
-            str(steps),
-            "--epochs",
-            "1000",
-            "--log-every",
-            "10",
-            *extra.split(),
-        ]
-        ceiling = run([*common, "--synthetic"], work / "ceiling")
-        e2e = run([*common, "--data", data, "--workers", str(workers)], work / "e2e")
-    click.echo(f"{'':12} {'img/s':>8} {'data wait':>10}")
-    click.echo(f"{'ceiling':12} {ceiling['img_per_s']:8.1f} {ceiling['data_wait']:10.3f}")
-    click.echo(f"{'end-to-end':12} {e2e['img_per_s']:8.1f} {e2e['data_wait']:10.3f}")
-    click.echo(f"ratio end-to-end / ceiling: {e2e['img_per_s'] / ceiling['img_per_s']:.3f}")
+                results["models"].append({"model": name, "variant": variant, **r, "ratio": ratio})
+        if torch.cuda.is_available():
+            stages = breakdown(data, 256, 224)
+            results["breakdown"] = stages
+            table.write("\nper stage, batch 256 → 224 px (img/s):\n")
+            table.writelines(f"  {k:36} {v:10.0f}\n" for k, v in stages.items())
+        if json_out:
+            json_out.write_text(json.dumps(results, indent=2))
+    click.echo(f"{results['device']}, {workers} workers")
+    click.echo(table.getvalue(), nl=False)
+
+
+def _device() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU ({os.cpu_count()} cores)"
 
 
 if __name__ == "__main__":

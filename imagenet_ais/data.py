@@ -11,15 +11,15 @@ Two epoch modes, both giving every rank the same number of steps so DDP never ha
   permuted line (fewer than one global batch) sit that epoch out, and which ones changes
   with the permutation every epoch.
 
-Workers yield decoded uint8 HWC images (HWC is channels_last once permuted to NCHW on the
-device) in small chunks; the main process shuffles across workers and forms the batches.
-Only image and ``.cls`` members are read: nothing in a shard is ever unpickled.
+Workers yield decoded uint8 HWC images (decode "cpu"), or JPEG bytes plus the crop to take
+(decode "gpu"), in small chunks; the main process shuffles across workers, forms the batches
+and, in a feed thread, makes them ready on the device ahead of the step (see feed.py and
+transforms.py). Only image and ``.cls`` members are read: nothing in a shard is unpickled.
 """
 
 from __future__ import annotations
 
 import functools
-import io
 import itertools
 import math
 import multiprocessing as mp
@@ -32,15 +32,26 @@ from typing import NamedTuple
 
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from torchvision.transforms import RandomResizedCrop
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
+from imagenet_ais.feed import DeviceFeed
 from imagenet_ais.manifest import SplitInfo
 from imagenet_ais.storage import Store, open_store
+from imagenet_ais.transforms import (
+    Encoded,
+    decode_on_cpu,
+    decode_on_device,
+    encode_for_device,
+    join,
+    normalize,
+    pack,
+    split,
+)
 
 IMAGE_EXTS = ("jpg", "jpeg", "png")
-VAL_RESIZE_RATIO = 0.875  # resize to size / 0.875, then centre-crop size (the usual 256 → 224)
+DECODERS = ("cpu", "gpu")
+CPU = torch.device("cpu")
 
 
 class Piece(NamedTuple):
@@ -51,9 +62,16 @@ class Piece(NamedTuple):
     stop: int
 
 
-class Batch(NamedTuple):
-    images: torch.Tensor  # uint8, N × H × W × 3
+class HostBatch(NamedTuple):
+    images: torch.Tensor | Encoded  # uint8 N × H × W × 3 (decode "cpu"), or JPEG bytes and crops
     labels: torch.Tensor  # int64, N
+    keys: list[str]
+    ids: list[tuple[int, int]]  # (shard, sample index) of each sample
+
+
+class Batch(NamedTuple):
+    images: torch.Tensor  # normalised float N × 3 × H × W, on the device
+    labels: torch.Tensor  # int64, N, on the device
     keys: list[str]
 
 
@@ -113,47 +131,6 @@ def _wanted_member(name: str) -> bool:
     return name.rpartition("/")[2].partition(".")[2].lower() in (*IMAGE_EXTS, "cls")
 
 
-def _crop_resize(img: Image.Image, box: tuple[float, float, float, float], size: int) -> Image.Image:
-    """Resize the (left, top, width, height) box of ``img`` to size × size RGB.
-
-    JPEGs are decoded at the smallest DCT scale (1/2, 1/4, 1/8) that still leaves the box at
-    least ``size`` pixels on each side: most of ImageNet's decode time saved, same output
-    resolution.
-    """
-    left, top, width, height = box
-    full_w, full_h = img.size
-    if img.format == "JPEG":
-        shrink = min(width, height) / size
-        if shrink >= 2:
-            img.draft("RGB", (math.ceil(full_w / shrink), math.ceil(full_h / shrink)))
-    sx, sy = full_w / img.size[0], full_h / img.size[1]
-    scaled = (left / sx, top / sy, (left + width) / sx, (top + height) / sy)
-    out = img.resize((size, size), Image.Resampling.BILINEAR, box=scaled)
-    return out if out.mode == "RGB" else out.convert("RGB")
-
-
-def decode_train(data: bytes, size: int) -> torch.Tensor:
-    """RandomResizedCrop (torchvision's parameters) + horizontal flip → uint8 HWC."""
-    img = Image.open(io.BytesIO(data))
-    top, left, height, width = RandomResizedCrop.get_params(img, scale=[0.08, 1.0], ratio=[3 / 4, 4 / 3])
-    out = _crop_resize(img, (left, top, width, height), size)
-    if torch.rand(1).item() < 0.5:
-        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    return _to_tensor(out)
-
-
-def decode_val(data: bytes, size: int) -> torch.Tensor:
-    """Resize the short side to size / 0.875, centre-crop size → uint8 HWC."""
-    img = Image.open(io.BytesIO(data))
-    w, h = img.size
-    side = min(w, h) * VAL_RESIZE_RATIO  # the crop, in original pixels
-    return _to_tensor(_crop_resize(img, ((w - side) / 2, (h - side) / 2, side, side), size))
-
-
-def _to_tensor(img: Image.Image) -> torch.Tensor:
-    return torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(img.size[1], img.size[0], 3)
-
-
 @functools.cache
 def _store(location: str) -> Store:
     """One storage client per process (DataLoader workers each open their own)."""
@@ -172,6 +149,7 @@ class StreamSpec:
     batch: int
     seed: int
     image_size: int
+    decode: str = "cpu"  # or "gpu": workers hand over JPEG bytes, the device decodes
 
 
 class ShardStream(IterableDataset):
@@ -184,6 +162,8 @@ class ShardStream(IterableDataset):
     def __init__(self, spec: StreamSpec, mode: str):
         if mode not in ("resampled", "exact", "val"):
             raise ValueError(f"unknown epoch mode {mode!r}")
+        if spec.decode not in DECODERS:
+            raise ValueError(f"unknown decode {spec.decode!r}: one of {', '.join(DECODERS)}")
         self.spec, self.mode = spec, mode
         self.epoch = mp.Value("q", 0)
         self.skipped = mp.Value("q", 0)  # samples that failed to decode
@@ -235,16 +215,19 @@ class ShardStream(IterableDataset):
             )
             yield from ((i, sample) for i, sample in samples if i not in done)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, int, str, int, int]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        decode = decode_val if self.mode == "val" else decode_train
+        train, size = self.mode != "val", self.spec.image_size
         for piece in self._pieces(worker, workers):
             for index, sample in self._samples(piece):
                 try:
                     data = next(sample[e] for e in IMAGE_EXTS if e in sample)
                     label = int(sample["cls"])
-                    image = decode(data, self.spec.image_size)
+                    if self.spec.decode == "gpu":
+                        image = encode_for_device(data, train)
+                    else:
+                        image = decode_on_cpu(data, size, train)
                 except (StopIteration, KeyError, ValueError, OSError, SyntaxError, Image.DecompressionBombError):
                     self._count(self.skipped)
                     continue
@@ -258,23 +241,74 @@ def _worker_init(_: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _loader(dataset: ShardStream, chunk: int, workers: int, pin: bool) -> DataLoader:
+def _collate_chunk(samples: list[tuple]) -> tuple:
+    """A worker's chunk: pixels, or JPEG bytes, in one tensor (one shared-memory block to pass)."""
+    images, labels, keys, shards, indices = zip(*samples, strict=True)
+    stacked = default_collate(list(images)) if isinstance(images[0], torch.Tensor) else join(list(images))
+    return stacked, labels, keys, shards, indices
+
+
+def _chunk_samples(chunk: tuple) -> list[tuple]:
+    images, *rest = chunk
+    return list(zip(images.unbind(0) if isinstance(images, torch.Tensor) else split(images), *rest, strict=True))
+
+
+def _loader(dataset: ShardStream, chunk: int, workers: int) -> DataLoader:
     return DataLoader(
         dataset,
         batch_size=chunk,
         num_workers=workers,
         persistent_workers=workers > 0,
         prefetch_factor=4 if workers > 0 else None,
-        pin_memory=pin,
+        collate_fn=_collate_chunk,
         worker_init_fn=_worker_init,
     )
+
+
+def _collate(samples: list[tuple], pin: bool) -> HostBatch:
+    """Samples → one host batch; pixels are stacked straight into pinned memory for the copy."""
+    images = [s[0] for s in samples]
+    if isinstance(images[0], torch.Tensor):
+        out = torch.empty((len(images), *images[0].shape), dtype=torch.uint8, pin_memory=pin)
+        batch: torch.Tensor | Encoded = torch.stack(images, out=out)
+    else:
+        batch = pack(images)
+    labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
+    return HostBatch(batch, labels.pin_memory() if pin else labels, [s[2] for s in samples], [s[3:5] for s in samples])
+
+
+class _OnDevice:
+    """Host batch → Batch on the device (run in the feed thread)."""
+
+    def __init__(self, dataset: ShardStream, device: torch.device, channels_last: bool):
+        self.dataset, self.device, self.channels_last = dataset, device, channels_last
+
+    def __call__(self, batch: HostBatch) -> tuple[Batch, list[tuple[int, int]]]:
+        labels, keys = batch.labels, batch.keys
+        if isinstance(batch.images, Encoded):
+            x, rows = decode_on_device(batch.images, self.dataset.spec.image_size, self.device, self.channels_last)
+            if rows:  # samples that failed to decode, replaced by others of the batch
+                with self.dataset.skipped.get_lock():
+                    self.dataset.skipped.value += sum(r != i for i, r in enumerate(rows))
+                labels, keys = labels[rows], [keys[r] for r in rows]
+        else:
+            x = normalize(batch.images, self.device, self.channels_last)
+        return Batch(x, labels.to(self.device, non_blocking=True), keys), batch.ids
 
 
 class TrainLoader:
     """Fixed-length epochs: ``len(self)`` batches of exactly ``batch`` samples, every epoch."""
 
     def __init__(
-        self, split: SplitInfo, location: str, mode: str, spec_kw: dict, workers: int, shuffle_buffer: int, pin: bool
+        self,
+        split: SplitInfo,
+        location: str,
+        mode: str,
+        spec_kw: dict,
+        workers: int,
+        shuffle_buffer: int,
+        device: torch.device = CPU,
+        channels_last: bool = False,
     ):
         counts = [s.samples for s in split.shards]
         if sum(counts) == 0:
@@ -286,9 +320,10 @@ class TrainLoader:
         else:
             self.steps = math.ceil(sum(counts) / (world * batch))
         self.dataset = ShardStream(self.spec, mode)
-        self.loader = _loader(self.dataset, min(batch, 32), workers, pin=False)
+        self.loader = _loader(self.dataset, min(batch, 32), workers)
         self.shuffle_buffer = max(shuffle_buffer, batch)
-        self.pin = pin
+        self.device, self.pin = device, device.type == "cuda"
+        self.to_device = _OnDevice(self.dataset, device, channels_last)
         self.epoch = 0
         self.padded = 0  # samples repeated to fill the epoch's last batches when decodes failed
         self.delivered: dict[int, set[int]] = {}  # this epoch's samples handed to training, by shard
@@ -313,13 +348,20 @@ class TrainLoader:
         self.epoch = position["epoch"]
         self.delivered = {k: set(v) for k, v in delivered.items()}
 
-    def _samples(self) -> Iterator[tuple]:
-        for images, labels, keys, shards, indices in self.loader:
-            yield from zip(images.unbind(0), labels.tolist(), keys, shards.tolist(), indices.tolist(), strict=True)
-
     def __iter__(self) -> Iterator[Batch]:
+        """This epoch's batches on the device; a batch counts as delivered once handed out."""
+        feed = DeviceFeed(self._host_batches(), self.to_device, self.device)
+        try:
+            for batch, ids in feed:
+                for shard, index in ids:
+                    self.delivered.setdefault(shard, set()).add(index)
+                yield batch
+        finally:
+            feed.close()
+
+    def _host_batches(self) -> Iterator[HostBatch]:
         rng = random.Random(f"buffer:{self.spec.seed}:{self.epoch}:{self.spec.rank}")
-        stream = self._samples()
+        stream = (sample for chunk in self.loader for sample in _chunk_samples(chunk))
         buffer: list[tuple] = []
         previous: list[tuple] = []
         for _ in range(self.steps):
@@ -342,38 +384,36 @@ class TrainLoader:
                 picked.append(rng.choice(previous))
                 self.padded += 1
             previous = picked
-            for sample in picked:
-                self.delivered.setdefault(sample[3], set()).add(sample[4])
             yield _collate(picked, self.pin)
-
-
-def _collate(samples: list[tuple], pin: bool) -> Batch:
-    images = torch.stack([s[0] for s in samples])
-    labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
-    if pin:
-        images, labels = images.pin_memory(), labels.pin_memory()
-    return Batch(images, labels, [s[2] for s in samples])
 
 
 class ValLoader:
     """Every validation sample exactly once across ranks (batches may be short)."""
 
-    def __init__(self, split: SplitInfo, location: str, spec_kw: dict, workers: int, pin: bool):
+    def __init__(
+        self,
+        split: SplitInfo,
+        location: str,
+        spec_kw: dict,
+        workers: int,
+        device: torch.device = CPU,
+        channels_last: bool = False,
+    ):
         counts = [s.samples for s in split.shards]
         self.spec = StreamSpec(location, [s.name for s in split.shards], counts, **spec_kw)
         self.dataset = ShardStream(self.spec, "val")
-        self.loader = _loader(self.dataset, self.spec.batch, workers, pin)
+        self.loader = _loader(self.dataset, self.spec.batch, workers)
         self.samples = sum(counts)
+        self.device, self.pin = device, device.type == "cuda"
+        self.to_device = _OnDevice(self.dataset, device, channels_last)
+
+    def _host_batches(self) -> Iterator[HostBatch]:
+        for chunk in self.loader:
+            yield _collate(_chunk_samples(chunk), self.pin)
 
     def __iter__(self) -> Iterator[Batch]:
-        for images, labels, keys, _, _ in self.loader:
-            yield Batch(images, labels, list(keys))
-
-
-def normalize(images: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
-    """uint8 N×H×W×3 on the host → normalised float N×3×H×W on ``device``."""
-    x = images.to(device, non_blocking=True).permute(0, 3, 1, 2).float()
-    mean = torch.tensor([0.485, 0.456, 0.406], device=device).view(1, 3, 1, 1) * 255
-    std = torch.tensor([0.229, 0.224, 0.225], device=device).view(1, 3, 1, 1) * 255
-    x = (x - mean) / std
-    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        feed = DeviceFeed(self._host_batches(), self.to_device, self.device)
+        try:
+            yield from (batch for batch, _ in feed)
+        finally:
+            feed.close()

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from imagenet_ais import checkpoint, distributed, upload
-from imagenet_ais.data import TrainLoader, ValLoader, normalize
+from imagenet_ais.data import TrainLoader, ValLoader
 from imagenet_ais.manifest import load_manifest
 from imagenet_ais.storage import open_store
 
@@ -46,6 +46,8 @@ class TrainConfig:
     amp: str = "auto"  # auto = bf16 on GPU, off on CPU
     channels_last: bool | None = None  # None = on for GPU
     compile: bool = False
+    compile_mode: str = "default"  # torch.compile mode; reduce-overhead adds CUDA graphs
+    decode: str = "cpu"  # or "gpu": nvJPEG + crop/resize on the device (see transforms.py)
     seed: int = 0
     resume: str | None = None
     max_steps: int | None = None
@@ -160,13 +162,11 @@ def autocast(cfg: TrainConfig, device: torch.device):
 
 
 @torch.no_grad()
-def validate(model: nn.Module, loader: ValLoader, cfg: TrainConfig, d: distributed.Dist, cl: bool) -> dict[str, float]:
+def validate(model: nn.Module, loader: ValLoader, cfg: TrainConfig, d: distributed.Dist) -> dict[str, float]:
     """Top-1/top-5 over the whole split: each rank scores its own disjoint share, then sums."""
     model.eval()
     correct1 = correct5 = seen = 0
-    for images, labels, _ in loader:
-        x = normalize(images, d.device, cl)
-        y = labels.to(d.device, non_blocking=True)
+    for x, y, _ in loader:
         with autocast(cfg, d.device):
             logits = model(x)
         top = logits.topk(min(5, logits.shape[1]), dim=1).indices
@@ -197,6 +197,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
     if cuda:
         torch.backends.cudnn.benchmark = True
     cl = cfg.channels_last if cfg.channels_last is not None else cuda
+    say = Reporter(output / LOG if d.main else None).say
 
     val_loader: ValLoader | None = None
     if cfg.synthetic:
@@ -208,19 +209,22 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
         store = open_store(cfg.data)
         manifest = load_manifest(store)
         classes = manifest.classes
+        if cfg.decode == "gpu" and not cuda:
+            say("note: --decode gpu without a GPU decodes in the training process, on the CPU", err=True)
         spec = {
             "world": d.world,
             "rank": d.rank,
             "batch": cfg.batch_size,
             "seed": cfg.seed,
             "image_size": cfg.image_size,
+            "decode": cfg.decode,
         }
         train_loader = TrainLoader(
-            manifest.split("train"), cfg.data, cfg.epoch_mode, spec, cfg.workers, cfg.shuffle_buffer, cuda
+            manifest.split("train"), cfg.data, cfg.epoch_mode, spec, cfg.workers, cfg.shuffle_buffer, d.device, cl
         )
         val_split = manifest.splits.get("val")
         if val_split and val_split.samples:
-            val_loader = ValLoader(val_split, cfg.data, spec, cfg.workers, cuda)
+            val_loader = ValLoader(val_split, cfg.data, spec, cfg.workers, d.device, cl)
 
     raw_model = build_model(cfg.arch, len(classes)).to(d.device)
     if cl:
@@ -233,6 +237,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
         lr=cfg.lr * global_batch / 256,
         momentum=cfg.momentum,
         nesterov=True,
+        fused=cuda,  # one kernel for the whole update instead of a few per tensor
     )
     warmup = min(total_steps, round(cfg.warmup_epochs * steps_per_epoch))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup, total_steps))
@@ -240,7 +245,6 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
 
     start_epoch, global_step, first_step, best_top1 = 0, 0, 0, 0.0
     last_val: dict[str, float] | None = None
-    say = Reporter(output / LOG if d.main else None).say
     resume_path = checkpoint.find(cfg.resume, output)
     if resume_path is None and cfg.resume == "auto" and cfg.upload:
         # a fresh node: continue from what the last run uploaded (one download per node)
@@ -285,7 +289,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
     if d.world > 1:
         model = DistributedDataParallel(raw_model, device_ids=[d.local_rank] if cuda else None)
     if cfg.compile:
-        model = torch.compile(model)
+        model = torch.compile(model, mode=cfg.compile_mode)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     log = MetricsLog(output / METRICS if d.main else None)
     uploader = upload.Uploader(cfg.upload, cfg.upload_retry_seconds) if cfg.upload and d.main else None
@@ -358,12 +362,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
         stopped = False
         for step_in_epoch in range(first_step, steps_per_epoch):
             t0 = time.perf_counter()
-            images, labels, keys = next(batches)
-            if cfg.synthetic:
-                x, y = images, labels
-            else:
-                x = normalize(images, d.device, cl)
-                y = labels.to(d.device, non_blocking=True)
+            x, y, keys = next(batches)
             waited += time.perf_counter() - t0
             with autocast(cfg, d.device):
                 loss = criterion(model(x), y)
@@ -422,7 +421,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
             return finish({"step": global_step, "val": last_val, "complete": False, "exit_code": 0})
         improved = False
         if val_loader is not None:
-            last_val = validate(raw_model, val_loader, cfg, d, cl)
+            last_val = validate(raw_model, val_loader, cfg, d)
             log.write(kind="val", epoch=epoch, step=global_step, **last_val)
             say(
                 f"epoch {epoch + 1}: val top-1 {last_val['top1']:.2f}% top-5 {last_val['top5']:.2f}% "

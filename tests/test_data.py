@@ -20,23 +20,25 @@ from imagenet_ais.data import (
     TrainLoader,
     ValLoader,
     contiguous_assignment,
-    decode_train,
-    decode_val,
     exact_assignment,
     split_among_workers,
 )
 from imagenet_ais.manifest import Manifest
+from imagenet_ais.transforms import decode_on_cpu
 
 UNEVEN = [3, 11, 7, 19, 8]  # 48 samples in 5 shards of unequal sizes
 
 
-def spec(rank: int, world: int, batch: int, size: int = 32) -> dict:
-    return {"world": world, "rank": rank, "batch": batch, "seed": 7, "image_size": size}
+def spec(rank: int, world: int, batch: int, size: int = 32, decode: str = "cpu") -> dict:
+    return {"world": world, "rank": rank, "batch": batch, "seed": 7, "image_size": size, "decode": decode}
 
 
-def loaders(root: Path, manifest: Manifest, mode: str, world: int, batch: int, workers: int) -> list[TrainLoader]:
+def loaders(
+    root: Path, manifest: Manifest, mode: str, world: int, batch: int, workers: int, decode: str = "cpu"
+) -> list[TrainLoader]:
     split = manifest.split("train")
-    return [TrainLoader(split, str(root), mode, spec(r, world, batch), workers, 16, pin=False) for r in range(world)]
+    specs = [spec(r, world, batch, decode=decode) for r in range(world)]
+    return [TrainLoader(split, str(root), mode, s, workers, 16) for s in specs]
 
 
 @pytest.mark.parametrize(("world", "batch"), [(1, 5), (2, 4), (3, 4), (4, 2), (8, 1)])
@@ -73,9 +75,10 @@ def test_fewer_pieces_than_workers_leaves_workers_idle() -> None:
     assert [len(w) for w in split_among_workers(ranks[0], 4)] == [1, 0, 0, 0]
 
 
-def test_exact_mode_two_ranks_see_every_key_once_per_epoch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_exact_mode_two_ranks_see_every_key_once_per_epoch(decode: str, tmp_path: Path) -> None:
     manifest = write_shards(tmp_path, {"train": UNEVEN})
-    ranks = loaders(tmp_path, manifest, "exact", world=2, batch=4, workers=2)
+    ranks = loaders(tmp_path, manifest, "exact", world=2, batch=4, workers=2, decode=decode)
     assert [len(r) for r in ranks] == [6, 6]
     epochs = []
     for epoch in range(2):
@@ -85,8 +88,8 @@ def test_exact_mode_two_ranks_see_every_key_once_per_epoch(tmp_path: Path) -> No
             batches = list(loader)
             assert len(batches) == 6
             for images, labels, batch_keys in batches:
-                assert images.shape == (4, 32, 32, 3) and images.dtype == torch.uint8
-                assert labels.shape == (4,)
+                assert images.shape == (4, 3, 32, 32) and images.dtype == torch.float32
+                assert images.mean().abs() < 3 and labels.shape == (4,)  # normalised
                 keys += batch_keys
         assert sorted(keys) == sorted(f"train-{s}-{i}" for s, n in enumerate(UNEVEN) for i in range(n))
         epochs.append(keys)
@@ -160,8 +163,8 @@ def test_validation_two_ranks_cover_the_split_exactly(tmp_path: Path) -> None:
     split = manifest.split("val")
     keys: list[str] = []
     for rank in range(2):
-        for batch in ValLoader(split, str(tmp_path), spec(rank, 2, 3), workers=2, pin=False):
-            assert batch.images.shape[1:] == (32, 32, 3)
+        for batch in ValLoader(split, str(tmp_path), spec(rank, 2, 3), workers=2):
+            assert batch.images.shape[1:] == (3, 32, 32)
             keys += batch.keys
     assert sorted(keys) == sorted(f"val-{s}-{i}" for s, n in enumerate([5, 2, 9]) for i in range(n))
 
@@ -181,16 +184,16 @@ def test_reduced_scale_decoding_matches_a_full_decode() -> None:
     side = 480 * 0.875
     box = ((640 - side) / 2, (480 - side) / 2, (640 + side) / 2, (480 + side) / 2)
     expected = torch.from_numpy(np.array(full.resize((56, 56), Image.Resampling.BILINEAR, box=box)))
-    got = decode_val(data, 56)
+    got = decode_on_cpu(data, 56, train=False)
     assert got.shape == (56, 56, 3)
     assert (got.int() - expected.int()).abs().float().mean() < 3.0
     torch.manual_seed(0)
-    crops = torch.stack([decode_train(data, 48) for _ in range(20)])
+    crops = torch.stack([decode_on_cpu(data, 48, train=True) for _ in range(20)])
     assert crops.shape == (20, 48, 48, 3) and crops.float().std() > 10
 
 
 def test_gray_jpeg_decodes_to_three_channels() -> None:
     buf = io.BytesIO()
     Image.new("L", (200, 150), 128).save(buf, format="JPEG")
-    assert decode_train(buf.getvalue(), 32).shape == (32, 32, 3)
-    assert decode_val(buf.getvalue(), 32).shape == (32, 32, 3)
+    assert decode_on_cpu(buf.getvalue(), 32, train=True).shape == (32, 32, 3)
+    assert decode_on_cpu(buf.getvalue(), 32, train=False).shape == (32, 32, 3)

@@ -184,7 +184,8 @@ def test_bad_inputs_get_one_line_errors(tmp_path: Path) -> None:
     assert proc.returncode == 1 and "fewer than one global batch" in proc.stderr
 
 
-def test_training_learns_the_synthetic_classes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_training_learns_the_synthetic_classes(decode: str, tmp_path: Path) -> None:
     tree, data, output = tmp_path / "tree", tmp_path / "shards", tmp_path / "run"
     synth.make_tree(tree, classes=4, train_per_class=48, val_per_class=12, seed=3)
     run_cli("imagenet_shards.py", "convert", tree, data, "--maxcount", "40", "--workers", "2")
@@ -208,6 +209,8 @@ def test_training_learns_the_synthetic_classes(tmp_path: Path) -> None:
         "5",
         "--workers",
         "2",
+        "--decode",
+        decode,
     )
     final = [r for r in metrics(output) if r["kind"] == "val"][-1]
     assert final["samples"] == 48

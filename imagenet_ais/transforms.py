@@ -1,0 +1,213 @@
+"""What a training or validation image becomes, on the CPU or on the GPU, with one geometry.
+
+Train: torchvision's RandomResizedCrop parameters (scale 0.08-1, ratio 3/4-4/3), a
+horizontal flip half the time, bilinear resize to size × size. Val: the centre square of side
+0.875 × the short side, resized to size × size (the usual 256 → 224). Then ImageNet mean/std.
+
+- decode "cpu": DataLoader workers decode with PIL (JPEG draft mode when the crop is much
+  larger than the output) and hand over uint8 HWC pixels; the device only normalises.
+- decode "gpu": workers only read the JPEG header to pick the crop, and hand over the encoded
+  bytes; nvJPEG decodes the whole batch on the GPU, which then crops, resizes, flips and
+  normalises. The odd non-RGB or non-JPEG sample is re-encoded as an RGB JPEG in the worker.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.ops import roi_align
+from torchvision.transforms import RandomResizedCrop
+
+SCALE = (0.08, 1.0)
+RATIO = (3 / 4, 4 / 3)
+VAL_RESIZE_RATIO = 0.875
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+PAD_LIMIT = 1024  # device decode: pictures up to this many pixels a side are resized as one batch
+
+
+class Box(NamedTuple):
+    """A crop in original pixels, and whether to mirror it."""
+
+    left: int
+    top: int
+    width: int
+    height: int
+    flip: bool = False
+
+
+class Encoded(NamedTuple):
+    """A batch still in JPEG form: bytes on the host, crops to apply once decoded."""
+
+    data: list[torch.Tensor]  # uint8, 1-d, one JPEG each
+    boxes: torch.Tensor  # int64 N × 5: left, top, width, height, flip
+
+
+def train_box(img: Image.Image) -> Box:
+    """A RandomResizedCrop box for ``img`` (only its size is read) and a coin flip."""
+    top, left, height, width = RandomResizedCrop.get_params(img, scale=list(SCALE), ratio=list(RATIO))
+    return Box(left, top, width, height, bool(torch.rand(1).item() < 0.5))
+
+
+def val_box(img: Image.Image) -> Box:
+    w, h = img.size
+    side = round(min(w, h) * VAL_RESIZE_RATIO)
+    return Box((w - side) // 2, (h - side) // 2, side, side)
+
+
+# --- decode "cpu": PIL in the workers --------------------------------------------------------
+
+
+def decode_on_cpu(data: bytes, size: int, train: bool) -> torch.Tensor:
+    """JPEG/PNG bytes → the cropped, resized (and maybe flipped) uint8 size × size × 3 image."""
+    img = Image.open(io.BytesIO(data))
+    box = train_box(img) if train else val_box(img)
+    out = _crop_resize(img, box, size)
+    if box.flip:
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return torch.frombuffer(bytearray(out.tobytes()), dtype=torch.uint8).view(size, size, 3)
+
+
+def _crop_resize(img: Image.Image, box: Box, size: int) -> Image.Image:
+    """Resize ``box`` of ``img`` to size × size RGB.
+
+    JPEGs are decoded at the smallest DCT scale (1/2, 1/4, 1/8) that still leaves the box at
+    least ``size`` pixels on each side: most of the decode time saved, same output resolution.
+    """
+    full_w, full_h = img.size
+    if img.format == "JPEG":
+        shrink = min(box.width, box.height) / size
+        if shrink >= 2:
+            img.draft("RGB", (math.ceil(full_w / shrink), math.ceil(full_h / shrink)))
+    sx, sy = full_w / img.size[0], full_h / img.size[1]
+    scaled = (box.left / sx, box.top / sy, (box.left + box.width) / sx, (box.top + box.height) / sy)
+    out = img.resize((size, size), Image.Resampling.BILINEAR, box=scaled)
+    return out if out.mode == "RGB" else out.convert("RGB")
+
+
+def normalize(images: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
+    """uint8 N×H×W×3 on the host → normalised float N×3×H×W on ``device``."""
+    x = images.to(device, non_blocking=True).permute(0, 3, 1, 2).float()
+    mean, std = _mean_std(device)
+    x = (x - mean) / std
+    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+@functools.cache
+def _mean_std(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(STD, device=device).view(1, 3, 1, 1) * 255
+    return mean, std
+
+
+# --- decode "gpu": header and crop in the workers, pixels on the device -----------------------
+
+
+def encode_for_device(data: bytes, train: bool) -> tuple[bytes, Box]:
+    """What a worker hands over for device decoding: RGB JPEG bytes and the crop to take."""
+    img = Image.open(io.BytesIO(data))
+    box = train_box(img) if train else val_box(img)
+    if img.format != "JPEG" or img.mode != "RGB":
+        # nvJPEG gets plain RGB JPEGs only: CMYK, grayscale and PNG are rare enough in
+        # ImageNet (well under 2%) to re-encode here rather than branch on the GPU.
+        buf = io.BytesIO()
+        img.convert("RGB").save(buf, format="JPEG", quality=95)
+        data = buf.getvalue()
+    return data, box
+
+
+def join(samples: list[tuple[bytes, Box]]) -> tuple[torch.Tensor, list[int], list[Box]]:
+    """A worker's chunk as one uint8 tensor (one shared-memory block to hand over), sizes, boxes."""
+    blob = torch.frombuffer(bytearray(b"".join(raw for raw, _ in samples)), dtype=torch.uint8)
+    return blob, [len(raw) for raw, _ in samples], [box for _, box in samples]
+
+
+def split(chunk: tuple[torch.Tensor, list[int], list[Box]]) -> list[tuple[torch.Tensor, Box]]:
+    """``join`` undone as views: one uint8 tensor per JPEG, with its box."""
+    blob, sizes, boxes = chunk
+    return list(zip(blob.split(sizes), boxes, strict=True))
+
+
+def pack(samples: list[tuple[torch.Tensor, Box]]) -> Encoded:
+    """Samples from ``split`` → one host batch (the bytes are not copied)."""
+    boxes = torch.tensor([tuple(box) for _, box in samples], dtype=torch.int64).view(-1, 5)
+    return Encoded([data for data, _ in samples], boxes)
+
+
+def decode_on_device(
+    batch: Encoded, size: int, device: torch.device, channels_last: bool
+) -> tuple[torch.Tensor, list[int] | None]:
+    """Decode (nvJPEG on CUDA, libjpeg on CPU), crop, resize, flip and normalise a batch.
+
+    Returns float N×3×size×size on ``device``, and None, or, when some samples failed to
+    decode, which sample each row holds instead (failures replaced by others of the batch).
+    """
+    images, rows = _decode(batch.data, device)
+    boxes = batch.boxes[rows] if rows else batch.boxes
+    out = _resize_crops(images, boxes, size, device)
+    flip = boxes[:, 4].bool().to(device, non_blocking=True).view(-1, 1, 1, 1)
+    out = torch.where(flip, out.flip(-1), out).float()
+    mean, std = _mean_std(device)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return ((out - mean) / std).contiguous(memory_format=fmt), rows
+
+
+def _resize_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: int, device: torch.device) -> torch.Tensor:
+    """Each image's box resized to size × size, as 0-255 floats (N×3×size×size).
+
+    The images are copied into one zero-padded batch and resampled by a single roi_align,
+    which averages ceil(box / size)² bilinear samples per output pixel: a box filter that
+    antialiases like PIL's bilinear does when shrinking. A few launches per batch, not per
+    image. Images over PAD_LIMIT a side (rare) are resized one by one instead, so that one
+    huge picture cannot blow up the padded batch.
+    """
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    out = torch.empty(len(images), 3, size, size, dtype=dtype, device=device)
+    small = [i for i, img in enumerate(images) if max(img.shape[1:]) <= PAD_LIMIT]
+    if small:
+        height = max(images[i].shape[1] for i in small)
+        width = max(images[i].shape[2] for i in small)
+        padded = torch.zeros(len(small), 3, height, width, dtype=dtype, device=device)
+        # one C++ loop over the copies instead of a Python-level launch per image
+        torch._foreach_copy_(
+            [padded[j, :, : images[i].shape[1], : images[i].shape[2]] for j, i in enumerate(small)],
+            [images[i] for i in small],
+        )
+        b = boxes[small].to(torch.float32)
+        rois = torch.stack([torch.arange(len(small)), b[:, 0], b[:, 1], b[:, 0] + b[:, 2], b[:, 1] + b[:, 3]], 1)
+        resized = roi_align(padded, rois.to(device, dtype), (size, size), sampling_ratio=-1, aligned=True)
+        if len(small) == len(images):
+            return resized
+        out[small] = resized
+    for i, img in enumerate(images):
+        if i not in small:
+            left, top, width, height, _ = boxes[i].tolist()
+            crop = img[None, :, top : top + height, left : left + width].to(dtype)
+            out[i] = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True)[0]
+    return out
+
+
+def _decode(data: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor], list[int] | None]:
+    """Batched decode; if the batch fails, one by one, with failures replaced by good ones."""
+    try:
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device), None
+    except RuntimeError:
+        pass
+    images: dict[int, torch.Tensor] = {}
+    for i, one in enumerate(data):
+        try:
+            images[i] = decode_jpeg(one, mode=ImageReadMode.RGB, device=device)
+        except RuntimeError:
+            continue
+    if not images:
+        raise RuntimeError(f"none of the {len(data)} JPEGs of a batch could be decoded on {device}")
+    good = list(images)
+    rows = [i if i in images else good[i % len(good)] for i in range(len(data))]
+    return [images[r] for r in rows], rows

@@ -1,0 +1,155 @@
+"""The two decode paths train the same thing: same crop distribution, same pixels within JPEG tolerance.
+
+The device path runs here on the CPU (libjpeg instead of nvJPEG, same crop/resize/flip code);
+on a machine with CUDA the same checks run on the GPU too.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.transforms import RandomResizedCrop
+
+from imagenet_ais.transforms import (
+    MEAN,
+    PAD_LIMIT,
+    RATIO,
+    SCALE,
+    STD,
+    Box,
+    _crop_resize,
+    decode_on_cpu,
+    decode_on_device,
+    encode_for_device,
+    join,
+    pack,
+    split,
+)
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+def photo(w: int, h: int, seed: int = 0) -> Image.Image:
+    """Smooth gradients with a few hard-edged shapes: JPEG-friendly but not flat."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    pixels = np.stack([x * 255 // w, y * 255 // h, (x + y) * 255 // (w + h)], axis=-1).astype(np.uint8)
+    for _ in range(4):
+        x0, y0 = rng.integers(0, w - 40), rng.integers(0, h - 40)
+        pixels[y0 : y0 + 40, x0 : x0 + 40] = rng.integers(0, 256, 3)
+    return Image.fromarray(pixels)
+
+
+def jpeg(img: Image.Image, **kw: object) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=95, **kw)
+    return buf.getvalue()
+
+
+def pixels(x: torch.Tensor) -> torch.Tensor:
+    """Normalised N×3×H×W back to 0-255 N×H×W×3 on the CPU."""
+    mean = torch.tensor(MEAN, device=x.device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(STD, device=x.device).view(1, 3, 1, 1) * 255
+    return (x * std + mean).permute(0, 2, 3, 1).cpu()
+
+
+def ks_statistic(a: list[float], b: list[float]) -> float:
+    """Two-sample Kolmogorov-Smirnov distance: the largest gap between the empirical CDFs."""
+    a_sorted, b_sorted = np.sort(a), np.sort(b)
+    grid = np.concatenate([a_sorted, b_sorted])
+    cdf_a = np.searchsorted(a_sorted, grid, side="right") / len(a)
+    cdf_b = np.searchsorted(b_sorted, grid, side="right") / len(b)
+    return float(np.abs(cdf_a - cdf_b).max())
+
+
+def test_device_path_crops_follow_torchvision_random_resized_crop() -> None:
+    data, w, h = jpeg(photo(500, 375)), 500, 375
+    torch.manual_seed(1)
+    ours = [encode_for_device(data, train=True)[1] for _ in range(4000)]
+    reference = RandomResizedCrop(224, scale=list(SCALE), ratio=list(RATIO))
+    torch.manual_seed(2)
+    theirs = [reference.get_params(Image.new("RGB", (w, h)), reference.scale, reference.ratio) for _ in range(4000)]
+    theirs_boxes = [Box(left, top, cw, ch) for top, left, ch, cw in theirs]
+    for stat in (
+        lambda b: b.width * b.height / (w * h),  # scale
+        lambda b: math.log(b.width / b.height),  # aspect ratio
+        lambda b: (b.left + b.width / 2) / w,  # where the crop sits
+    ):
+        assert ks_statistic([stat(b) for b in ours], [stat(b) for b in theirs_boxes]) < 0.04
+    for b in ours:
+        assert min(b.left, b.top) >= 0 and b.left + b.width <= w and b.top + b.height <= h
+        assert SCALE[0] - 0.01 <= b.width * b.height / (w * h) <= 1
+        assert RATIO[0] - 0.02 <= b.width / b.height <= RATIO[1] + 0.02
+    flips = sum(b.flip for b in ours) / len(ours)
+    assert 0.46 < flips < 0.54
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_decode_matches_pil_within_jpeg_tolerance(device: str) -> None:
+    rng = random.Random(0)
+    datas = [jpeg(photo(rng.randint(300, 520), rng.randint(250, 400), seed=i)) for i in range(5)]
+    datas.append(jpeg(photo(PAD_LIMIT + 100, 300)))  # resized on its own, outside the padded batch
+    # val: the whole pipeline on both sides
+    batch = pack(split(join([encode_for_device(d, train=False) for d in datas])))
+    got, rows = decode_on_device(batch, 64, torch.device(device), channels_last=True)
+    assert rows is None and got.shape == (6, 3, 64, 64) and got.is_contiguous(memory_format=torch.channels_last)
+    expected = torch.stack([decode_on_cpu(d, 64, train=False) for d in datas]).float()
+    assert (pixels(got) - expected).abs().mean() < 3.0
+    # train: the same random boxes through both paths, flips included
+    boxes = [Box(10, 20, 200, 150, False), Box(0, 0, 120, 240, True), Box(50, 5, 250, 240, True)]
+    batch = pack(split(join([(datas[i], box) for i, box in enumerate(boxes)])))
+    got, _ = decode_on_device(batch, 48, torch.device(device), channels_last=False)
+    expected = []
+    for i, box in enumerate(boxes):
+        out = _crop_resize(Image.open(io.BytesIO(datas[i])), box, 48)
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if box.flip else out
+        expected.append(torch.from_numpy(np.asarray(out)).float())
+    diff = (pixels(got) - torch.stack(expected)).abs()
+    assert diff.mean() < 3.0, diff.mean(dim=(1, 2, 3))
+    # the flip is there: comparing against the unflipped crop is far off
+    unflipped = torch.from_numpy(np.asarray(_crop_resize(Image.open(io.BytesIO(datas[1])), boxes[1], 48))).float()
+    assert (pixels(got)[1] - unflipped).abs().mean() > 10
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_shrinking_fine_detail_averages_it_like_pil(device: str) -> None:
+    # black/white pixel noise shrunk 8×: a resize that only samples keeps it (std ≈ 60);
+    # PIL's filter averages it towards grey (std ≈ 16), so must ours
+    noise = np.random.default_rng(0).integers(0, 2, (256, 256, 1), dtype=np.uint8).repeat(3, axis=2) * 255
+    data, box = jpeg(Image.fromarray(noise), subsampling=0), Box(0, 0, 256, 256)
+    pil = torch.from_numpy(np.asarray(_crop_resize(Image.open(io.BytesIO(data)), box, 32))).float()
+    got, _ = decode_on_device(pack(split(join([(data, box)]))), 32, torch.device(device), channels_last=False)
+    assert pil.std() < 25 and pixels(got).std() < 25, (pil.std(), pixels(got).std())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_odd_inputs_are_reencoded_for_the_device(device: str) -> None:
+    img = photo(200, 150)
+    gray, cmyk = jpeg(img.convert("L")), jpeg(img.convert("CMYK"))
+    png = io.BytesIO()
+    img.save(png, format="PNG")
+    samples = [encode_for_device(d, train=False) for d in (gray, cmyk, png.getvalue())]
+    for raw, box in samples:
+        reread = Image.open(io.BytesIO(raw))
+        assert (reread.format, reread.mode, reread.size) == ("JPEG", "RGB", (200, 150))
+        assert box == Box(34, 9, 131, 131)  # the centre 131 × 131 (0.875 × 150)
+    got, _ = decode_on_device(pack(split(join(samples))), 32, torch.device(device), channels_last=False)
+    expected = torch.stack([decode_on_cpu(d, 32, train=False) for d in (gray, cmyk, png.getvalue())]).float()
+    assert (pixels(got) - expected).abs().mean() < 4.0
+
+
+def test_an_undecodable_sample_is_replaced_by_another_of_the_batch() -> None:
+    good = [encode_for_device(jpeg(photo(120, 100, seed=i)), train=False) for i in range(3)]
+    broken = (b"\xff\xd8\xff not really a jpeg", good[0][1])
+    got, rows = decode_on_device(pack(split(join([good[0], broken, *good[1:]]))), 16, torch.device("cpu"), False)
+    assert got.shape == (4, 3, 16, 16) and rows is not None
+    assert rows[0] == 0 and rows[2:] == [2, 3] and rows[1] in (0, 2, 3)
+    assert torch.equal(got[1], got[rows[1]])
+    with pytest.raises(RuntimeError, match="none of the 1 JPEGs"):
+        decode_on_device(pack(split(join([broken]))), 16, torch.device("cpu"), False)
