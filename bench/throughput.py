@@ -78,7 +78,7 @@ PRESETS = {
         40,
         (500, 375),
         95,
-        (Model("resnet50", 256, 224, "default", ("gpu", "cpu"), 300, 1200),),
+        (Model("resnet50", 256, 224, "default", ("gpu", "cpu"), 300, 1000),),
     ),
     "gpu2": Preset(
         1000,
