@@ -31,6 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from imagenet_ais.data import TrainLoader  # noqa: E402
+from imagenet_ais.manifest import load_manifest  # noqa: E402
+from imagenet_ais.storage import open_store  # noqa: E402
 from imagenet_ais.transforms import (  # noqa: E402
     decode_on_cpu,
     decode_on_device,
@@ -39,6 +42,8 @@ from imagenet_ais.transforms import (  # noqa: E402
     pack,
     split,
 )
+
+DECODES = ("cpu", "gpu")
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ PRESETS = {
         95,
         (
             Model("resnet50", 256, 224, "reduce-overhead", ("gpu",), 300, 600),
-            Model("resnet18", 512, 224, None, ("gpu", "cpu"), 200, 400),
+            Model("resnet18", 512, 224, None, ("gpu", "cpu"), 200, 300),
         ),
     ),
 }
@@ -150,7 +155,7 @@ def measure(model: Model, data: str, workers: int, work: Path, log: Path) -> lis
     return rows
 
 
-def breakdown(data: str, batch: int, size: int) -> dict[str, float]:
+def breakdown(data: str, batch: int, size: int, workers: int) -> dict[str, float]:
     """Per-stage rates for one training batch of the shards on this machine's GPU, in img/s."""
     from torchvision.io import ImageReadMode, decode_jpeg
     from webdataset.tariterators import group_by_keys, tar_file_expander
@@ -181,7 +186,22 @@ def breakdown(data: str, batch: int, size: int) -> dict[str, float]:
         "nvJPEG decode + crop/resize/flip/normalise": rate(lambda: decode_on_device(encoded, size, device, True)),
         "H2D copy of decoded uint8 (pinned)": rate(lambda: pixels.to(device, non_blocking=True)),
         "PIL decode + crop/resize/flip, 1 core": pil,
+        **{f"loader alone, {d} decode, {workers} workers": loader_rate(data, d, workers, batch, size) for d in DECODES},
     }
+
+
+def loader_rate(data: str, decode: str, workers: int, batch: int, size: int, batches: int = 60) -> float:
+    """Host batches per second from the training loader alone: workers + batching, no GPU."""
+    split = load_manifest(open_store(data)).split("train")
+    spec = {"world": 1, "rank": 0, "batch": batch, "seed": 0, "image_size": size, "decode": decode}
+    loader = TrainLoader(split, data, "resampled", spec, workers, shuffle_buffer=2000)
+    batches_ = loader.host_batches()
+    for _ in range(10):  # workers start, buffer fills
+        next(batches_)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(batches_)
+    return batches * batch / (time.perf_counter() - start)
 
 
 @click.command()
@@ -212,7 +232,7 @@ def main(preset: str, data: str | None, work: Path | None, workers: int, json_ou
                 )
                 results["models"].append({"model": name, "variant": variant, **r, "ratio": ratio})
         if torch.cuda.is_available():
-            stages = breakdown(data, 256, 224)
+            stages = breakdown(data, 256, 224, workers)
             results["breakdown"] = stages
             table.write("\nper stage, batch 256 → 224 px (img/s):\n")
             table.writelines(f"  {k:36} {v:10.0f}\n" for k, v in stages.items())

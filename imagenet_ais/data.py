@@ -350,7 +350,7 @@ class TrainLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         """This epoch's batches on the device; a batch counts as delivered once handed out."""
-        feed = DeviceFeed(self._host_batches(), self.to_device, self.device)
+        feed = DeviceFeed(self.host_batches(), self.to_device, self.device, ahead=4)
         try:
             for batch, ids in feed:
                 for shard, index in ids:
@@ -359,7 +359,8 @@ class TrainLoader:
         finally:
             feed.close()
 
-    def _host_batches(self) -> Iterator[HostBatch]:
+    def host_batches(self) -> Iterator[HostBatch]:
+        """This epoch's batches, still on the host (pixels, or JPEG bytes and crops)."""
         rng = random.Random(f"buffer:{self.spec.seed}:{self.epoch}:{self.spec.rank}")
         stream = (sample for chunk in self.loader for sample in _chunk_samples(chunk))
         buffer: list[tuple] = []
@@ -407,12 +408,12 @@ class ValLoader:
         self.device, self.pin = device, device.type == "cuda"
         self.to_device = _OnDevice(self.dataset, device, channels_last)
 
-    def _host_batches(self) -> Iterator[HostBatch]:
+    def host_batches(self) -> Iterator[HostBatch]:
         for chunk in self.loader:
             yield _collate(_chunk_samples(chunk), self.pin)
 
     def __iter__(self) -> Iterator[Batch]:
-        feed = DeviceFeed(self._host_batches(), self.to_device, self.device)
+        feed = DeviceFeed(self.host_batches(), self.to_device, self.device)
         try:
             yield from (batch for batch, _ in feed)
         finally:

@@ -35,6 +35,9 @@ def setup() -> Dist:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
+        # This process's own CPU work is batching and copying; the cores are the DataLoader
+        # workers' (idle intra-op threads spinning next to them slow them down).
+        torch.set_num_threads(2)
     else:
         device = torch.device("cpu")
         backend = "gloo"

@@ -181,7 +181,11 @@ def _resize_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: int, de
             [images[i] for i in small],
         )
         b = boxes[small].to(torch.float32)
-        rois = torch.stack([torch.arange(len(small)), b[:, 0], b[:, 1], b[:, 0] + b[:, 2], b[:, 1] + b[:, 3]], 1)
+        # Stop half a pixel inside the right and bottom edges: bilinear samples there would
+        # otherwise blend in the zero padding (the left and top are clamped by roi_align).
+        wh = torch.tensor([[images[i].shape[2], images[i].shape[1]] for i in small], dtype=torch.float32) - 0.5
+        right, bottom = torch.minimum(b[:, 0] + b[:, 2], wh[:, 0]), torch.minimum(b[:, 1] + b[:, 3], wh[:, 1])
+        rois = torch.stack([torch.arange(len(small)), b[:, 0], b[:, 1], right, bottom], 1)
         resized = roi_align(padded, rois.to(device, dtype), (size, size), sampling_ratio=-1, aligned=True)
         if len(small) == len(images):
             return resized

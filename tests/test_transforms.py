@@ -153,3 +153,12 @@ def test_an_undecodable_sample_is_replaced_by_another_of_the_batch() -> None:
     assert torch.equal(got[1], got[rows[1]])
     with pytest.raises(RuntimeError, match="none of the 1 JPEGs"):
         decode_on_device(pack(split(join([broken]))), 16, torch.device("cpu"), False)
+
+
+def test_crops_at_the_picture_edge_are_not_darkened() -> None:
+    white = jpeg(Image.new("RGB", (200, 150), (255, 255, 255)))
+    boxes = [Box(100, 50, 100, 100), Box(0, 0, 200, 150), Box(180, 130, 20, 20)]  # down- and upscaled
+    larger = (jpeg(Image.new("RGB", (300, 300), (255, 255, 255))), Box(0, 0, 10, 10))  # so the others get padding
+    batch = pack(split(join([*((white, b) for b in boxes), larger])))
+    got, _ = decode_on_device(batch, 32, torch.device("cpu"), channels_last=False)
+    assert pixels(got).min() > 250
