@@ -19,6 +19,7 @@ transforms.py). Only image and ``.cls`` members are read: nothing in a shard is 
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import math
@@ -232,6 +233,17 @@ class ShardStream(IterableDataset):
                     self._count(self.skipped)
                     continue
                 yield image, label, sample["__key__"], piece.shard, index
+
+
+@atexit.register
+def _kill_workers() -> None:
+    # Workers ignore SIGTERM (below), so multiprocessing's own exit hook, which terminates
+    # daemonic children and then joins them, would wait forever for a loader that was never
+    # shut down (say, one still referenced by a crashed run). Runs before that hook (LIFO).
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the DataLoader's handler would report the kills
+    for child in mp.active_children():
+        if child.daemon:
+            child.kill()
 
 
 def _worker_init(_: int) -> None:

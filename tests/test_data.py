@@ -6,6 +6,8 @@ import io
 import math
 import pickle
 import random
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from conftest import tiny_jpeg, write_shards
+from conftest import ROOT, tiny_jpeg, write_shards
 from PIL import Image
 
 from imagenet_ais.data import (
@@ -197,3 +199,22 @@ def test_gray_jpeg_decodes_to_three_channels() -> None:
     Image.new("L", (200, 150), 128).save(buf, format="JPEG")
     assert decode_on_cpu(buf.getvalue(), 32, train=True).shape == (32, 32, 3)
     assert decode_on_cpu(buf.getvalue(), 32, train=False).shape == (32, 32, 3)
+
+
+def test_a_process_exits_while_its_loader_workers_are_still_busy(tmp_path: Path) -> None:
+    # Workers ignore SIGTERM (preemption is the trainer's to handle); exiting with a loader
+    # never shut down must still end the process instead of waiting on them forever.
+    write_shards(tmp_path, {"train": UNEVEN})
+    script = f"""
+from imagenet_ais.data import TrainLoader
+from imagenet_ais.manifest import load_manifest
+from imagenet_ais.storage import open_store
+split = load_manifest(open_store({str(tmp_path)!r})).split("train")
+spec = {{"world": 1, "rank": 0, "batch": 2, "seed": 0, "image_size": 32}}
+batches = iter(TrainLoader(split, {str(tmp_path)!r}, "resampled", spec, 2, 4))
+next(batches)
+print("leaving", flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0 and "leaving" in proc.stdout, proc.stderr
+    assert "Traceback" not in proc.stderr
