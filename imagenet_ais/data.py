@@ -36,7 +36,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
-from imagenet_ais.feed import DeviceFeed
+from imagenet_ais.feed import DeviceFeed, close_all
 from imagenet_ais.manifest import SplitInfo
 from imagenet_ais.storage import Store, open_store
 from imagenet_ais.transforms import (
@@ -236,10 +236,12 @@ class ShardStream(IterableDataset):
 
 
 @atexit.register
-def _kill_workers() -> None:
-    # Workers ignore SIGTERM (below), so multiprocessing's own exit hook, which terminates
-    # daemonic children and then joins them, would wait forever for a loader that was never
-    # shut down (say, one still referenced by a crashed run). Runs before that hook (LIFO).
+def _stop_at_exit() -> None:
+    # For loaders never shut down (say, still referenced by a crashed run): feed threads
+    # first, as a thread still inside torch at interpreter shutdown aborts the process; then
+    # the workers, which ignore SIGTERM (below), so multiprocessing's own exit hook, which
+    # terminates daemonic children and joins them, would wait forever. Runs before it (LIFO).
+    close_all()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the DataLoader's handler would report the kills
     for child in mp.active_children():
         if child.daemon:

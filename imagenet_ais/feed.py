@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from typing import Any
@@ -16,6 +18,13 @@ from typing import Any
 import torch
 
 _END = object()
+_live: weakref.WeakSet[DeviceFeed] = weakref.WeakSet()
+
+
+def close_all(timeout: float = 10) -> None:
+    """Stop every feed thread (at exit: one left inside torch while the interpreter shuts down aborts it)."""
+    for feed in list(_live):
+        feed.close(timeout)
 
 
 class DeviceFeed:
@@ -32,6 +41,7 @@ class DeviceFeed:
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="device-feed", daemon=True)
         self.thread.start()
+        _live.add(self)
 
     def _put(self, item: object) -> bool:
         while not self.stopping.is_set():
@@ -79,11 +89,13 @@ class DeviceFeed:
                     t.record_stream(current)  # made on the side stream, freed after use on this one
         return ready
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the thread (it finishes the item in hand first); give up after ``timeout`` seconds."""
         self.stopping.set()
-        while self.thread.is_alive():
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.thread.is_alive() and (deadline is None or time.monotonic() < deadline):
             try:
                 self.queue.get(timeout=0.1)
             except queue.Empty:
                 continue
-        self.thread.join()
+        _live.discard(self)
