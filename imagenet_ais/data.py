@@ -257,12 +257,13 @@ def _worker_init(_: int) -> None:
 
 
 def _collate_chunk(samples: list[tuple]) -> tuple:
-    """A worker's chunk: pixels in one array, or JPEG bytes in one buffer.
+    """A worker's chunk: pixels in one numpy array, or JPEG bytes in one tensor.
 
-    Deliberately not a tensor: the DataLoader would pass a tensor in a fresh shared-memory
-    block per chunk, and first touches of fresh mappings cost a page fault per 4 KiB, which
-    in a VM capped the main process at ~550 img/s whatever the worker count. Plain buffers
-    go through the pipe into memory the allocator reuses.
+    Measured on the GPU machine (bench/RESULTS.md): pixels passed as a tensor, i.e. in a
+    fresh shared-memory block per chunk, capped the main process at ~550-950 img/s, as
+    every first touch of a fresh mapping faults per 4 KiB page in that VM; through the pipe
+    into reused memory they reached ~2,900 img/s end to end. JPEG bytes are not touched by
+    the main process until nvJPEG copies them, and went faster in shared memory.
     """
     images, labels, keys, shards, indices = zip(*samples, strict=True)
     if isinstance(images[0], torch.Tensor):

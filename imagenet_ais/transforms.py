@@ -123,15 +123,16 @@ def encode_for_device(data: bytes, train: bool) -> tuple[bytes, Box]:
     return data, box
 
 
-def join(samples: list[tuple[bytes, Box]]) -> tuple[bytearray, list[int], list[Box]]:
-    """A worker's chunk as one buffer to hand over, the sizes in it, and the boxes."""
-    return bytearray(b"".join(raw for raw, _ in samples)), [len(raw) for raw, _ in samples], [box for _, box in samples]
+def join(samples: list[tuple[bytes, Box]]) -> tuple[torch.Tensor, list[int], list[Box]]:
+    """A worker's chunk as one uint8 tensor (one shared-memory block to hand over), sizes, boxes."""
+    blob = torch.frombuffer(bytearray(b"".join(raw for raw, _ in samples)), dtype=torch.uint8)
+    return blob, [len(raw) for raw, _ in samples], [box for _, box in samples]
 
 
-def split(chunk: tuple[bytearray, list[int], list[Box]]) -> list[tuple[torch.Tensor, Box]]:
+def split(chunk: tuple[torch.Tensor, list[int], list[Box]]) -> list[tuple[torch.Tensor, Box]]:
     """``join`` undone as views: one uint8 tensor per JPEG, with its box."""
     blob, sizes, boxes = chunk
-    return list(zip(torch.frombuffer(blob, dtype=torch.uint8).split(sizes), boxes, strict=True))
+    return list(zip(blob.split(sizes), boxes, strict=True))
 
 
 def pack(samples: list[tuple[torch.Tensor, Box]]) -> Encoded:
