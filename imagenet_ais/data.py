@@ -320,7 +320,39 @@ class _OnDevice:
         return Batch(x, labels.to(self.device, non_blocking=True), keys), batch.ids
 
 
-class TrainLoader:
+class _ShardLoader:
+    """What the train and val loaders share: the worker stream and the feed to the device."""
+
+    def __init__(
+        self,
+        split: SplitInfo,
+        location: str,
+        mode: str,
+        spec_kw: dict,
+        workers: int,
+        chunk: int,
+        device: torch.device,
+        channels_last: bool,
+    ):
+        counts = [s.samples for s in split.shards]
+        self.spec = StreamSpec(location, [s.name for s in split.shards], counts, **spec_kw)
+        self.dataset = ShardStream(self.spec, mode)
+        self.loader = _loader(self.dataset, chunk, workers)
+        self.device, self.pin = device, device.type == "cuda"
+        self.to_device = _OnDevice(self.dataset, device, channels_last)
+
+    def host_batches(self) -> Iterator[HostBatch]:
+        raise NotImplementedError
+
+    def _on_device(self, ahead: int) -> Iterator[tuple[Batch, list[tuple[int, int]]]]:
+        feed = DeviceFeed(self.host_batches(), self.to_device, self.device, ahead)
+        try:
+            yield from feed
+        finally:
+            feed.close()
+
+
+class TrainLoader(_ShardLoader):
     """Fixed-length epochs: ``len(self)`` batches of exactly ``batch`` samples, every epoch."""
 
     def __init__(
@@ -334,20 +366,16 @@ class TrainLoader:
         device: torch.device = CPU,
         channels_last: bool = False,
     ):
-        counts = [s.samples for s in split.shards]
-        if sum(counts) == 0:
+        if split.samples == 0:
             raise ValueError("the training split has no samples")
-        self.spec = StreamSpec(location, [s.name for s in split.shards], counts, **spec_kw)
-        world, batch = self.spec.world, self.spec.batch
+        batch = spec_kw["batch"]
+        super().__init__(split, location, mode, spec_kw, workers, min(batch, 32), device, channels_last)
+        counts, world = self.spec.counts, self.spec.world
         if mode == "exact":
             self.steps = exact_assignment(counts, world, batch, self.spec.seed, 0)[1]
         else:
             self.steps = math.ceil(sum(counts) / (world * batch))
-        self.dataset = ShardStream(self.spec, mode)
-        self.loader = _loader(self.dataset, min(batch, 32), workers)
         self.shuffle_buffer = max(shuffle_buffer, batch)
-        self.device, self.pin = device, device.type == "cuda"
-        self.to_device = _OnDevice(self.dataset, device, channels_last)
         self.epoch = 0
         self.padded = 0  # samples repeated to fill the epoch's last batches when decodes failed
         self.delivered: dict[int, set[int]] = {}  # this epoch's samples handed to training, by shard
@@ -374,14 +402,10 @@ class TrainLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         """This epoch's batches on the device; a batch counts as delivered once handed out."""
-        feed = DeviceFeed(self.host_batches(), self.to_device, self.device, ahead=4)
-        try:
-            for batch, ids in feed:
-                for shard, index in ids:
-                    self.delivered.setdefault(shard, set()).add(index)
-                yield batch
-        finally:
-            feed.close()
+        for batch, ids in self._on_device(ahead=4):
+            for shard, index in ids:
+                self.delivered.setdefault(shard, set()).add(index)
+            yield batch
 
     def host_batches(self) -> Iterator[HostBatch]:
         """This epoch's batches, still on the host (pixels, or JPEG bytes and crops)."""
@@ -412,7 +436,7 @@ class TrainLoader:
             yield _collate(picked, self.pin)
 
 
-class ValLoader:
+class ValLoader(_ShardLoader):
     """Every validation sample exactly once across ranks (batches may be short)."""
 
     def __init__(
@@ -424,21 +448,12 @@ class ValLoader:
         device: torch.device = CPU,
         channels_last: bool = False,
     ):
-        counts = [s.samples for s in split.shards]
-        self.spec = StreamSpec(location, [s.name for s in split.shards], counts, **spec_kw)
-        self.dataset = ShardStream(self.spec, "val")
-        self.loader = _loader(self.dataset, self.spec.batch, workers)
-        self.samples = sum(counts)
-        self.device, self.pin = device, device.type == "cuda"
-        self.to_device = _OnDevice(self.dataset, device, channels_last)
+        super().__init__(split, location, "val", spec_kw, workers, spec_kw["batch"], device, channels_last)
+        self.samples = split.samples
 
     def host_batches(self) -> Iterator[HostBatch]:
         for chunk in self.loader:
             yield _collate(_chunk_samples(chunk), self.pin)
 
     def __iter__(self) -> Iterator[Batch]:
-        feed = DeviceFeed(self.host_batches(), self.to_device, self.device)
-        try:
-            yield from (batch for batch, _ in feed)
-        finally:
-            feed.close()
+        yield from (batch for batch, _ in self._on_device(ahead=2))
