@@ -158,7 +158,7 @@ def breakdown(data: str, batch: int, size: int, workers: int) -> dict[str, float
         samples = group_by_keys(tar_file_expander([{"url": str(shard), "stream": stream}]))
         jpegs = [s["jpg"] for _, s in zip(range(batch), samples, strict=False)]
     device = torch.device("cuda")
-    encoded = pack(split(join([encode_for_device(raw, train=True) for raw in jpegs])))
+    encoded = pack(split(join([encode_for_device(raw, train=True) for raw in jpegs])), pin=True)
     pixels = torch.empty(len(jpegs), size, size, 3, dtype=torch.uint8, pin_memory=True)
 
     def rate(fn: object, repeat: int = 10) -> float:
@@ -179,23 +179,38 @@ def breakdown(data: str, batch: int, size: int, workers: int) -> dict[str, float
         "nvJPEG decode + crop/resize/flip/normalise": rate(lambda: decode_on_device(encoded, size, device, True)),
         "H2D copy of decoded uint8 (pinned)": rate(lambda: pixels.to(device, non_blocking=True)),
         "PIL decode + crop/resize/flip, 1 core": pil,
-        **{f"loader alone, {d} decode, {workers} workers": loader_rate(data, d, workers, batch, size) for d in DECODES},
+        **{
+            f"loader alone, {d} decode, {where}": loader_rate(data, d, workers, batch, size, where == "on GPU")
+            for d in DECODES
+            for where in ("host batches", "on GPU")
+        },
     }
 
 
-def loader_rate(data: str, decode: str, workers: int, batch: int, size: int, batches: int = 60) -> float:
-    """Host batches per second from the training loader alone: workers + batching, no GPU."""
+def loader_rate(data: str, decode: str, workers: int, batch: int, size: int, on_device: bool) -> float:
+    """Images per second from the training loader alone, no training: host batches (workers +
+    batching), or batches ready on the device (+ the feed's copy or GPU decode)."""
     split = load_manifest(open_store(data)).split("train")
     spec = {"world": 1, "rank": 0, "batch": batch, "seed": 0, "image_size": size, "decode": decode}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # pinned batches, as in training
-    loader = TrainLoader(split, data, "resampled", spec, workers, shuffle_buffer=2000, device=device)
-    batches_ = loader.host_batches()
+    loader = TrainLoader(split, data, "resampled", spec, workers, 2000, device, channels_last=True)
+    stream = iter(loader) if on_device else loader.host_batches()
     for _ in range(10):  # workers start, buffer fills
-        next(batches_)
+        next(stream)
+    _sync()
     start = time.perf_counter()
+    batches = min(60, len(loader) - 10)  # within one epoch
     for _ in range(batches):
-        next(batches_)
-    return batches * batch / (time.perf_counter() - start)
+        next(stream)
+    _sync()
+    elapsed = time.perf_counter() - start
+    stream.close()  # stops the feed threads
+    return batches * batch / elapsed
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 @click.command()
@@ -229,7 +244,7 @@ def main(preset: str, data: str | None, work: Path | None, workers: int, json_ou
             stages = breakdown(data, 256, 224, workers)
             results["breakdown"] = stages
             table.write("\nper stage, batch 256 → 224 px (img/s):\n")
-            table.writelines(f"  {k:36} {v:10.0f}\n" for k, v in stages.items())
+            table.writelines(f"  {k:44} {v:10.0f}\n" for k, v in stages.items())
         if json_out:
             json_out.write_text(json.dumps(results, indent=2))
     click.echo(f"{results['device']}, {workers} workers")

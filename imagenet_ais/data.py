@@ -12,9 +12,9 @@ Two epoch modes, both giving every rank the same number of steps so DDP never ha
   with the permutation every epoch.
 
 Workers yield decoded uint8 HWC images (decode "cpu"), or JPEG bytes plus the crop to take
-(decode "gpu"), in small chunks; the main process shuffles across workers, forms the batches
-and, in a feed thread, makes them ready on the device ahead of the step (see feed.py and
-transforms.py). Only image and ``.cls`` members are read: nothing in a shard is unpickled.
+(decode "gpu"), in small chunks. In the training process one feed thread shuffles across
+workers and forms the batches while another makes them ready on the device, ahead of the
+step (see feed.py and transforms.py). Only image and ``.cls`` members are read: nothing in a shard is unpickled.
 """
 
 from __future__ import annotations
@@ -296,13 +296,13 @@ def _collate(samples: list[tuple], pin: bool) -> HostBatch:
         out = torch.empty((len(images), *images[0].shape), dtype=torch.uint8, pin_memory=pin)
         batch: torch.Tensor | Encoded = torch.stack(images, out=out)
     else:
-        batch = pack(images)
+        batch = pack(images, pin)
     labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
     return HostBatch(batch, labels.pin_memory() if pin else labels, [s[2] for s in samples], [s[3:5] for s in samples])
 
 
 class _OnDevice:
-    """Host batch → Batch on the device (run in the feed thread)."""
+    """Host batch → Batch on the device (run in the feed's device thread)."""
 
     def __init__(self, dataset: ShardStream, device: torch.device, channels_last: bool):
         self.dataset, self.device, self.channels_last = dataset, device, channels_last

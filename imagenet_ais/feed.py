@@ -1,8 +1,12 @@
 """Batches made ready on the device ahead of the step that needs them.
 
-A thread pulls host batches and turns them into device tensors (copy + normalise, or GPU
-decode) while the training step runs. On CUDA that work goes on a side stream, and the
-training stream waits on an event per batch, so the step waits for its own batch only.
+Two threads overlap the two halves of the work while the training step runs: one pulls host
+batches (receiving from the DataLoader workers and batching: Python, holding the GIL), the
+other makes them device tensors (copy + normalise, or GPU decode: mostly waiting on nvJPEG
+or the GPU with the GIL released). Measured on the H100 (bench/RESULTS.md), one thread doing
+both spent their sum per batch, and the sum was the end-to-end limit. On CUDA the device
+work goes on a side stream, and the training stream waits on an event per batch, so the step
+waits for its own batch only.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ _live: weakref.WeakSet[DeviceFeed] = weakref.WeakSet()
 
 
 def close_all(timeout: float = 10) -> None:
-    """Stop every feed thread (at exit: one left inside torch while the interpreter shuts down aborts it)."""
+    """Stop every feed's threads (at exit: one left inside torch while the interpreter shuts down aborts it)."""
     for feed in list(_live):
         feed.close(timeout)
 
@@ -31,54 +35,78 @@ class DeviceFeed:
     """Iterate ``prepare(item)`` for each item of ``items``, computed up to ``ahead`` items early.
 
     ``prepare`` returns a tuple whose tensors live on ``device``; anything else in it passes
-    through. Call ``close`` (or exhaust it) so the thread ends.
+    through. Call ``close`` (or exhaust it) so the threads end.
     """
 
     def __init__(self, items: Iterator[Any], prepare: Callable[[Any], tuple], device: torch.device, ahead: int = 2):
         self.items, self.prepare, self.device = items, prepare, device
         self.cuda = device.type == "cuda"
+        self.pulled: queue.Queue = queue.Queue(maxsize=2)
         self.queue: queue.Queue = queue.Queue(maxsize=ahead)
         self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="device-feed", daemon=True)
-        self.thread.start()
+        self.threads = [
+            threading.Thread(target=self._pull, name="host-batches", daemon=True),
+            threading.Thread(target=self._run, name="device-feed", daemon=True),
+        ]
+        for thread in self.threads:
+            thread.start()
         _live.add(self)
 
-    def _put(self, item: object) -> bool:
+    def _put(self, q: queue.Queue, item: object) -> bool:
         while not self.stopping.is_set():
             try:
-                self.queue.put(item, timeout=0.1)
+                q.put(item, timeout=0.1)
                 return True
             except queue.Full:
                 continue
         return False
 
+    def _get(self, q: queue.Queue) -> object:
+        while not self.stopping.is_set():
+            try:
+                return q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return _END
+
+    def _pull(self) -> None:
+        try:
+            for item in self.items:
+                if not self._put(self.pulled, item):
+                    return
+        except BaseException as e:  # passed on by the device thread, raised by the consumer
+            self._put(self.pulled, e)
+        else:
+            self._put(self.pulled, _END)
+
     def _run(self) -> None:
         stream = torch.cuda.Stream(self.device) if self.cuda else None
         try:
             with torch.cuda.stream(stream) if stream else nullcontext():
-                for item in self.items:
+                while True:
+                    item = self._get(self.pulled)
+                    if item is _END or isinstance(item, BaseException):
+                        self._put(self.queue, item)
+                        return
                     ready = self.prepare(item)
                     event = None
                     if stream:
                         event = torch.cuda.Event()
                         event.record(stream)
-                    if not self._put((ready, event)):
+                    if not self._put(self.queue, (ready, event)):
                         return
-        except BaseException as e:  # handed to the consumer, which raises it
-            self._put(e)
-        else:
-            self._put(_END)
+        except BaseException as e:
+            self._put(self.queue, e)
 
     def __iter__(self) -> Iterator[tuple]:
         return self
 
     def __next__(self) -> tuple:
         item = self.queue.get()
-        if item is _END:
-            self.thread.join()
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self.thread.join()
+        if item is _END or isinstance(item, BaseException):
+            self.close()
+            if item is _END:
+                raise StopIteration
             raise item
         ready, event = item
         if event is not None:
@@ -90,12 +118,9 @@ class DeviceFeed:
         return ready
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop the thread (it finishes the item in hand first); give up after ``timeout`` seconds."""
+        """Stop the threads (each finishes the item in hand first); give up after ``timeout`` seconds."""
         self.stopping.set()
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.thread.is_alive() and (deadline is None or time.monotonic() < deadline):
-            try:
-                self.queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
+        for thread in self.threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         _live.discard(self)
