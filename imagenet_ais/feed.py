@@ -25,6 +25,15 @@ _END = object()
 _live: weakref.WeakSet[DeviceFeed] = weakref.WeakSet()
 
 
+def tensors_in(obj: object) -> Iterator[torch.Tensor]:
+    """The tensors in ``obj`` and in the tuples and lists nested in it."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, tuple | list):
+        for item in obj:
+            yield from tensors_in(item)
+
+
 def close_all(timeout: float = 10) -> None:
     """Stop every feed's threads (at exit: one left inside torch while the interpreter shuts down aborts it)."""
     for feed in list(_live):
@@ -34,8 +43,8 @@ def close_all(timeout: float = 10) -> None:
 class DeviceFeed:
     """Iterate ``prepare(item)`` for each item of ``items``, computed up to ``ahead`` items early.
 
-    ``prepare`` returns a tuple whose tensors live on ``device``; anything else in it passes
-    through. Call ``close`` (or exhaust it) so the threads end.
+    ``prepare`` returns a tuple whose tensors (also in nested tuples and lists) live on
+    ``device``; anything else in it passes through. Call ``close`` (or exhaust it) so the threads end.
     """
 
     def __init__(self, items: Iterator[Any], prepare: Callable[[Any], tuple], device: torch.device, ahead: int = 2):
@@ -80,7 +89,8 @@ class DeviceFeed:
             self._put(self.pulled, _END)
 
     def _run(self) -> None:
-        stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # high priority: the batch's few small kernels need not queue behind the step's
+        stream = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
         try:
             with torch.cuda.stream(stream) if stream else nullcontext():
                 while True:
@@ -112,9 +122,11 @@ class DeviceFeed:
         if event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
-            for t in ready:
-                if isinstance(t, torch.Tensor):
-                    t.record_stream(current)  # made on the side stream, freed after use on this one
+            for t in tensors_in(ready):
+                # made on the side stream: without this, their memory would go back to that
+                # stream's pool as soon as the step drops them, and the next batch would be
+                # written into it while the step's kernels may still read it
+                t.record_stream(current)
         return ready
 
     def close(self, timeout: float | None = None) -> None:

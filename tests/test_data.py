@@ -31,15 +31,23 @@ from imagenet_ais.transforms import decode_on_cpu
 UNEVEN = [3, 11, 7, 19, 8]  # 48 samples in 5 shards of unequal sizes
 
 
-def spec(rank: int, world: int, batch: int, size: int = 32, decode: str = "cpu") -> dict:
-    return {"world": world, "rank": rank, "batch": batch, "seed": 7, "image_size": size, "decode": decode}
+def spec(rank: int, world: int, batch: int, size: int = 32, decode: str = "cpu", cpu_share: float = 0.0) -> dict:
+    return {
+        "world": world,
+        "rank": rank,
+        "batch": batch,
+        "seed": 7,
+        "image_size": size,
+        "decode": decode,
+        "cpu_share": cpu_share,
+    }
 
 
 def loaders(
-    root: Path, manifest: Manifest, mode: str, world: int, batch: int, workers: int, decode: str = "cpu"
+    root: Path, manifest: Manifest, mode: str, world: int, batch: int, workers: int, decode: str = "cpu", share=0.0
 ) -> list[TrainLoader]:
     split = manifest.split("train")
-    specs = [spec(r, world, batch, decode=decode) for r in range(world)]
+    specs = [spec(r, world, batch, decode=decode, cpu_share=share) for r in range(world)]
     return [TrainLoader(split, str(root), mode, s, workers, 16) for s in specs]
 
 
@@ -77,10 +85,10 @@ def test_fewer_pieces_than_workers_leaves_workers_idle() -> None:
     assert [len(w) for w in split_among_workers(ranks[0], 4)] == [1, 0, 0, 0]
 
 
-@pytest.mark.parametrize("decode", ["cpu", "gpu"])
-def test_exact_mode_two_ranks_see_every_key_once_per_epoch(decode: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("decode", "share"), [("cpu", 0.0), ("gpu", 0.0), ("gpu", 0.5)])
+def test_exact_mode_two_ranks_see_every_key_once_per_epoch(decode: str, share: float, tmp_path: Path) -> None:
     manifest = write_shards(tmp_path, {"train": UNEVEN})
-    ranks = loaders(tmp_path, manifest, "exact", world=2, batch=4, workers=2, decode=decode)
+    ranks = loaders(tmp_path, manifest, "exact", world=2, batch=4, workers=2, decode=decode, share=share)
     assert [len(r) for r in ranks] == [6, 6]
     epochs = []
     for epoch in range(2):
@@ -92,6 +100,9 @@ def test_exact_mode_two_ranks_see_every_key_once_per_epoch(decode: str, tmp_path
             for images, labels, batch_keys in batches:
                 assert images.shape == (4, 3, 32, 32) and images.dtype == torch.float32
                 assert images.mean().abs() < 3 and labels.shape == (4,)  # normalised
+                # each picture is one colour, red = 40 × its class: rows, labels and keys agree
+                red = images[:, 0].mean((1, 2)) * 0.229 * 255 + 0.485 * 255
+                assert ((red - 40 * labels).abs() < 10).all(), (red, labels)
                 keys += batch_keys
         assert sorted(keys) == sorted(f"train-{s}-{i}" for s, n in enumerate(UNEVEN) for i in range(n))
         epochs.append(keys)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import pytest
 import torch
 
-from imagenet_ais.feed import DeviceFeed
+from imagenet_ais.feed import DeviceFeed, tensors_in
 
 CPU = torch.device("cpu")
 
@@ -53,3 +54,16 @@ def test_close_stops_a_feed_that_is_ahead_of_its_consumer() -> None:
     feed.close(timeout=5)
     assert not any(t.is_alive() for t in feed.threads)
     assert not [t for t in threading.enumerate() if t.name in ("host-batches", "device-feed")]
+
+
+def test_tensors_nested_in_the_prepared_tuple_are_all_found() -> None:
+    # On CUDA each of them is marked as used by the training stream; one missed would have
+    # its memory reused for the next batch while the step still reads it.
+    class Batch(NamedTuple):
+        images: torch.Tensor
+        labels: torch.Tensor
+        keys: list[str]
+
+    images, labels = torch.zeros(2, 3), torch.zeros(2)
+    ready = (Batch(images, labels, ["a", "b"]), [(0, 1), (0, 2)])
+    assert [id(t) for t in tensors_in(ready)] == [id(images), id(labels)]
