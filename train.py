@@ -37,12 +37,6 @@ from imagenet_ais.training import TrainConfig, train
     type=click.Choice(["cpu", "gpu"]),
     help="cpu: PIL in the DataLoader workers; gpu: nvJPEG, crop and resize on the GPU",
 )
-@click.option(
-    "--cpu-share",
-    default=0.0,
-    type=click.FloatRange(0, 1),
-    help="with --decode gpu: this fraction of images is decoded by the workers (PIL) to spare nvJPEG",
-)
 @click.option("--seed", default=0)
 @click.option("--resume", help="'auto' (the last checkpoint in --output, if any) or a checkpoint path")
 @click.option("--max-steps", type=click.IntRange(min=1), help="stop after this global step (checkpointed)")

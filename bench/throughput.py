@@ -52,7 +52,7 @@ class Model:
     batch: int
     size: int
     compile: str | None  # torch.compile mode, None = eager
-    decodes: tuple[str, ...]  # end-to-end variants besides the ceiling: cpu, gpu, gpu:SHARE (--cpu-share)
+    decodes: tuple[str, ...]  # end-to-end variants to run besides the ceiling
     steps: int  # per measurement (the first windows are dropped as warm-up)
     e2e_steps: int
 
@@ -84,8 +84,8 @@ PRESETS = {
         (500, 375),
         95,
         (
-            Model("resnet50", 256, 224, "default", ("gpu", "gpu:0.25", "gpu:0.5"), 200, 400),
-            Model("resnet18", 512, 224, None, ("gpu", "gpu:0.5", "cpu"), 200, 250),
+            Model("resnet50", 256, 224, "default", ("gpu", "cpu"), 200, 400),
+            Model("resnet18", 512, 224, None, ("gpu", "cpu"), 200, 250),
         ),
     ),
 }
@@ -145,12 +145,9 @@ def measure(model: Model, data: str, workers: int, work: Path, log: Path) -> Ite
         "ceiling",
         train([*common, "--synthetic", "--max-steps", str(model.steps)], model.batch, work / "ceiling", log),
     )
-    for variant in model.decodes:
-        decode, _, share = variant.partition(":")
+    for decode in model.decodes:
         args = [*common, "--data", data, "--workers", str(workers), "--decode", decode]
-        args += ["--cpu-share", share] if share else []
-        args += ["--max-steps", str(model.e2e_steps)]
-        yield f"{decode} decode" + (f", {share} on CPU" if share else ""), train(args, model.batch, work / variant, log)
+        yield f"{decode} decode", train([*args, "--max-steps", str(model.e2e_steps)], model.batch, work / decode, log)
 
 
 def breakdown(data: str, batch: int, size: int, workers: int) -> dict[str, float]:
@@ -234,7 +231,7 @@ def main(preset: str, data: str | None, work: Path | None, workers: int, json_ou
         results: dict[str, object] = {"preset": preset, "device": _device(), "workers": workers, "models": []}
         # rows are printed as they are measured: a run cut short still reports what it got
         click.echo(f"{results['device']}, {workers} workers")
-        click.echo(f"{'model':34} {'variant':24} {'img/s':>8} {'data wait':>10} {'ratio':>6} {'secs':>5}")
+        click.echo(f"{'model':34} {'variant':12} {'img/s':>8} {'data wait':>10} {'ratio':>6} {'secs':>5}")
         for model in p.models:
             name = f"{model.arch} bs{model.batch} {model.size}px {model.compile or 'eager'}"
             ceiling = 0.0
@@ -242,7 +239,7 @@ def main(preset: str, data: str | None, work: Path | None, workers: int, json_ou
                 ceiling = ceiling or r["img_per_s"]
                 ratio = r["img_per_s"] / ceiling
                 click.echo(
-                    f"{name:34} {variant:24} {r['img_per_s']:8.1f} {r['data_wait']:10.3f} {ratio:6.3f} "
+                    f"{name:34} {variant:12} {r['img_per_s']:8.1f} {r['data_wait']:10.3f} {ratio:6.3f} "
                     f"{r['seconds']:5.0f}"
                 )
                 results["models"].append({"model": name, "variant": variant, **r, "ratio": ratio})

@@ -152,7 +152,6 @@ class StreamSpec:
     seed: int
     image_size: int
     decode: str = "cpu"  # or "gpu": workers hand over JPEG bytes, the device decodes
-    cpu_share: float = 0.0  # decode "gpu": this fraction of samples is decoded by the workers anyway
 
 
 class ShardStream(IterableDataset):
@@ -227,7 +226,7 @@ class ShardStream(IterableDataset):
                 try:
                     data = next(sample[e] for e in IMAGE_EXTS if e in sample)
                     label = int(sample["cls"])
-                    if self.spec.decode == "gpu" and random.random() >= self.spec.cpu_share:
+                    if self.spec.decode == "gpu":
                         image = encode_for_device(data, train)
                     else:
                         image = decode_on_cpu(data, size, train)
@@ -257,14 +256,8 @@ def _worker_init(_: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _decoded_first(samples: list[tuple]) -> tuple[list[tuple], list[tuple]]:
-    """Samples with pixels, samples with JPEG bytes (decode "gpu" with a --cpu-share has both)."""
-    decoded = [s for s in samples if isinstance(s[0], torch.Tensor)]
-    return decoded, [s for s in samples if not isinstance(s[0], torch.Tensor)]
-
-
 def _collate_chunk(samples: list[tuple]) -> tuple:
-    """A worker's chunk: pixels in one numpy array and/or JPEG bytes in one tensor, pixels first.
+    """A worker's chunk: pixels in one numpy array, or JPEG bytes in one tensor.
 
     Measured on the GPU machine (bench/RESULTS.md): pixels passed as a tensor, i.e. in a
     fresh shared-memory block per chunk, capped the main process at ~550-950 img/s, as
@@ -272,17 +265,15 @@ def _collate_chunk(samples: list[tuple]) -> tuple:
     into reused memory they reached ~2,900 img/s end to end. JPEG bytes went faster in shared
     memory: they are read once, when packed into a batch.
     """
-    decoded, encoded = _decoded_first(samples)
-    pixels = np.stack([s[0].numpy() for s in decoded]) if decoded else None
-    jpegs = join([s[0] for s in encoded]) if encoded else None
-    _, *columns = zip(*(decoded + encoded), strict=True)  # labels, keys, shards, indices
-    return pixels, jpegs, *columns
+    images, labels, keys, shards, indices = zip(*samples, strict=True)
+    if isinstance(images[0], torch.Tensor):
+        return np.stack([image.numpy() for image in images]), labels, keys, shards, indices
+    return join(list(images)), labels, keys, shards, indices
 
 
 def _chunk_samples(chunk: tuple) -> list[tuple]:
-    pixels, jpegs, *rest = chunk
-    pieces = [] if pixels is None else list(torch.from_numpy(pixels).unbind(0))
-    pieces += [] if jpegs is None else split(jpegs)
+    images, *rest = chunk
+    pieces = torch.from_numpy(images).unbind(0) if isinstance(images, np.ndarray) else split(images)
     return list(zip(pieces, *rest, strict=True))
 
 
@@ -300,13 +291,12 @@ def _loader(dataset: ShardStream, chunk: int, workers: int) -> DataLoader:
 
 def _collate(samples: list[tuple], pin: bool) -> HostBatch:
     """Samples → one host batch; pixels are stacked straight into pinned memory for the copy."""
-    decoded, encoded = _decoded_first(samples)
-    samples = decoded + encoded
-    pixels = None
-    if decoded:
-        out = torch.empty((len(decoded), *decoded[0][0].shape), dtype=torch.uint8, pin_memory=pin)
-        pixels = torch.stack([s[0] for s in decoded], out=out)
-    batch = pack([s[0] for s in encoded], pin)._replace(decoded=pixels) if encoded else pixels
+    images = [s[0] for s in samples]
+    if isinstance(images[0], torch.Tensor):
+        out = torch.empty((len(images), *images[0].shape), dtype=torch.uint8, pin_memory=pin)
+        batch: torch.Tensor | Encoded = torch.stack(images, out=out)
+    else:
+        batch = pack(images, pin)
     labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
     return HostBatch(batch, labels.pin_memory() if pin else labels, [s[2] for s in samples], [s[3:5] for s in samples])
 

@@ -48,7 +48,6 @@ class TrainConfig:
     compile: bool = False
     compile_mode: str = "default"  # torch.compile mode; reduce-overhead adds CUDA graphs
     decode: str = "cpu"  # or "gpu": nvJPEG + crop/resize on the device (see transforms.py)
-    cpu_share: float = 0.0  # decode "gpu": fraction of images the DataLoader workers decode anyway
     seed: int = 0
     resume: str | None = None
     max_steps: int | None = None
@@ -219,7 +218,6 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
             "seed": cfg.seed,
             "image_size": cfg.image_size,
             "decode": cfg.decode,
-            "cpu_share": cfg.cpu_share,
         }
         train_loader = TrainLoader(
             manifest.split("train"), cfg.data, cfg.epoch_mode, spec, cfg.workers, cfg.shuffle_buffer, d.device, cl

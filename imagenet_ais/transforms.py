@@ -44,15 +44,10 @@ class Box(NamedTuple):
 
 
 class Encoded(NamedTuple):
-    """A batch still in JPEG form: bytes on the host, crops to apply once decoded.
-
-    With ``--cpu-share``, workers decode some samples themselves: those come first in the
-    batch, as ``decoded`` pixels, and ``data``/``boxes`` are the rows after them.
-    """
+    """A batch still in JPEG form: bytes on the host, crops to apply once decoded."""
 
     data: list[torch.Tensor]  # uint8, 1-d, one JPEG each
     boxes: torch.Tensor  # int64 N × 5: left, top, width, height, flip
-    decoded: torch.Tensor | None = None  # uint8 K × size × size × 3, already cropped and resized
 
 
 def train_box(img: Image.Image) -> Box:
@@ -162,24 +157,14 @@ def decode_on_device(
     Returns float N×3×size×size on ``device``, and None, or, when some samples failed to
     decode, which sample each row holds instead (failures replaced by others of the batch).
     """
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    done = [] if batch.decoded is None else [normalize(batch.decoded, device, channels_last)]
-    if not batch.data:
-        return done[0], None
     images, rows = _decode(batch.data, device)
     boxes = batch.boxes[rows] if rows else batch.boxes
     out = _resize_crops(images, boxes, size, device)
     flip = boxes[:, 4].bool().to(device, non_blocking=True).view(-1, 1, 1, 1)
     out = torch.where(flip, out.flip(-1), out).float()
     mean, std = _mean_std(device)
-    x = ((out - mean) / std).contiguous(memory_format=fmt)
-    if not done:
-        return x, rows
-    k = len(done[0])
-    return torch.cat([done[0], x]).contiguous(memory_format=fmt), None if rows is None else [
-        *range(k),
-        *(k + r for r in rows),
-    ]
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return ((out - mean) / std).contiguous(memory_format=fmt), rows
 
 
 def _resize_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: int, device: torch.device) -> torch.Tensor:

@@ -31,23 +31,15 @@ from imagenet_ais.transforms import decode_on_cpu
 UNEVEN = [3, 11, 7, 19, 8]  # 48 samples in 5 shards of unequal sizes
 
 
-def spec(rank: int, world: int, batch: int, size: int = 32, decode: str = "cpu", cpu_share: float = 0.0) -> dict:
-    return {
-        "world": world,
-        "rank": rank,
-        "batch": batch,
-        "seed": 7,
-        "image_size": size,
-        "decode": decode,
-        "cpu_share": cpu_share,
-    }
+def spec(rank: int, world: int, batch: int, size: int = 32, decode: str = "cpu") -> dict:
+    return {"world": world, "rank": rank, "batch": batch, "seed": 7, "image_size": size, "decode": decode}
 
 
 def loaders(
-    root: Path, manifest: Manifest, mode: str, world: int, batch: int, workers: int, decode: str = "cpu", share=0.0
+    root: Path, manifest: Manifest, mode: str, world: int, batch: int, workers: int, decode: str = "cpu"
 ) -> list[TrainLoader]:
     split = manifest.split("train")
-    specs = [spec(r, world, batch, decode=decode, cpu_share=share) for r in range(world)]
+    specs = [spec(r, world, batch, decode=decode) for r in range(world)]
     return [TrainLoader(split, str(root), mode, s, workers, 16) for s in specs]
 
 
@@ -85,10 +77,10 @@ def test_fewer_pieces_than_workers_leaves_workers_idle() -> None:
     assert [len(w) for w in split_among_workers(ranks[0], 4)] == [1, 0, 0, 0]
 
 
-@pytest.mark.parametrize(("decode", "share"), [("cpu", 0.0), ("gpu", 0.0), ("gpu", 0.5)])
-def test_exact_mode_two_ranks_see_every_key_once_per_epoch(decode: str, share: float, tmp_path: Path) -> None:
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_exact_mode_two_ranks_see_every_key_once_per_epoch(decode: str, tmp_path: Path) -> None:
     manifest = write_shards(tmp_path, {"train": UNEVEN})
-    ranks = loaders(tmp_path, manifest, "exact", world=2, batch=4, workers=2, decode=decode, share=share)
+    ranks = loaders(tmp_path, manifest, "exact", world=2, batch=4, workers=2, decode=decode)
     assert [len(r) for r in ranks] == [6, 6]
     epochs = []
     for epoch in range(2):
