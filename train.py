@@ -21,7 +21,13 @@ from imagenet_ais.training import TrainConfig, train
 @click.option("--weight-decay", default=1e-4, type=float, help="not applied to norm layers and biases")
 @click.option("--label-smoothing", default=0.1, type=click.FloatRange(0, 1))
 @click.option("--workers", default=8, type=click.IntRange(min=0), help="DataLoader workers per process")
-@click.option("--image-size", default=224, type=click.IntRange(min=16))
+@click.option("--image-size", default=224, type=click.IntRange(min=16), help="training (and validation) size")
+@click.option(
+    "--progressive",
+    metavar="START:END",
+    help="progressive resizing: training size grows linearly from START to END over the epochs (steps of 32)",
+)
+@click.option("--val-size", type=click.IntRange(min=16), help="validation size [default: END or --image-size]")
 @click.option("--amp", default="auto", type=click.Choice(["auto", "bf16", "fp16", "off"]), help="auto: bf16 on GPU")
 @click.option("--channels-last/--no-channels-last", default=None, help="[default: on for GPU]")
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile the model")

@@ -168,6 +168,7 @@ class ShardStream(IterableDataset):
             raise ValueError(f"unknown decode {spec.decode!r}: one of {', '.join(DECODERS)}")
         self.spec, self.mode = spec, mode
         self.epoch = mp.Value("q", 0)
+        self.size = mp.Value("q", spec.image_size)  # output side; changes between epochs (--progressive)
         self.skipped = mp.Value("q", 0)  # samples that failed to decode
         self.read_errors = mp.Value("q", 0)  # shards that failed part-way
         # (epoch, {shard: sample indices}) already trained on before a restart; set before the
@@ -220,7 +221,7 @@ class ShardStream(IterableDataset):
     def __iter__(self) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        train, size = self.mode != "val", self.spec.image_size
+        train, size = self.mode != "val", self.size.value
         for piece in self._pieces(worker, workers):
             for index, sample in self._samples(piece):
                 try:
@@ -310,7 +311,7 @@ class _OnDevice:
     def __call__(self, batch: HostBatch) -> tuple[Batch, list[tuple[int, int]]]:
         labels, keys = batch.labels, batch.keys
         if isinstance(batch.images, Encoded):
-            x, rows = decode_on_device(batch.images, self.dataset.spec.image_size, self.device, self.channels_last)
+            x, rows = decode_on_device(batch.images, self.dataset.size.value, self.device, self.channels_last)
             if rows:  # samples that failed to decode, replaced by others of the batch
                 with self.dataset.skipped.get_lock():
                     self.dataset.skipped.value += sum(r != i for i, r in enumerate(rows))
@@ -383,11 +384,14 @@ class TrainLoader(_ShardLoader):
     def __len__(self) -> int:
         return self.steps
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, image_size: int | None = None) -> None:
+        """Start ``epoch`` (call before iterating), optionally at another image size."""
         if epoch != self.epoch or epoch != self.dataset.skip[0]:
             self.delivered = {}
         self.epoch = epoch
         self.dataset.epoch.value = epoch
+        if image_size:
+            self.dataset.size.value = image_size
 
     def position(self) -> dict:
         """Where this rank is in the epoch: the samples already trained on, by shard."""

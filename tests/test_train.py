@@ -182,6 +182,9 @@ def test_bad_inputs_get_one_line_errors(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 1 and "fewer than one global batch" in proc.stderr
+    proc = run_cli("train.py", "--data", tmp_path, "--output", tmp_path / "o", "--progressive", "224:128", check=False)
+    assert proc.returncode == 1 and "--progressive '224:128': give START:END" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("decode", ["cpu", "gpu"])
@@ -295,3 +298,34 @@ def test_sigterm_to_torchrun_saves_both_ranks_mid_epoch_and_resumes(tmp_path: Pa
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 32
     seen = [k for r in range(2) for k in (output / "keys" / f"epoch001-rank{r}.txt").read_text().split()]
     assert len(seen) == len(set(seen)) == 128, "the interrupted epoch: every key once across the restart"
+
+
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_progressive_resizing_follows_its_schedule(decode: str, tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [16, 16], "val": [6]})
+    run_cli(
+        "train.py",
+        "--data",
+        data,
+        "--output",
+        output,
+        *TINY,
+        "--epochs",
+        "3",
+        "--progressive",
+        "32:96",
+        "--val-size",
+        "64",
+        "--workers",
+        "1",
+        "--decode",
+        decode,
+        "--log-every",
+        "2",
+    )
+    records = metrics(output)
+    # the sizes of the batches actually trained on, per epoch, and of the validation batches
+    train = {(r["epoch"], r["image_size"]) for r in records if r["kind"] == "train"}
+    assert train == {(0, 32), (1, 64), (2, 96)}
+    assert [(r["image_size"], r["samples"]) for r in records if r["kind"] == "val"] == [(64, 6)] * 3
