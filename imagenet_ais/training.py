@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import signal
@@ -23,6 +22,7 @@ from tqdm import tqdm
 from imagenet_ais import checkpoint, distributed, upload
 from imagenet_ais.data import TrainLoader, ValLoader
 from imagenet_ais.manifest import load_manifest
+from imagenet_ais.metrics import METRICS, MetricsLog, gpu_sample
 from imagenet_ais.storage import open_store
 
 SYNTHETIC_CLASSES = 1000
@@ -68,7 +68,6 @@ class TrainConfig:
 EXIT_UPLOAD_FAILED = 3  # trained (or stopped cleanly), but some upload never made it: see stderr
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after saving (and uploading): resume with --resume auto
 LOG = "train.log"
-METRICS = "metrics.jsonl"
 
 
 class SyntheticLoader:
@@ -91,17 +90,6 @@ class SyntheticLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[str]]]:
         for _ in range(self.steps):
             yield self.x, self.y, []
-
-
-class MetricsLog:
-    """JSON lines, one record per log interval or validation, appended (resumed runs continue it)."""
-
-    def __init__(self, path: Path | None):
-        self.file = path.open("a", buffering=1) if path else None
-
-    def write(self, **record: Any) -> None:
-        if self.file:
-            self.file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
 
 
 class Reporter:
@@ -323,7 +311,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
     if cfg.compile:
         model = torch.compile(model, mode=cfg.compile_mode)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-    log = MetricsLog(output / METRICS if d.main else None)
+    log = MetricsLog(output if d.main else None, resume_step=global_step)
     uploader = upload.Uploader(cfg.upload, cfg.upload_retry_seconds) if cfg.upload and d.main else None
     stop = StopSignal()
 
@@ -357,12 +345,13 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
             checkpoint.link(path, checkpoint.BEST)
         if uploader:
             uploader.submit(path, checkpoint_step=global_step)
-            for name in (METRICS, LOG):
-                if (output / name).exists():
-                    uploader.submit(output / name)
+            for file in (output / METRICS, output / LOG, *output.glob("events.out.tfevents.*")):
+                if file.exists():
+                    uploader.submit(file)
 
     def finish(outcome: dict[str, Any]) -> dict[str, Any]:
         stop.restore()
+        log.close()
         if uploader:
             say(f"waiting up to {cfg.flush_timeout:.0f}s for uploads to {cfg.upload}")
             missing = uploader.flush(cfg.flush_timeout)
@@ -430,6 +419,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
                     "lr": scheduler.get_last_lr()[0],
                     "img_per_s": window_steps * global_batch / elapsed,
                     "image_size": x.shape[-1],
+                    **gpu_sample(d.device),
                     "data_wait": waited / elapsed,
                     **{k: int(v) for k, v in zip(counters, totals, strict=True)},
                 }

@@ -329,3 +329,34 @@ def test_progressive_resizing_follows_its_schedule(decode: str, tmp_path: Path) 
     train = {(r["epoch"], r["image_size"]) for r in records if r["kind"] == "train"}
     assert train == {(0, 32), (1, 64), (2, 96)}
     assert [(r["image_size"], r["samples"]) for r in records if r["kind"] == "val"] == [(64, 6)] * 3
+
+
+def test_a_run_shows_in_tensorboard_and_plots_to_a_png(tmp_path: Path) -> None:
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [16, 8], "val": [6]})
+    args = ["--data", data, "--output", output, *TINY, "--epochs", "2", "--workers", "1", "--log-every", "2"]
+    run_cli("train.py", *args)
+    records = metrics(output)
+
+    board = EventAccumulator(str(output))
+    board.Reload()
+    assert {"train/loss", "train/lr", "train/img_per_s", "train/data_wait", "val/top1", "val/top5"} <= set(
+        board.Tags()["scalars"]
+    )
+    logged = [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+    assert [(e.step, round(e.value, 4)) for e in board.Scalars("train/loss")] == [(s, round(v, 4)) for s, v in logged]
+
+    out = run_cli(sys.executable, "-m", "imagenet_ais.plot", output).stdout.strip()
+    assert out == str(output / "metrics.png")
+    with Image.open(output / "metrics.png") as png:
+        assert png.format == "PNG" and png.size == (1500, 680)  # 2 rows of 3 panels (no GPU panel on CPU)
+        assert len(png.convert("RGB").getcolors(1 << 16) or []) > 50  # drawn, not blank
+    assert not list(output.glob(".*.tmp"))
+
+    proc = run_cli(sys.executable, "-m", "imagenet_ais.plot", tmp_path, check=False)
+    assert proc.returncode == 1 and f"no metrics.jsonl in {tmp_path}" in proc.stderr
+    dry = run_cli(ROOT / "run", "-n", "plot", output, env={"VENV": ".venv"}).stdout.splitlines()[-1]
+    assert dry == f".venv/bin/python -m imagenet_ais.plot {output}"
