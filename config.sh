@@ -24,7 +24,11 @@
 : "${ARCH:=}" "${EPOCHS:=}" "${BATCH_SIZE:=}" "${IMAGE_SIZE:=}" "${LR:=}" "${WARMUP_EPOCHS:=}"
 : "${EPOCH_MODE:=resampled}"      # resampled | exact
 : "${WORKERS:=}"                  # DataLoader workers per process; empty = CPU cores / processes, at most 8
-: "${NPROC:=2}"                   # processes for ./run local2
+: "${NPROC:=2}"                   # processes for ./run local2, and per host for ./run nodes
+: "${RDZV_PORT:=29400}"           # ./run nodes: c10d rendezvous port on the first host
+: "${RDZV_ID:=imagenet-ais}"      # ./run nodes: names the job; agents with the same id meet
+: "${SSH:=ssh}"                   # ./run nodes: how other hosts are reached (e.g. "ssh -p 2222")
+: "${REMOTE_DIR:=$PWD}"           # ./run nodes: this checkout's path on the other hosts
 : "${OUTPUT:=}"                   # run directory; empty = runs/<verb>
 : "${UPLOAD:=}"                   # gs://, ais:// or a directory: checkpoints, metrics and log are uploaded there too
 : "${TRAIN_EXTRA:=}"              # more train.py options, split on spaces

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli, write_shards
+from conftest import ROOT, free_port, run_cli, write_shards
 
 SECRET = "s3cr3t-token-value"
 
@@ -247,6 +247,43 @@ def test_local2_really_runs_two_cpu_processes(tmp_path: Path) -> None:
     run_cli(ROOT / "run", "local2", "--max-steps", "2", env=env)
     state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
     assert state["step"] == 2 and len(state["rng"]) == 2
+
+
+def test_nodes_two_torchrun_agents_meet_on_loopback_and_train(tmp_path: Path) -> None:
+    data = tmp_path / "shards"
+    write_shards(data, {"train": [10, 14]})
+    env = {
+        "DATA": str(data),
+        "OUTPUT": str(tmp_path / "run"),
+        "ARCH": "resnet18",
+        "IMAGE_SIZE": "32",
+        "BATCH_SIZE": "4",
+        "EPOCHS": "1",
+        "WORKERS": "1",
+        "NPROC": "1",
+        "RDZV_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+    }
+    run_cli(ROOT / "run", "nodes", "localhost,localhost", "--max-steps", "2", "--log-keys", env=env, timeout=300)
+    state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert state["step"] == 2 and len(state["rng"]) == 2  # two agents of one process each: world 2
+    keys = [(tmp_path / "run" / "keys" / f"epoch000-rank{r}.txt").read_text().split() for r in (0, 1)]
+    assert len(keys[0]) == len(keys[1]) == 8 and not set(keys[0]) & set(keys[1])
+
+
+def test_nodes_reaches_other_hosts_over_ssh_dry_run() -> None:
+    env = {"SSH": "ssh -p 2222", "REMOTE_DIR": "/srv/my checkout", "NPROC": "8", "DATA": "ais://imagenet/train"}
+    env["AIS_ENDPOINT"] = "http://ais-proxy:51080"
+    lines = run_cli(ROOT / "run", "-n", "nodes", "gpu1,gpu2", "--epochs", "1", env=env).stdout.splitlines()
+    agents = sorted(shlex.split(line) for line in lines if line.startswith("ssh "))  # started in parallel
+    assert [a[:4] for a in agents] == [["ssh", "-p", "2222", "gpu1"], ["ssh", "-p", "2222", "gpu2"]]
+    remote = shlex.split(agents[1][4])
+    assert remote[:5] == ["cd", "/srv/my checkout", "&&", "AIS_ENDPOINT=http://ais-proxy:51080", ".venv/bin/torchrun"]
+    flags = " ".join(remote)
+    assert "--nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint gpu1:29400" in flags
+    assert "train.py --data ais://imagenet/train" in flags and flags.endswith("--epochs 1")
+    proc = run_cli(ROOT / "run", "nodes", check=False)
+    assert proc.returncode == 1 and "nodes needs HOST[,HOST...]" in proc.stderr
 
 
 def test_dockerfile_is_hadolint_clean_and_context_has_no_secrets() -> None:
