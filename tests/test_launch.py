@@ -231,12 +231,11 @@ def test_node_entry_script_really_trains_one_node_two_processes(tmp_path: Path) 
     assert state["step"] == 4 and len(state["rng"]) == 2  # 32 samples / (2 ranks × 4)
 
 
-def test_local2_really_runs_two_cpu_processes(tmp_path: Path) -> None:
-    data = tmp_path / "shards"
-    write_shards(data, {"train": [10, 14], "val": [4]})
-    env = {
+def tiny_run_env(data: Path, output: Path) -> dict[str, str]:
+    """./run settings for a few-second CPU training run of tiny shards."""
+    return {
         "DATA": str(data),
-        "OUTPUT": str(tmp_path / "run"),
+        "OUTPUT": str(output),
         "ARCH": "resnet18",
         "IMAGE_SIZE": "32",
         "BATCH_SIZE": "4",
@@ -244,6 +243,12 @@ def test_local2_really_runs_two_cpu_processes(tmp_path: Path) -> None:
         "WORKERS": "1",
         "OMP_NUM_THREADS": "1",
     }
+
+
+def test_local2_really_runs_two_cpu_processes(tmp_path: Path) -> None:
+    data = tmp_path / "shards"
+    write_shards(data, {"train": [10, 14], "val": [4]})
+    env = tiny_run_env(data, tmp_path / "run")
     run_cli(ROOT / "run", "local2", "--max-steps", "2", env=env)
     state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
     assert state["step"] == 2 and len(state["rng"]) == 2
@@ -252,18 +257,7 @@ def test_local2_really_runs_two_cpu_processes(tmp_path: Path) -> None:
 def test_nodes_two_torchrun_agents_meet_on_loopback_and_train(tmp_path: Path) -> None:
     data = tmp_path / "shards"
     write_shards(data, {"train": [10, 14]})
-    env = {
-        "DATA": str(data),
-        "OUTPUT": str(tmp_path / "run"),
-        "ARCH": "resnet18",
-        "IMAGE_SIZE": "32",
-        "BATCH_SIZE": "4",
-        "EPOCHS": "1",
-        "WORKERS": "1",
-        "NPROC": "1",
-        "RDZV_PORT": str(free_port()),
-        "OMP_NUM_THREADS": "1",
-    }
+    env = {**tiny_run_env(data, tmp_path / "run"), "NPROC": "1", "RDZV_PORT": str(free_port())}
     run_cli(ROOT / "run", "nodes", "localhost,localhost", "--max-steps", "2", "--log-keys", env=env, timeout=300)
     state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
     assert state["step"] == 2 and len(state["rng"]) == 2  # two agents of one process each: world 2
