@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from imagenet_ais.decentralized import TOPOLOGIES
 from imagenet_ais.training import TrainConfig, train
 
 
@@ -42,6 +43,18 @@ from imagenet_ais.training import TrainConfig, train
     default="cpu",
     type=click.Choice(["cpu", "gpu"]),
     help="cpu: PIL in the DataLoader workers; gpu: nvJPEG, crop and resize on the GPU",
+)
+@click.option(
+    "--dp",
+    default="ddp",
+    type=click.Choice(["ddp", "decent"]),
+    help="ddp: all-reduce of gradients; decent: decentralized, each rank mixes with its --topology peers",
+)
+@click.option(
+    "--topology",
+    default="ring",
+    type=click.Choice(TOPOLOGIES),
+    help="--dp decent: who mixes with whom at each step",
 )
 @click.option("--seed", default=0)
 @click.option("--resume", help="'auto' (the last checkpoint in --output, if any) or a checkpoint path")

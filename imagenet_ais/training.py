@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from imagenet_ais import checkpoint, distributed, upload
+from imagenet_ais import checkpoint, decentralized, distributed, upload
 from imagenet_ais.data import TrainLoader, ValLoader
 from imagenet_ais.manifest import load_manifest
 from imagenet_ais.metrics import METRICS, MetricsLog, gpu_sample
@@ -50,6 +50,8 @@ class TrainConfig:
     compile: bool = False
     compile_mode: str = "default"  # torch.compile mode; reduce-overhead adds CUDA graphs
     decode: str = "cpu"  # or "gpu": nvJPEG + crop/resize on the device (see transforms.py)
+    dp: str = "ddp"  # or "decent": decentralized data parallel (decentralized.py)
+    topology: str = "ring"  # --dp decent: who mixes with whom at each step
     seed: int = 0
     resume: str | None = None
     max_steps: int | None = None
@@ -127,10 +129,10 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
         raise ValueError(f"--arch {arch!r} is not a torchvision classification model; one of: {known}") from e
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def param_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict[str, Any]]:
     """No weight decay on BatchNorm/LayerNorm parameters and biases (every 1-d parameter)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
+    decay = [p for p in params if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in params if p.requires_grad and p.ndim <= 1]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -158,10 +160,11 @@ def image_sizes(cfg: TrainConfig) -> tuple[list[int], int]:
     return sizes, cfg.val_size or end
 
 
-def lr_lambda(warmup: int, total: int):
-    """Linear warmup to the peak, then cosine to zero, per step."""
+def lr_lambda(warmup: int, total: int, start: int = 0):
+    """Linear warmup to the peak, then cosine to zero, per step; counting from ``start`` (a resume)."""
 
     def factor(step: int) -> float:
+        step += start
         if step < warmup:
             return (step + 1) / warmup
         progress = (step - warmup) / max(1, total - warmup)
@@ -252,15 +255,22 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
     steps_per_epoch = len(train_loader)
     total_steps = steps_per_epoch * cfg.epochs
     global_batch = cfg.batch_size * d.world
-    optimizer = torch.optim.SGD(
-        param_groups(raw_model, cfg.weight_decay),
-        lr=cfg.lr * global_batch / 256,
-        momentum=cfg.momentum,
-        nesterov=True,
-        fused=cuda,  # one kernel for the whole update instead of a few per tensor
-    )
-    warmup = min(total_steps, round(cfg.warmup_epochs * steps_per_epoch))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup, total_steps))
+    decent = cfg.dp == "decent" and d.world > 1
+    if cfg.dp == "decent" and not decent:
+        say("note: --dp decent with one process trains as plain data parallel would", err=True)
+    if decent and cfg.compile:
+        raise ValueError("--dp decent does not work with --compile (its hooks re-point the parameters): drop one")
+
+    def make_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(
+            param_groups(params, cfg.weight_decay),
+            lr=cfg.lr * global_batch / 256,
+            momentum=cfg.momentum,
+            nesterov=True,
+            fused=cuda,  # one kernel for the whole update instead of a few per tensor
+        )
+
+    optimizer = make_optimizer(list(raw_model.parameters()))  # --dp decent: one per bucket, inside its wrapper
     scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.amp == "fp16")
 
     start_epoch, global_step, first_step, best_top1 = 0, 0, 0, 0.0
@@ -283,8 +293,10 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
                 f"not {cfg.arch} on {len(classes)}: use another --output or --resume"
             )
         raw_model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        if state["optimizer"] and not decent:
+            optimizer.load_state_dict(state["optimizer"])
+        else:
+            say("note: the optimizer's momentum starts afresh (--dp decent keeps one per rank, not checkpointed)")
         scaler.load_state_dict(state["scaler"])
         start_epoch, global_step, first_step = state["epoch"], state["step"], state["step_in_epoch"]
         best_top1, last_val = state["best_top1"], state["last_val"]
@@ -305,8 +317,14 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
     if position and isinstance(train_loader, TrainLoader) and cfg.epoch_mode == "exact":
         train_loader.restore(position)  # the rest of the epoch, without what was trained on
 
+    # the schedule is a function of the global step, so a resumed run picks it up from the step alone
+    warmup = min(total_steps, round(cfg.warmup_epochs * steps_per_epoch))
+    schedule = lr_lambda(warmup, total_steps, start=global_step)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model: nn.Module = raw_model
-    if d.world > 1:
+    if decent:
+        model = decentralized.wrap(raw_model, make_optimizer, schedule, cfg.topology, scaler)
+    elif d.world > 1:
         model = DistributedDataParallel(raw_model, device_ids=[d.local_rank] if cuda else None)
     if cfg.compile:
         model = torch.compile(model, mode=cfg.compile_mode)
@@ -317,6 +335,8 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
 
     def save(epoch: int, step_in_epoch: int, best: bool = False) -> None:
         # every rank's RNG and data position: collectives, so all ranks call this
+        if decent:
+            decentralized.consensus(model)  # the model every rank continues from
         rng = distributed.gather_objects(checkpoint.rng_state())
         positions = distributed.gather_objects(
             train_loader.position() if isinstance(train_loader, TrainLoader) else None
@@ -325,8 +345,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
             return
         state = {
             "model": raw_model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
+            "optimizer": None if decent else optimizer.state_dict(),
             "scaler": scaler.state_dict(),
             "epoch": epoch,
             "step": global_step,
@@ -387,11 +406,14 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
             waited += time.perf_counter() - t0
             with autocast(cfg, d.device):
                 loss = criterion(model(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            scheduler.step()
+            if decent:  # the wrapper's backward hooks step, zero and mix each bucket
+                scaler.scale(loss).backward()
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                scheduler.step()
             global_step += 1
             window_steps += 1
             losses.append(loss.detach())
@@ -416,7 +438,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
                     "epoch": epoch,
                     "step": global_step,
                     "loss": loss_sum / d.world,
-                    "lr": scheduler.get_last_lr()[0],
+                    "lr": model.get_lr() if decent else scheduler.get_last_lr()[0],
                     "img_per_s": window_steps * global_batch / elapsed,
                     "image_size": x.shape[-1],
                     **gpu_sample(d.device),
@@ -444,8 +466,10 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
             return finish({"step": global_step, "val": last_val, "complete": False, "exit_code": 0})
         improved = False
         if val_loader is not None:
+            # decentralized ranks agree on one model first (the average); record how far apart they were
+            agreement = decentralized.consensus(model) if decent else {}
             last_val = validate(raw_model, val_loader, cfg, d)
-            log.write(kind="val", epoch=epoch, step=global_step, **last_val)
+            log.write(kind="val", epoch=epoch, step=global_step, **last_val, **agreement)
             say(
                 f"epoch {epoch + 1}: val top-1 {last_val['top1']:.2f}% top-5 {last_val['top5']:.2f}% "
                 f"over {last_val['samples']} images"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -80,6 +81,37 @@ def test_ddp_two_ranks_uneven_shards(mode: str, tmp_path: Path) -> None:
     assert (state["epoch"], state["step"], len(state["rng"])) == (2, 12, 2)
 
 
+def test_decentralized_ranks_drift_apart_and_agree_after_each_global_average(tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": UNEVEN, "val": [5, 2, 6]})
+    args = ["--data", data, "--output", output, *TINY, "--workers", "1", "--log-every", "2", "--resume", "auto"]
+    torchrun(2, *args, "--epochs", "2", "--dp", "decent", "--topology", "ring")
+
+    records = metrics(output)
+    val = [r for r in records if r["kind"] == "val"]
+    assert [(r["epoch"], r["samples"]) for r in val] == [(0, 13), (1, 13)]
+    assert all(r["distance"] > 0 for r in val), "each rank trained its own model between averages"
+    assert all(r["spread"] == 0 for r in val), "after the global average every rank holds the same model"
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [2, 4, 6, 8, 10, 12]
+    cosine = [0.1 * 8 / 256 * 0.5 * (1 + math.cos(math.pi * k / 12)) for k in (2, 4, 6, 8, 10, 12)]
+    assert [r["lr"] for r in train] == pytest.approx(cosine) and all(math.isfinite(r["loss"]) for r in train)
+    state = torch.load(output / "last.pt", weights_only=True)
+    assert (state["step"], state["optimizer"]) == (12, None), "no momentum in the checkpoint: it is per rank"
+
+    more = torchrun(2, *args, "--epochs", "3", "--dp", "decent", "--topology", "one-peer-exp")
+    assert "resumed from" in more.stdout and "momentum starts afresh" in more.stdout
+    assert torch.load(output / "last.pt", weights_only=True)["step"] == 18
+    assert [r["spread"] for r in metrics(output) if r["kind"] == "val"] == [0, 0, 0]
+
+    one_node = run_cli(
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", ROOT / "train.py",
+        *args, "--epochs", "4", "--dp", "decent", "--topology", "alternating-exp-ring", check=False
+    )  # fmt: skip
+    assert one_node.returncode != 0
+    assert "Error: --topology alternating-exp-ring cannot connect 2 processes" in one_node.stderr
+
+
 def test_stopped_run_resumes_at_the_right_step(tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": UNEVEN, "val": [6]})
@@ -107,8 +139,10 @@ def test_stopped_run_resumes_at_the_right_step(tmp_path: Path) -> None:
 
     second = run_cli("train.py", *args)
     assert "resumed from" in second.stdout and "epoch 2, step 17" in second.stdout
-    steps = [r["step"] for r in metrics(output) if r["kind"] == "train"]
-    assert steps == list(range(1, 37)), "no step repeated or skipped across the restart"
+    train = [r for r in metrics(output) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 37)), "no step repeated or skipped across the restart"
+    cosine = [0.1 * 4 / 256 * 0.5 * (1 + math.cos(math.pi * k / 36)) for k in range(1, 37)]
+    assert [r["lr"] for r in train] == pytest.approx(cosine), "the schedule continues across the restart"
     assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [0, 1, 2]
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 36
 
