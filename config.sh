@@ -29,6 +29,10 @@
 : "${RDZV_ID:=imagenet-ais}"      # ./run nodes: names the job; agents with the same id meet
 : "${SSH:=ssh}"                   # ./run nodes: how other hosts are reached (e.g. "ssh -p 2222")
 : "${REMOTE_DIR:=$PWD}"           # ./run nodes: this checkout's path on the other hosts
+: "${SLURM_NODES:=1}"             # ./run slurm: nodes (NPROC processes, one per GPU, on each)
+: "${SLURM_TIME:=04:00:00}"       # ./run slurm: time limit; the job checkpoints and requeues itself before it
+: "${SLURM_WARN:=300}"            # ./run slurm: seconds before the limit to stop and checkpoint (SIGUSR1)
+: "${SLURM_EXTRA:=}"              # ./run slurm: more sbatch options, e.g. "--partition gpu --gpus-per-node 8"
 : "${OUTPUT:=}"                   # run directory; empty = runs/<verb>
 : "${UPLOAD:=}"                   # gs://, ais:// or a directory: checkpoints, metrics and log are uploaded there too
 : "${TRAIN_EXTRA:=}"              # more train.py options, split on spaces

@@ -103,6 +103,20 @@ def ais(tmp_path_factory: pytest.TempPathFactory):
     playground.down()
 
 
+def tiny_run_env(data: Path, output: Path) -> dict[str, str]:
+    """./run settings for a few-second CPU training run of tiny shards."""
+    return {
+        "DATA": str(data),
+        "OUTPUT": str(output),
+        "ARCH": "resnet18",
+        "IMAGE_SIZE": "32",
+        "BATCH_SIZE": "4",
+        "EPOCHS": "1",
+        "WORKERS": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

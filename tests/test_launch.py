@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port, run_cli, write_shards
+from conftest import ROOT, free_port, run_cli, tiny_run_env, write_shards
 
 SECRET = "s3cr3t-token-value"
 
@@ -229,20 +229,6 @@ def test_node_entry_script_really_trains_one_node_two_processes(tmp_path: Path) 
     )
     state = torch.load(output / "last.pt", weights_only=True)
     assert state["step"] == 4 and len(state["rng"]) == 2  # 32 samples / (2 ranks × 4)
-
-
-def tiny_run_env(data: Path, output: Path) -> dict[str, str]:
-    """./run settings for a few-second CPU training run of tiny shards."""
-    return {
-        "DATA": str(data),
-        "OUTPUT": str(output),
-        "ARCH": "resnet18",
-        "IMAGE_SIZE": "32",
-        "BATCH_SIZE": "4",
-        "EPOCHS": "1",
-        "WORKERS": "1",
-        "OMP_NUM_THREADS": "1",
-    }
 
 
 def test_local2_really_runs_two_cpu_processes(tmp_path: Path) -> None:

@@ -1,0 +1,124 @@
+"""./run slurm against a real one-machine Slurm cluster (munged, slurmctld, slurmd from Debian's
+packages, which ./run test installs as root): submit, warn before the time limit, checkpoint,
+requeue, resume, finish."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, free_port, run_cli, tiny_run_env, write_shards
+
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "mungekey")
+
+
+def wait_for(ready, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"{what}: not after {timeout:.0f}s"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """The environment for Slurm's clients to reach a cluster of this machine alone."""
+    missing = [d for d in DAEMONS if not shutil.which(d)]
+    if missing:
+        message = f"{', '.join(missing)} not installed: ./run test installs Slurm from Debian when run as root"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    root = tmp_path_factory.mktemp("slurm")
+    munge = root / "munge"
+    munge.mkdir(mode=0o700)
+    subprocess.run(["mungekey", "--create", f"--keyfile={munge / 'key'}"], check=True)
+    socket_path = munge / "socket"
+    files = {"key-file": "key", "pid-file": "pid", "log-file": "log", "seed-file": "seed"}
+    options = [f"--{option}={munge / name}" for option, name in files.items()]
+    subprocess.run(["munged", *options, f"--socket={socket_path}", "--force"], check=True)
+    node, user = socket.gethostname().split(".")[0], getpass.getuser()
+    conf = root / "slurm.conf"
+    # cred_expire: how long a requeued job waits before it starts again (default 120 s)
+    conf.write_text(
+        f"""ClusterName=test
+SlurmctldHost={node}
+SlurmUser={user}
+SlurmdUser={user}
+AuthType=auth/munge
+AuthInfo=socket={socket_path},cred_expire=10
+CredType=cred/munge
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+MpiDefault=none
+NodeName={node} CPUs={os.cpu_count()} State=UNKNOWN
+PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+    )
+    env = {"SLURM_CONF": str(conf)}
+    full = {**os.environ, **env}
+    for daemon in ("slurmctld", "slurmd"):
+        subprocess.run([daemon, "-f", str(conf)], check=True, env=full)
+
+    def idle() -> bool:
+        out = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, env=full).stdout
+        return out.strip() == "idle"
+
+    try:
+        wait_for(idle, "the Slurm node to come up")
+        yield env
+    finally:
+        for pid_file in (root / "slurmd.pid", root / "slurmctld.pid", munge / "pid"):
+            if pid_file.exists():
+                subprocess.run(["kill", pid_file.read_text().strip()], check=False)
+
+
+def job_state(job: str, env: dict[str, str]) -> dict[str, str]:
+    out = run_cli("scontrol", "show", "job", job, "-o", env=env).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def test_a_job_warned_before_its_time_limit_checkpoints_requeues_and_finishes(slurm: dict, tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [20, 28], "val": [6]})
+    env = {**slurm, **tiny_run_env(data, output), "EPOCHS": "3", "NPROC": "1", "RDZV_PORT": str(free_port())}
+    env["TRAIN_EXTRA"] = "--log-every 1 --epoch-mode exact"  # 12 steps an epoch
+    submitted = run_cli(ROOT / "run", "slurm", env=env).stdout
+    job = re.search(r"Submitted batch job (\d+)", submitted).group(1)
+    log = output / f"slurm-{job}.out"
+
+    # What Slurm does SLURM_WARN seconds before the limit (--signal B:USR1@...), sent now.
+    wait_for(lambda: (output / "metrics.jsonl").exists(), "the first training step", timeout=300)
+    run_cli("scancel", "--batch", "--signal", "USR1", job, env=slurm)
+    wait_for(lambda: job_state(job, slurm)["JobState"] == "COMPLETED", "the requeued job to finish", timeout=300)
+
+    text = log.read_text()
+    assert "checkpointing, then requeueing" in text and "(restart 1)" in text
+    assert job_state(job, slurm)["Restarts"] == "1"
+    train_log = (output / "train.log").read_text()
+    assert "stopped by a signal" in train_log and "resumed from" in train_log
+    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if r["kind"] == "train"]
+    assert steps == list(range(1, 37)), "the requeued run went on from the checkpointed step"
+    assert torch.load(output / "last.pt", weights_only=True)["epoch"] == 3
