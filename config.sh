@@ -29,6 +29,9 @@
 : "${RDZV_ID:=imagenet-ais}"      # ./run nodes: names the job; agents with the same id meet
 : "${SSH:=ssh}"                   # ./run nodes: how other hosts are reached (e.g. "ssh -p 2222")
 : "${REMOTE_DIR:=$PWD}"           # ./run nodes: this checkout's path on the other hosts
+: "${RAY_ADDRESS:=}"              # ./run ray: the cluster (auto, HOST:PORT); empty = a private local one for the run
+: "${RAY_WORKERS:=2}"             # ./run ray: training workers
+: "${RAY_GPU:=0}"                 # ./run ray: 1 = one GPU per worker
 : "${SLURM_NODES:=1}"             # ./run slurm: nodes (NPROC processes, one per GPU, on each)
 : "${SLURM_TIME:=04:00:00}"       # ./run slurm: time limit; the job checkpoints and requeues itself before it
 : "${SLURM_WARN:=300}"            # ./run slurm: seconds before the limit to stop and checkpoint (SIGUSR1)

@@ -83,5 +83,12 @@ def main(compile_: bool, **options: object) -> None:
     sys.exit(outcome["exit_code"])
 
 
+def parse(args: list[str]) -> TrainConfig:
+    """The config these options give, for launchers that call ``train`` themselves (tools/ray_train.py)."""
+    with main.make_context("train.py", list(args)) as ctx:
+        options = dict(ctx.params)
+    return TrainConfig(compile=options.pop("compile_"), **options)
+
+
 if __name__ == "__main__":
     main()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +21,18 @@ class MetricsLog:
 
     Every number of a record also goes to TensorBoard as ``<kind>/<name>`` at its step. A
     resumed run purges TensorBoard events past the step it resumes from, so the steps
-    retrained after a crash are not drawn twice.
+    retrained after a crash are not drawn twice. ``report`` (e.g. Ray Train's) gets every
+    record on every rank, files or not.
     """
 
-    def __init__(self, output: Path | None, resume_step: int = 0):
+    def __init__(self, output: Path | None, resume_step: int = 0, report: Callable[[dict], None] | None = None):
         self.file = (output / METRICS).open("a", buffering=1) if output else None
         self.board = SummaryWriter(str(output), purge_step=resume_step or None) if output else None
+        self.report = report
 
     def write(self, **record: Any) -> None:
+        if self.report:
+            self.report(record)
         if not self.file or not self.board:
             return
         self.file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")

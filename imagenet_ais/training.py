@@ -6,8 +6,9 @@ import math
 import random
 import signal
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -107,11 +108,17 @@ class Reporter:
 
 
 class StopSignal:
-    """SIGTERM / SIGUSR1 (preemption, Slurm's warning): finish the step, save, upload, exit."""
+    """SIGTERM / SIGUSR1 (preemption, Slurm's warning): finish the step, save, upload, exit.
+
+    Only a main thread can take signals; where training runs in another (a Ray Train worker),
+    stopping is the framework's business and this does nothing.
+    """
 
     def __init__(self) -> None:
         self.received: int | None = None
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        main = threading.current_thread() is threading.main_thread()
+        sigs = (signal.SIGTERM, signal.SIGUSR1) if main else ()
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
 
     def _handle(self, signum: int, _frame: object) -> None:
         self.received = signum
@@ -199,15 +206,16 @@ def validate(model: nn.Module, loader: ValLoader, cfg: TrainConfig, d: distribut
     return {"top1": top1, "top5": top5, "samples": int(n), "skipped": int(skipped), "image_size": size}
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def train(cfg: TrainConfig, report: Callable[[dict], None] | None = None) -> dict[str, Any]:
+    """Train as ``cfg`` says; ``report`` also gets every metrics record, on every rank."""
     d = distributed.setup()
     try:
-        return _train(cfg, d)
+        return _train(cfg, d, report)
     finally:
         distributed.teardown()
 
 
-def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
+def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None] | None) -> dict[str, Any]:
     output = Path(cfg.output)
     output.mkdir(parents=True, exist_ok=True)
     if d.main:
@@ -329,7 +337,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist) -> dict[str, Any]:
     if cfg.compile:
         model = torch.compile(model, mode=cfg.compile_mode)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-    log = MetricsLog(output if d.main else None, resume_step=global_step)
+    log = MetricsLog(output if d.main else None, resume_step=global_step, report=report)
     uploader = upload.Uploader(cfg.upload, cfg.upload_retry_seconds) if cfg.upload and d.main else None
     stop = StopSignal()
 
