@@ -67,7 +67,7 @@ def main(address: str | None, num_workers: int, gpu: bool, cpus_per_worker: floa
         ray.shutdown()  # a private cluster stops here; a connected one is only left
     if result.error:
         raise click.ClickException(f"Ray training failed: {result.error}")
-    click.echo(f"done: last metrics {result.metrics}; run directory {cfg.output}")
+    click.echo(f"done: metrics in {Path(cfg.output, 'metrics.jsonl')}, checkpoints in {cfg.output}")
 
 
 if __name__ == "__main__":
