@@ -7,6 +7,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -17,9 +18,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port, run_cli, tiny_run_env, write_shards
+from conftest import ROOT, run_cli, tiny_run_env, write_shards
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "mungekey")
+
+
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
+
+
+def low_free_port() -> int:
+    """A free port below the ephemeral range, as a rendezvous port should be: srun listens on
+    ephemeral ports, and one could take a port picked there before torchrun binds it."""
+    for port in random.sample(range(20000, 32000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def wait_for(ready, what: str, timeout: float = 120) -> None:
@@ -63,8 +80,8 @@ SlurmctldPidFile={root}/slurmctld.pid
 SlurmdPidFile={root}/slurmd.pid
 SlurmctldLogFile={root}/slurmctld.log
 SlurmdLogFile={root}/slurmd.log
-SlurmctldPort={free_port()}
-SlurmdPort={free_port()}
+SlurmctldPort={low_free_port()}
+SlurmdPort={low_free_port()}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -102,7 +119,7 @@ def job_state(job: str, env: dict[str, str]) -> dict[str, str]:
 def test_a_job_warned_before_its_time_limit_checkpoints_requeues_and_finishes(slurm: dict, tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [20, 28], "val": [6]})
-    env = {**slurm, **tiny_run_env(data, output), "EPOCHS": "3", "NPROC": "1", "RDZV_PORT": str(free_port())}
+    env = {**slurm, **tiny_run_env(data, output), "EPOCHS": "3", "NPROC": "1", "RDZV_PORT": str(low_free_port())}
     env["TRAIN_EXTRA"] = "--log-every 1 --epoch-mode exact"  # 12 steps an epoch
     submitted = run_cli(ROOT / "run", "slurm", env=env).stdout
     job = re.search(r"Submitted batch job (\d+)", submitted).group(1)
@@ -111,9 +128,10 @@ def test_a_job_warned_before_its_time_limit_checkpoints_requeues_and_finishes(sl
     # What Slurm does SLURM_WARN seconds before the limit (--signal B:USR1@...), sent now.
     wait_for(lambda: (output / "metrics.jsonl").exists(), "the first training step", timeout=300)
     run_cli("scancel", "--batch", "--signal", "USR1", job, env=slurm)
-    wait_for(lambda: job_state(job, slurm)["JobState"] == "COMPLETED", "the requeued job to finish", timeout=300)
+    wait_for(lambda: job_state(job, slurm)["JobState"] in ENDED, "the requeued job to end", timeout=300)
 
     text = log.read_text()
+    assert job_state(job, slurm)["JobState"] == "COMPLETED", text[-3000:]
     assert "checkpointing, then requeueing" in text and "(restart 1)" in text
     assert job_state(job, slurm)["Restarts"] == "1"
     train_log = (output / "train.log").read_text()
