@@ -340,11 +340,17 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
     log = MetricsLog(output if d.main else None, resume_step=global_step, report=report)
     uploader = upload.Uploader(cfg.upload, cfg.upload_retry_seconds) if cfg.upload and d.main else None
     stop = StopSignal()
+    averaged_at: int | None = None  # --dp decent: the step of the last global average
+
+    def average() -> dict[str, float]:
+        nonlocal averaged_at
+        averaged_at = global_step
+        return decentralized.consensus(model)
 
     def save(epoch: int, step_in_epoch: int, best: bool = False) -> None:
         # every rank's RNG and data position: collectives, so all ranks call this
-        if decent:
-            decentralized.consensus(model)  # the model every rank continues from
+        if decent and averaged_at != global_step:
+            average()  # the model every rank continues from
         rng = distributed.gather_objects(checkpoint.rng_state())
         positions = distributed.gather_objects(
             train_loader.position() if isinstance(train_loader, TrainLoader) else None
@@ -475,7 +481,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         improved = False
         if val_loader is not None:
             # decentralized ranks agree on one model first (the average); record how far apart they were
-            agreement = decentralized.consensus(model) if decent else {}
+            agreement = average() if decent else {}
             last_val = validate(raw_model, val_loader, cfg, d)
             log.write(kind="val", epoch=epoch, step=global_step, **last_val, **agreement)
             say(
