@@ -25,7 +25,7 @@ def metrics(output: Path) -> list[dict]:
     return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
 
 
-def torchrun(nproc: int, *args: str | Path) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, *args: str | Path, check: bool = True) -> subprocess.CompletedProcess:
     # OMP_NUM_THREADS=1: two ranks share this machine's cores
     return run_cli(
         sys.executable,
@@ -37,6 +37,7 @@ def torchrun(nproc: int, *args: str | Path) -> subprocess.CompletedProcess:
         ROOT / "train.py",
         *args,
         env={"OMP_NUM_THREADS": "1"},
+        check=check,
     )
 
 
@@ -104,10 +105,7 @@ def test_decentralized_ranks_drift_apart_and_agree_after_each_global_average(tmp
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 18
     assert [r["spread"] for r in metrics(output) if r["kind"] == "val"] == [0, 0, 0]
 
-    one_node = run_cli(
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", ROOT / "train.py",
-        *args, "--epochs", "4", "--dp", "decent", "--topology", "alternating-exp-ring", check=False
-    )  # fmt: skip
+    one_node = torchrun(2, *args, "--epochs", "4", "--dp", "decent", "--topology", "alternating-exp-ring", check=False)
     assert one_node.returncode != 0
     assert "Error: --topology alternating-exp-ring cannot connect 2 processes" in one_node.stderr
 
