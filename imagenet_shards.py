@@ -69,7 +69,7 @@ def convert_cmd(src: Path, dest: str, splits: str, maxcount: int, maxsize: int, 
     """
     try:
         manifest = shards.convert(src, dest, [s for s in splits.split(",") if s], maxcount, maxsize, workers, seed)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # OSError: a read or an upload failed for good
         raise click.ClickException(str(e)) from e
     for name, split in manifest.splits.items():
         click.echo(f"{name}: {split.samples} samples in {len(split.shards)} shards, {len(split.rejected)} rejected")

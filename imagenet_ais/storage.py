@@ -8,6 +8,7 @@ Writes are all-or-nothing: an object appears under its final name only once it i
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import shutil
@@ -153,6 +154,27 @@ class LocalStore(_StoreBase):
         return Path(tmp)
 
 
+def _ais_errors(method):
+    """The SDK's errors as an OSError naming the object: one line, and picklable (the SDK's and
+    requests' errors carry the request, so they cannot come back from a worker process).
+    Every wrapped method takes the object name (or prefix) as its last positional argument."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        from aistore.sdk.errors import AISError
+        from requests import RequestException
+
+        where = f"{self.url}/{args[-1] if args else ''}"
+        try:
+            return method(self, *args, **kwargs)
+        except AISError as e:
+            raise OSError(f"{where}: AIStore answered {e.status_code}: {_ais_message(e)}") from e
+        except RequestException as e:
+            raise OSError(f"{where}: {e}") from e
+
+    return wrapper
+
+
 class AISStore(_StoreBase):
     """``ais://bucket[/prefix]`` on the AIStore cluster at ``AIS_ENDPOINT`` (token: ``AIS_AUTHN_TOKEN``).
 
@@ -163,6 +185,7 @@ class AISStore(_StoreBase):
     MULTIPART_THRESHOLD = 256 << 20  # larger uploads go in parts of MULTIPART_PART
     MULTIPART_PART = 64 << 20
     MAX_RESUME = 10  # re-GETs from the last offset per stream before a read fails
+    PUT_TRIES = 5  # on top of the SDK's own retries of 429/5xx and network errors
 
     def __init__(self, url: str):
         from aistore.sdk import Client  # imported here: local-only runs never need the SDK
@@ -178,6 +201,7 @@ class AISStore(_StoreBase):
     def _obj(self, name: str):
         return self.bucket.object(self.prefix + _checked(name, self.url))
 
+    @_ais_errors
     def exists(self, name: str) -> bool:
         try:
             self._obj(name).head()
@@ -187,9 +211,11 @@ class AISStore(_StoreBase):
             raise
         return True
 
+    @_ais_errors
     def size(self, name: str) -> int:
         return int(self._obj(name).head().size)
 
+    @_ais_errors
     def list(self, prefix: str = "") -> list[str]:
         try:
             entries = self.bucket.list_objects_iter(prefix=self.prefix + prefix)
@@ -199,6 +225,7 @@ class AISStore(_StoreBase):
                 return []
             raise
 
+    @_ais_errors
     def delete(self, name: str) -> None:
         try:
             self._obj(name).delete()
@@ -206,37 +233,54 @@ class AISStore(_StoreBase):
             if not _not_found(e):
                 raise
 
+    @_ais_errors
     def open(self, name: str) -> BinaryIO:
         return self._obj(name).get_reader().as_file(max_resume=self.MAX_RESUME)
 
+    @_ais_errors
     def read_bytes(self, name: str) -> bytes:
         return self._obj(name).get_reader().read_all()
 
+    @_ais_errors
     def put_file(self, src: Path, name: str, *, keep: bool = False, once: bool = False) -> None:
         """Upload, then read back and compare size and SHA-256; a bad copy is deleted.
 
+        A failed attempt is tried again while ``_ais_retryable`` says so.
         AIStore has no write preconditions: ``once`` is an existence check just before the PUT.
         """
+        from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+
         try:
             if not self._bucket_ready:
                 self.bucket.create(exist_ok=True)
                 self._bucket_ready = True
             if once and self.exists(name):
                 raise FileExistsError(f"{self.url}/{name} exists")
-            obj = self._obj(name)
-            size = src.stat().st_size
-            if size > self.MULTIPART_THRESHOLD:
-                self._put_multipart(obj, src)
-            else:
-                obj.get_writer().put_file(src)
-            want, got = stream_sha256(src.open("rb")), stream_sha256(self.open(name))
-            stored = self.size(name)
-            if (stored, got) != (size, want):
-                self.delete(name)
-                raise OSError(f"{self.url}/{name}: upload verification failed (size {stored}/{size}, sha256 mismatch)")
+            retrying = Retrying(
+                stop=stop_after_attempt(self.PUT_TRIES),
+                wait=wait_exponential(multiplier=0.5, max=8),
+                retry=retry_if_exception(_ais_retryable),
+                reraise=True,
+            )
+            for attempt in retrying:
+                with attempt:
+                    self._put_verified(src, name)
         finally:
             if not keep:
                 src.unlink(missing_ok=True)
+
+    def _put_verified(self, src: Path, name: str) -> None:
+        obj = self._obj(name)
+        size = src.stat().st_size
+        if size > self.MULTIPART_THRESHOLD:
+            self._put_multipart(obj, src)
+        else:
+            obj.get_writer().put_file(src)
+        want, got = stream_sha256(src.open("rb")), stream_sha256(self.open(name))
+        stored = self.size(name)
+        if (stored, got) != (size, want):
+            self.delete(name)
+            raise _VerifyFailed(f"{self.url}/{name}: stored copy differs from {src} (size or sha256); deleted")
 
     def _put_multipart(self, obj, src: Path) -> None:
         upload = obj.multipart_upload().create()
@@ -363,6 +407,28 @@ def file_crc32c(path: Path) -> str:
     for block in _blocks(path.open("rb")):
         checksum.update(block)
     return base64.b64encode(checksum.digest()).decode()
+
+
+class _VerifyFailed(OSError):
+    """An upload whose read-back differs from what was sent."""
+
+
+def _ais_retryable(e: BaseException) -> bool:
+    """Worth another PUT: a copy that failed verification, a 5xx, or a 404 for a PUT (a target
+    racing a dropped client's PUT of the same name answers "work file does not exist")."""
+    from aistore.sdk.errors import AISError
+
+    return isinstance(e, _VerifyFailed) or (isinstance(e, AISError) and (e.status_code == 404 or e.status_code >= 500))
+
+
+def _ais_message(e) -> str:
+    """The reason in an AIStore error body (JSON with a "message"), else the body, else a hint."""
+    import json
+
+    try:
+        return json.loads(e.message)["message"]
+    except (ValueError, TypeError, KeyError):
+        return e.message or "no reason given (a bad bucket or object name?)"
 
 
 def _not_found(e: Exception) -> bool:

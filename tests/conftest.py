@@ -39,7 +39,9 @@ def wait_until(proc: subprocess.Popen, ready, what: str, timeout: float = 300, p
     """Poll ``ready()`` while ``proc`` runs; fail with ``what`` if it ends first or time runs out."""
     deadline = time.monotonic() + timeout
     while not ready():
-        assert proc.poll() is None, f"{what}: the process ended first"
+        if proc.poll() is not None:
+            printed = proc.stdout.read() if proc.stdout else "(not captured)"
+            raise AssertionError(f"{what}: the process ended first ({proc.returncode}):\n{printed}")
         assert time.monotonic() < deadline, f"{what}: not after {timeout:.0f}s"
         time.sleep(poll)
 

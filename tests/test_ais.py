@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,28 @@ def test_killed_upload_resumes_to_exactly_the_manifest_shards(tree: Path, env: d
     assert len(shards) == 75 + 24  # one per input file; the 3 unreadable ones leave valid empty shards
     assert sorted(objects(url)) == sorted([*shards, "manifest.json"])
     assert "all shards match" in run_cli("imagenet_shards.py", "verify", url, env=env).stdout
+
+
+def test_a_location_the_cluster_refuses_is_a_one_line_error(tree: Path, env: dict) -> None:
+    out = run_cli("imagenet_shards.py", "convert", tree, "ais://no:colons/x", check=False, env=env)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        "Error: ais://no:colons/x/manifest.json: AIStore answered 400: no reason given (a bad bucket or object name?)"
+    )
+
+
+def _put(url: str, src: Path) -> None:
+    AISStore(url).put_file(src, "obj")
+
+
+def test_a_refused_upload_comes_back_from_a_worker_process_as_an_oserror(env: dict, tmp_path: Path) -> None:
+    src = tmp_path / "obj"
+    src.write_bytes(b"payload")
+    with (
+        ProcessPoolExecutor(1) as pool,  # the shard converter's workers upload like this
+        pytest.raises(OSError, match=r"^ais://no:colons/obj: AIStore answered 400"),
+    ):
+        pool.submit(_put, "ais://no:colons", src).result()
 
 
 def test_large_objects_go_up_in_parts_and_read_back(env: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
