@@ -36,6 +36,11 @@
 : "${SLURM_TIME:=04:00:00}"       # ./run slurm: time limit; the job checkpoints and requeues itself before it
 : "${SLURM_WARN:=300}"            # ./run slurm: seconds before the limit to stop and checkpoint (SIGUSR1)
 : "${SLURM_EXTRA:=}"              # ./run slurm: more sbatch options, e.g. "--partition gpu --gpus-per-node 8"
+: "${SERVE_PORT:=8080}"           # ./run serve: the port nginx listens on
+: "${SERVE_ADDR:=0.0.0.0}"        # ./run serve: the address it binds (127.0.0.1: this machine only)
+: "${SERVE_CERT:=}"               # ./run serve: PEM certificate and key: HTTPS (clients: REQUESTS_CA_BUNDLE=CA file)
+: "${SERVE_KEY:=}"
+: "${SERVE_ROOT:=.cache/serve}"   # ./run serve: per-port nginx config, pid file and logs
 : "${OUTPUT:=}"                   # run directory; empty = runs/<verb>
 : "${UPLOAD:=}"                   # gs://, ais:// or a directory: checkpoints, metrics and log are uploaded there too
 : "${TRAIN_EXTRA:=}"              # more train.py options, split on spaces

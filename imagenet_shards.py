@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Make, check and describe ImageNet WebDataset shards: synth, convert, verify, summary."""
+"""Make, check, describe and copy ImageNet WebDataset shards: synth, convert, verify, summary, preload."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from imagenet_ais import shards, synth
+from imagenet_ais import cache, shards, synth
 from imagenet_ais.manifest import brace_pattern, load_manifest
 from imagenet_ais.storage import open_store
 
@@ -91,6 +91,25 @@ def verify_cmd(dest: str, workers: int) -> None:
     if problems:
         sys.exit(1)
     click.echo(f"{dest}: all shards match the manifest and decode")
+
+
+@cli.command("preload")
+@click.argument("url")
+@click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--splits", help="comma-separated splits to copy [default: all in the manifest]")
+@click.option("--workers", default=8, show_default=True, type=click.IntRange(min=1), help="parallel downloads")
+def preload_cmd(url: str, dest: Path, splits: str | None, workers: int) -> None:
+    """Copy the shards at URL to the local directory DEST (e.g. a node's SSD), then train with --data DEST.
+
+    Every shard is checked against the manifest; re-running after an interruption keeps what
+    is already there and intact. The manifest is written last: DEST is usable once it is there.
+    """
+    try:
+        manifest = cache.preload(url, dest, [s for s in splits.split(",") if s] if splits else None, workers)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(str(e)) from e
+    for name, split in manifest.splits.items():
+        click.echo(f"{dest}: {name}: {len(split.shards)} shards, {split.samples} samples, {_human(split.bytes)}")
 
 
 @cli.command("summary")

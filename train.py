@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import click
@@ -11,8 +12,18 @@ from imagenet_ais.decentralized import TOPOLOGIES
 from imagenet_ais.training import TrainConfig, train
 
 
+def parse_bytes(value: str | None) -> int | None:
+    """``"500G"`` → 500 × 2**30 (K, M, G, T: powers of 1024; no suffix: bytes)."""
+    if value is None:
+        return None
+    found = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)I?B?", value.strip().upper())
+    if not found:
+        raise click.BadParameter(f"{value!r} is not a size: bytes, or a number with K, M, G or T (e.g. 500G)")
+    return int(float(found[1]) * 1024 ** " KMGT".index(found[2] or " "))
+
+
 @click.command(context_settings={"show_default": True, "max_content_width": 100})
-@click.option("--data", help="shard location holding manifest.json (directory, file://, ais://, gs://)")
+@click.option("--data", help="shard location holding manifest.json (directory, file://, ais://, gs://, http(s)://)")
 @click.option("--output", default="runs/train", help="checkpoints, metrics.jsonl and logs go here")
 @click.option("--arch", default="resnet50", help="any torchvision classification model")
 @click.option("--epochs", default=90, type=click.IntRange(min=1))
@@ -55,6 +66,17 @@ from imagenet_ais.training import TrainConfig, train
     default="ring",
     type=click.Choice(TOPOLOGIES),
     help="--dp decent: who mixes with whom at each step",
+)
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False),
+    help="keep shards read from a remote --data here (later epochs read them locally); share it per node",
+)
+@click.option(
+    "--cache-size",
+    metavar="SIZE",
+    callback=lambda ctx, param, value: parse_bytes(value),
+    help="bound of --cache-dir, e.g. 500G (least recently used shards go first) [default: none]",
 )
 @click.option("--seed", default=0)
 @click.option("--resume", help="'auto' (the last checkpoint in --output, if any) or a checkpoint path")

@@ -29,6 +29,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -37,9 +38,10 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
+from imagenet_ais.cache import ShardCache
 from imagenet_ais.feed import DeviceFeed, close_all
 from imagenet_ais.manifest import SplitInfo
-from imagenet_ais.storage import Store, open_store
+from imagenet_ais.storage import LocalStore, Store, open_store
 from imagenet_ais.transforms import (
     Encoded,
     decode_on_cpu,
@@ -140,6 +142,14 @@ def _store(location: str) -> Store:
 
 
 @dataclass
+class CacheSpec:
+    """Where the node's shard cache lives and how large it may grow (``--cache-dir/--cache-size``)."""
+
+    root: str
+    max_bytes: int | None = None
+
+
+@dataclass
 class StreamSpec:
     """What a worker needs to find its samples; picklable for spawned workers."""
 
@@ -152,6 +162,7 @@ class StreamSpec:
     seed: int
     image_size: int
     decode: str = "cpu"  # or "gpu": workers hand over JPEG bytes, the device decodes
+    cache: ShardCache | None = None  # remote shards kept on local disk
 
 
 class ShardStream(IterableDataset):
@@ -201,7 +212,7 @@ class ShardStream(IterableDataset):
     def _samples(self, piece: Piece) -> Iterator[tuple[int, dict]]:
         name = self.spec.names[piece.shard]
         try:
-            stream = _store(self.spec.location).open(name)
+            stream = (self.spec.cache or _store(self.spec.location)).open(name)
         except Exception as e:  # after the storage client's own retries
             self._read_error(e)
             return
@@ -336,6 +347,11 @@ class _ShardLoader:
         channels_last: bool,
     ):
         counts = [s.samples for s in split.shards]
+        spec_kw = dict(spec_kw)
+        cache: CacheSpec | None = spec_kw.pop("cache", None)
+        if cache and not isinstance(open_store(location), LocalStore):  # a local location is on disk already
+            shards = {s.name: s for s in split.shards}
+            spec_kw["cache"] = ShardCache(Path(cache.root), location, cache.max_bytes, shards)
         self.spec = StreamSpec(location, [s.name for s in split.shards], counts, **spec_kw)
         self.dataset = ShardStream(self.spec, mode)
         self.loader = _loader(self.dataset, chunk, workers)

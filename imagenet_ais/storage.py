@@ -1,7 +1,7 @@
 """Storage URLs: where shards and manifests live, behind one small interface.
 
-A location is a directory-like URL: a local path or ``file://``, ``ais://bucket/prefix`` or
-``gs://bucket/prefix``.
+A location is a directory-like URL: a local path or ``file://``, ``ais://bucket/prefix``,
+``gs://bucket/prefix``, or (read-only) ``http(s)://host[:port]/prefix``.
 Writes are all-or-nothing: an object appears under its final name only once it is complete.
 """
 
@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import io
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -377,6 +379,149 @@ class GCSStore(_StoreBase):
         return blob is not None and (int(blob.size), blob.crc32c) == (path.stat().st_size, file_crc32c(path))
 
 
+class HTTPStore(_StoreBase):
+    """``http(s)://host[:port]/prefix``: a read-only location, e.g. shards served by ``./run serve``.
+
+    Every request is retried while the server is unreachable or answers 5xx, for up to
+    ``retry_seconds``; a read cut off midway resumes at its offset with a range request
+    (``If-Range`` makes a file replaced meanwhile an error, not a splice). HTTPS verifies
+    against ``REQUESTS_CA_BUNDLE`` (or ``SSL_CERT_FILE``) when set, else the system's CAs.
+    """
+
+    def __init__(self, url: str, retry_seconds: float = 120):
+        import requests
+
+        scheme, _, rest = url.partition("://")
+        if scheme not in ("http", "https") or not rest.split("/")[0]:
+            raise ValueError(f"bad storage URL {url!r}: expected http(s)://host[:port][/prefix]")
+        self.url = url.rstrip("/")
+        self.retry_seconds = retry_seconds
+        self.session = requests.Session()
+        self.session.headers["Accept-Encoding"] = "identity"  # byte offsets must be the file's
+        bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("SSL_CERT_FILE")
+        if bundle:
+            self.session.verify = bundle
+
+    def request(self, method: str, name: str, headers: dict[str, str] | None = None):
+        """One request, retried on connection errors and 5xx; 404 is FileNotFoundError."""
+        import requests
+        from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+        url = f"{self.url}/{_checked(name, self.url)}"
+        retrying = Retrying(
+            stop=stop_after_delay(self.retry_seconds),
+            wait=wait_exponential(multiplier=0.25, max=4),
+            retry=retry_if_exception_type((requests.ConnectionError, requests.Timeout, _ServerError)),
+            reraise=True,
+        )
+        try:
+            for attempt in retrying:
+                with attempt:
+                    response = self.session.request(method, url, headers=headers, stream=True, timeout=(10, 60))
+                    if response.status_code >= 500:
+                        response.close()
+                        raise _ServerError(f"{url}: the server answered {response.status_code}")
+        except requests.exceptions.SSLError as e:
+            raise OSError(f"{url}: TLS verification failed ({e}); point REQUESTS_CA_BUNDLE at the CA bundle") from e
+        except requests.RequestException as e:
+            raise OSError(f"{url}: unreachable for {self.retry_seconds:.0f}s: {e}") from e
+        if response.status_code == 404:
+            response.close()
+            raise FileNotFoundError(f"{url}: not found (404)")
+        if response.status_code >= 400:
+            response.close()
+            raise OSError(f"{url}: the server answered {response.status_code}")
+        return response
+
+    def exists(self, name: str) -> bool:
+        try:
+            self.request("HEAD", name).close()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def size(self, name: str) -> int:
+        with self.request("HEAD", name) as response:
+            return int(response.headers["Content-Length"])
+
+    def open(self, name: str) -> BinaryIO:
+        return io.BufferedReader(_ResumingReader(self, name), buffer_size=1 << 20)
+
+    def read_bytes(self, name: str) -> bytes:
+        with self.open(name) as f:
+            return f.read()
+
+    def _read_only(self) -> ValueError:
+        return ValueError(f"{self.url}: HTTP locations are read-only (write to a directory, then ./run serve it)")
+
+    def list(self, prefix: str = "") -> list[str]:
+        raise self._read_only()  # plain HTTP has no listing; readers go by the manifest
+
+    def delete(self, name: str) -> None:
+        raise self._read_only()
+
+    def put_file(self, src: Path, name: str, *, keep: bool = False, once: bool = False) -> None:
+        raise self._read_only()
+
+
+class _ServerError(OSError):
+    """A 5xx answer: worth another try."""
+
+
+class _ResumingReader(io.RawIOBase):
+    """An HTTP GET as a file; a connection lost midway resumes from the offset reached."""
+
+    def __init__(self, store: HTTPStore, name: str):
+        self.store, self.name = store, name
+        self.offset, self.total, self.validator = 0, -1, ""
+        self.response = self._get()
+
+    def _get(self):
+        headers = {}
+        if self.offset:
+            headers = {"Range": f"bytes={self.offset}-"}
+            if self.validator:
+                headers["If-Range"] = self.validator
+        response = self.store.request("GET", self.name, headers)
+        if self.offset and response.status_code != 206:
+            response.close()
+            raise OSError(f"{self.store.url}/{self.name}: changed on the server while being read")
+        if not self.offset:
+            self.total = int(response.headers.get("Content-Length", -1))
+            self.validator = response.headers.get("ETag") or response.headers.get("Last-Modified", "")
+        return response
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        import requests
+        from urllib3.exceptions import HTTPError
+
+        deadline = time.monotonic() + self.store.retry_seconds
+        while True:
+            try:
+                data = self.response.raw.read(len(buffer), decode_content=False)
+            except (HTTPError, requests.RequestException, OSError) as e:
+                data, error = b"", e
+            else:
+                error = None
+            if data or self.offset == self.total or (error is None and self.total < 0):
+                buffer[: len(data)] = data
+                self.offset += len(data)
+                return len(data)
+            # cut off before the end: reconnect from here (request() retries while it is down)
+            self.response.close()
+            if time.monotonic() > deadline:
+                raise OSError(f"{self.store.url}/{self.name}: reads keep failing at byte {self.offset}: {error}")
+            self.response = self._get()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.response.close()
+        super().close()
+
+
 def _gcs_transient(e: Exception) -> bool:
     """Network errors and 408/429/5xx: worth retrying."""
     import requests
@@ -449,7 +594,7 @@ def stream_sha256(stream: BinaryIO) -> str:
 def open_store(url: str, retry_seconds: float = 120) -> Store:
     """The store for a location URL; unsupported schemes fail with a one-line reason.
 
-    ``retry_seconds`` bounds the retries of a GCS call (AIStore uses its SDK's defaults)."""
+    ``retry_seconds`` bounds the retries of a GCS or HTTP call (AIStore uses its SDK's defaults)."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return LocalStore(url)
@@ -459,4 +604,6 @@ def open_store(url: str, retry_seconds: float = 120) -> Store:
         return AISStore(url)
     if scheme == "gs":
         return GCSStore(url, retry_seconds)
-    raise ValueError(f"unsupported storage URL {url!r}: use a local directory, file://, ais:// or gs://")
+    if scheme in ("http", "https"):
+        return HTTPStore(url, retry_seconds)
+    raise ValueError(f"unsupported storage URL {url!r}: use a local directory, file://, ais://, gs:// or http(s)://")

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from imagenet_ais import checkpoint, decentralized, distributed, upload
-from imagenet_ais.data import TrainLoader, ValLoader
+from imagenet_ais.data import CacheSpec, TrainLoader, ValLoader
 from imagenet_ais.manifest import load_manifest
 from imagenet_ais.metrics import METRICS, MetricsLog, gpu_sample
 from imagenet_ais.storage import open_store
@@ -66,6 +66,8 @@ class TrainConfig:
     keep_last: int = 3  # step checkpoints kept in --output
     upload_retry_seconds: float = 120
     flush_timeout: float = 600  # at exit, wait this long for pending uploads
+    cache_dir: str | None = None  # keep remote shards here (one cache per node, shared by its ranks)
+    cache_size: int | None = None  # bytes the cache may hold; None = no bound
 
 
 EXIT_UPLOAD_FAILED = 3  # trained (or stopped cleanly), but some upload never made it: see stderr
@@ -236,6 +238,8 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
     else:
         if not cfg.data:
             raise ValueError("no --data given: point it at a shard location holding manifest.json, or use --synthetic")
+        if cfg.cache_size is not None and not cfg.cache_dir:
+            raise ValueError("--cache-size bounds --cache-dir: give --cache-dir too")
         store = open_store(cfg.data)
         manifest = load_manifest(store)
         classes = manifest.classes
@@ -248,6 +252,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
             "seed": cfg.seed,
             "image_size": sizes[0],
             "decode": cfg.decode,
+            "cache": CacheSpec(cfg.cache_dir, cfg.cache_size) if cfg.cache_dir else None,
         }
         train_loader = TrainLoader(
             manifest.split("train"), cfg.data, cfg.epoch_mode, spec, cfg.workers, cfg.shuffle_buffer, d.device, cl

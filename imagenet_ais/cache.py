@@ -1,0 +1,167 @@
+"""Local copies of remote shards: the verified copy, the shard cache, and preload.
+
+Every copy is checked against the manifest (size and SHA-256) before it appears under its
+name, so a shard on local disk is either complete and right or not there at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import re
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+from tqdm import tqdm
+
+from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, load_manifest
+from imagenet_ais.storage import LocalStore, Store, open_store, stream_sha256
+
+BLOCK = 1 << 20
+
+
+def copy_verified(store: Store, info: ShardInfo, dest: Path, progress=None) -> None:
+    """``store``'s ``info.name`` → ``dest``, through ``.NAME.partial`` (sized in full first, so
+    the cache's accounting sees the whole shard from the start); renamed once it matches."""
+    partial = dest.with_name(f".{dest.name}.partial")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with partial.open("wb") as out, store.open(info.name) as src:
+            out.truncate(info.bytes)
+            for block in iter(lambda: src.read(BLOCK), b""):
+                out.write(block)
+                digest.update(block)
+                size += len(block)
+                if progress:
+                    progress(len(block))
+            out.truncate(size)
+            out.flush()
+            os.fsync(out.fileno())
+        if (size, digest.hexdigest()) != (info.bytes, info.sha256):
+            raise OSError(f"{store.url}/{info.name}: got {size} bytes that differ from the manifest's (sha256)")
+        os.replace(partial, dest)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _intact(path: Path, info: ShardInfo) -> bool:
+    return path.stat().st_size == info.bytes and stream_sha256(path.open("rb")) == info.sha256
+
+
+@contextlib.contextmanager
+def _locked(path: Path, wait: bool = True) -> Iterator[bool]:
+    """An exclusive flock on ``path`` (the kernel drops it when a holder dies); yields whether held."""
+    with path.open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
+def _slug(location: str) -> str:
+    """A directory name for a location: ``http://host:8080/x`` → ``http_host_8080_x``."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", location).strip("_")
+
+
+@dataclass
+class ShardCache:
+    """Shards of one remote location kept under ``root`` (shared by every location and process
+    of a node), at most ``max_bytes`` in all, least recently used evicted first.
+
+    Whoever holds a shard's lock downloads it; other workers and ranks wanting it wait, then
+    read the finished copy. Every open re-verifies the copy against the manifest (a bad one is
+    fetched again); a shard that cannot get room within the bound is streamed, not cached.
+    """
+
+    root: Path
+    location: str
+    max_bytes: int | None
+    shards: dict[str, ShardInfo]
+    _store: Store | None = field(default=None, init=False, repr=False)
+
+    @property
+    def dir(self) -> Path:
+        return self.root / _slug(self.location)
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = open_store(self.location)
+        return self._store
+
+    def open(self, name: str) -> BinaryIO:
+        info, path = self.shards[name], self.dir / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with _locked(self.dir / f".{name}.lock"):
+            if path.exists():
+                if _intact(path, info):
+                    os.utime(path)  # most recently used
+                    return path.open("rb")
+                print(f"warning: cached {path} differs from the manifest: fetching it again", file=sys.stderr)
+                path.unlink()
+            if not self._make_room(info.bytes, path):
+                return self.store.open(name)
+            copy_verified(self.store, info, path)
+            return path.open("rb")
+
+    def _make_room(self, need: int, path: Path) -> bool:
+        """Evict least recently used shards until ``need`` more bytes fit; reserve them at once
+        (an empty partial of full size), all under the cache-wide lock, so the bound holds."""
+        if self.max_bytes is None:
+            return True
+        with _locked(self.root / ".evict.lock"):
+            files = [p for p in self.root.rglob("*") if p.is_file()]
+            used = sum(p.stat().st_size for p in files)
+            for victim in sorted((p for p in files if not p.name.startswith(".")), key=lambda p: p.stat().st_mtime):
+                if used + need <= self.max_bytes:
+                    break
+                # a shard being read or verified right now keeps its lock: skip it
+                with _locked(victim.with_name(f".{victim.name}.lock"), wait=False) as free:
+                    if free:
+                        used -= victim.stat().st_size
+                        victim.unlink()
+            for partial in (p for p in files if p.name.endswith(".partial") and p.exists()):
+                # left by a killed download: its shard's lock is free again
+                shard = partial.name[1 : -len(".partial")]
+                with _locked(partial.with_name(f".{shard}.lock"), wait=False) as free:
+                    if free:
+                        used -= partial.stat().st_size
+                        partial.unlink()
+            if used + need > self.max_bytes:
+                return False
+            with path.with_name(f".{path.name}.partial").open("wb") as f:
+                f.truncate(need)
+            return True
+
+
+def preload(url: str, dest: Path, splits: list[str] | None, workers: int) -> Manifest:
+    """Copy the shards of ``splits`` (default: all) from ``url`` to the directory ``dest``, then
+    its manifest (of those splits only). Shards already there and intact are kept: a re-run
+    after a kill resumes. Without the manifest, ``dest`` is not a dataset yet."""
+    store, local = open_store(url), LocalStore(dest)
+    manifest = load_manifest(store)
+    wanted = splits or list(manifest.splits)
+    if missing := [s for s in wanted if s not in manifest.splits]:
+        raise ValueError(f"{url}/{MANIFEST} has no split {missing[0]!r} (it has {', '.join(manifest.splits)})")
+    kept = Manifest(manifest.classes, {s: manifest.splits[s] for s in wanted}, manifest.source)
+    shards = [s for split in kept.splits.values() for s in split.shards]
+    dest.mkdir(parents=True, exist_ok=True)
+    local.delete(MANIFEST)  # the copy is not complete until it is back
+    todo = [s for s in shards if not ((dest / s.name).exists() and _intact(dest / s.name, s))]
+    with (
+        tqdm(total=sum(s.bytes for s in todo), unit="B", unit_scale=True, desc=f"preload → {dest}") as bar,
+        ThreadPoolExecutor(max(1, workers)) as pool,
+    ):
+        futures = [pool.submit(copy_verified, store, s, dest / s.name, bar.update) for s in todo]
+        for future in as_completed(futures):
+            future.result()
+    local.write_bytes(MANIFEST, kept.to_json().encode())
+    return kept
