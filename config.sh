@@ -40,6 +40,7 @@
 : "${SERVE_ADDR:=0.0.0.0}"        # ./run serve: the address it binds (127.0.0.1: this machine only)
 : "${SERVE_CERT:=}"               # ./run serve: PEM certificate and key: HTTPS (clients: REQUESTS_CA_BUNDLE=CA file)
 : "${SERVE_KEY:=}"
+: "${SERVE_RATE:=}"               # ./run serve: cap per connection, e.g. 100m (bytes/s); empty = none
 : "${SERVE_ROOT:=.cache/serve}"   # ./run serve: per-port nginx config, pid file and logs
 : "${OUTPUT:=}"                   # run directory; empty = runs/<verb>
 : "${UPLOAD:=}"                   # gs://, ais:// or a directory: checkpoints, metrics and log are uploaded there too

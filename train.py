@@ -100,7 +100,7 @@ def main(compile_: bool, **options: object) -> None:
     cfg = TrainConfig(compile=compile_, **options)  # type: ignore[arg-type]
     try:
         outcome = train(cfg)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # OSError: the data location is unreachable or refused us
         raise click.ClickException(str(e)) from e
     sys.exit(outcome["exit_code"])
 

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import io
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -405,13 +406,21 @@ class HTTPStore(_StoreBase):
     def request(self, method: str, name: str, headers: dict[str, str] | None = None):
         """One request, retried on connection errors and 5xx; 404 is FileNotFoundError."""
         import requests
-        from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+        from tenacity import (
+            Retrying,
+            retry_if_exception_type,
+            retry_if_not_exception_type,
+            stop_after_delay,
+            wait_exponential,
+        )
 
         url = f"{self.url}/{_checked(name, self.url)}"
         retrying = Retrying(
             stop=stop_after_delay(self.retry_seconds),
             wait=wait_exponential(multiplier=0.25, max=4),
-            retry=retry_if_exception_type((requests.ConnectionError, requests.Timeout, _ServerError)),
+            # down, unreachable or overloaded: worth waiting for; a certificate that fails is not
+            retry=retry_if_exception_type((requests.ConnectionError, requests.Timeout, _ServerError))
+            & retry_if_not_exception_type(requests.exceptions.SSLError),
             reraise=True,
         )
         try:
@@ -422,7 +431,11 @@ class HTTPStore(_StoreBase):
                         response.close()
                         raise _ServerError(f"{url}: the server answered {response.status_code}")
         except requests.exceptions.SSLError as e:
-            raise OSError(f"{url}: TLS verification failed ({e}); point REQUESTS_CA_BUNDLE at the CA bundle") from e
+            reason = re.search(r"certificate verify failed: [^')(]+", str(e))
+            raise OSError(
+                f"{url}: TLS verification failed ({reason[0].strip() if reason else 'see the cause'}); "
+                "point REQUESTS_CA_BUNDLE at the CA certificate that signed the server's"
+            ) from e
         except requests.RequestException as e:
             raise OSError(f"{url}: unreachable for {self.retry_seconds:.0f}s: {e}") from e
         if response.status_code == 404:
@@ -501,7 +514,7 @@ class _ResumingReader(io.RawIOBase):
         deadline = time.monotonic() + self.store.retry_seconds
         while True:
             try:
-                data = self.response.raw.read(len(buffer), decode_content=False)
+                data = self.response.raw.read1(len(buffer), decode_content=False)  # what has arrived
             except (HTTPError, requests.RequestException, OSError) as e:
                 data, error = b"", e
             else:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import io
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,70 @@ def run_cli(*args: str | Path, check: bool = True, env: dict[str, str] | None = 
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def torchrun(nproc: int, *args: str | Path, check: bool = True, env: dict[str, str] | None = None):
+    """train.py under torchrun --standalone with ``nproc`` ranks (OMP_NUM_THREADS=1: they share the cores)."""
+    return run_cli(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        ROOT / "train.py",
+        *args,
+        env={"OMP_NUM_THREADS": "1", **(env or {})},
+        check=check,
+    )
+
+
+class Server:
+    """``./run serve`` (real nginx) on a free loopback port, its state under ``root``."""
+
+    def __init__(self, data: Path, root: Path, **settings: str):
+        self.data, self.port = data, free_port()
+        self.env = {"SERVE_ROOT": str(root), **settings}
+        self.url = f"{'https' if settings.get('SERVE_CERT') else 'http'}://127.0.0.1:{self.port}"
+        self.log = root / str(self.port) / "access.log"
+
+    def start(self) -> None:
+        run_cli(ROOT / "run", "serve", self.data, "--port", str(self.port), "--addr", "127.0.0.1", env=self.env)
+
+    def stop(self) -> str:
+        return run_cli(ROOT / "run", "serve", "--stop", "--port", str(self.port), env=self.env).stdout
+
+    def gets(self) -> Counter[str]:
+        """Successful GETs (whole or ranged) per path, from nginx's access log."""
+        hits: Counter[str] = Counter()
+        for line in self.log.read_text().splitlines() if self.log.exists() else []:
+            request, status = line.split('"')[1].split(), line.split('"')[2].split()[0]
+            if request[0] == "GET" and status in ("200", "206"):
+                hits[request[1].lstrip("/")] += 1
+        return hits
+
+
+@pytest.fixture
+def serve(tmp_path: Path):
+    """Start ``./run serve`` for a shard directory; everything started is stopped afterwards.
+
+    Without nginx the HTTP tests are skipped, except under CI=true, where that is a failure."""
+    if not shutil.which("nginx"):
+        message = "nginx missing: ./run test installs it (as root on Debian)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    servers: list[Server] = []
+
+    def start(data: Path, **settings: str) -> Server:
+        server = Server(data, tmp_path / f"serve{len(servers)}", **settings)
+        server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
 
 
 def wait_until(proc: subprocess.Popen, ready, what: str, timeout: float = 300, poll: float = 0.02) -> None:

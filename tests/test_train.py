@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli, wait_until, write_shards
+from conftest import ROOT, run_cli, torchrun, wait_until, write_shards
 
 from imagenet_ais import synth
 
@@ -23,22 +23,6 @@ UNEVEN = [3, 11, 7, 19, 8]  # 48 training samples in 5 unequal shards: 6 steps a
 
 def metrics(output: Path) -> list[dict]:
     return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-
-
-def torchrun(nproc: int, *args: str | Path, check: bool = True) -> subprocess.CompletedProcess:
-    # OMP_NUM_THREADS=1: two ranks share this machine's cores
-    return run_cli(
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        ROOT / "train.py",
-        *args,
-        env={"OMP_NUM_THREADS": "1"},
-        check=check,
-    )
 
 
 @pytest.mark.parametrize("mode", ["exact", "resampled"])
