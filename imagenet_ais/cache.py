@@ -32,7 +32,8 @@ def copy_verified(store: Store, info: ShardInfo, dest: Path, progress=None) -> N
     partial = dest.with_name(f".{dest.name}.partial")
     digest, size = hashlib.sha256(), 0
     try:
-        with partial.open("wb") as out, store.open(info.name) as src:
+        partial.touch()  # (not "wb": that would zero a reservation the cache made, for a moment)
+        with partial.open("r+b") as out, store.open(info.name) as src:
             out.truncate(info.bytes)
             for block in iter(lambda: src.read(BLOCK), b""):
                 out.write(block)
@@ -64,6 +65,17 @@ def _locked(path: Path, wait: bool = True) -> Iterator[bool]:
             yield False
             return
         yield True
+
+
+def _listing(root: Path) -> list[tuple[Path, int, float]]:
+    """(path, size, mtime) of the files under ``root`` that still exist by the time they are looked at."""
+    out = []
+    for path in root.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            st = path.stat()
+            if path.is_file():
+                out.append((path, st.st_size, st.st_mtime))
+    return out
 
 
 def _slug(location: str) -> str:
@@ -118,23 +130,23 @@ class ShardCache:
         if self.max_bytes is None:
             return True
         with _locked(self.root / ".evict.lock"):
-            files = [p for p in self.root.rglob("*") if p.is_file()]
-            used = sum(p.stat().st_size for p in files)
-            for victim in sorted((p for p in files if not p.name.startswith(".")), key=lambda p: p.stat().st_mtime):
+            files = _listing(self.root)  # other downloads rename and drop files meanwhile: a snapshot
+            used = sum(size for _, size, _ in files)
+            for victim, size, _ in sorted((f for f in files if not f[0].name.startswith(".")), key=lambda f: f[2]):
                 if used + need <= self.max_bytes:
                     break
                 # a shard being read or verified right now keeps its lock: skip it
                 with _locked(victim.with_name(f".{victim.name}.lock"), wait=False) as free:
-                    if free:
-                        used -= victim.stat().st_size
+                    if free and victim.exists():
                         victim.unlink()
-            for partial in (p for p in files if p.name.endswith(".partial") and p.exists()):
+                        used -= size
+            for partial, size, _ in (f for f in files if f[0].name.endswith(".partial")):
                 # left by a killed download: its shard's lock is free again
                 shard = partial.name[1 : -len(".partial")]
                 with _locked(partial.with_name(f".{shard}.lock"), wait=False) as free:
-                    if free:
-                        used -= partial.stat().st_size
+                    if free and partial.exists():
                         partial.unlink()
+                        used -= size
             if used + need > self.max_bytes:
                 return False
             with path.with_name(f".{path.name}.partial").open("wb") as f:

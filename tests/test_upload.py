@@ -249,6 +249,24 @@ def test_sigterm_mid_epoch_then_resume_on_a_fresh_node_from_gcs(gcs, tmp_path: P
     assert len(seen) == len(set(seen)) == 48, "no training key twice in the interrupted epoch, none missed"
 
 
+def test_train_streams_shards_from_gcs_into_the_cache(gcs, tmp_path: Path) -> None:
+    data, cache = tmp_path / "shards", tmp_path / "cache"
+    manifest = write_shards(data, {"train": UNEVEN, "val": [6]})
+    source = f"gs://{gcs.make_bucket()}/imagenet"
+    store = GCSStore(source)
+    for path in data.iterdir():
+        store.put_file(path, path.name, keep=True)
+    out = run_cli(
+        "train.py", "--data", source, "--output", tmp_path / "run", *TINY, "--image-size", "32", "--epochs", "2",
+        "--workers", "2", "--epoch-mode", "exact", "--cache-dir", cache,
+    )  # fmt: skip
+    assert "final validation" in out.stdout and "over 6 images" in out.stdout
+    shards = sorted(s.name for split in manifest.splits.values() for s in split.shards)
+    assert sorted(p.name for p in cache.rglob("imagenet-*.tar")) == shards
+    for path in cache.rglob("imagenet-*.tar"):
+        assert path.read_bytes() == (data / path.name).read_bytes()
+
+
 def test_upload_sh_twice_uploads_nothing_the_second_time(gcs, tmp_path: Path) -> None:
     results = tmp_path / "results"
     (results / "keys").mkdir(parents=True)

@@ -1,0 +1,107 @@
+"""The node-local shard cache and preload, against a real nginx (./run serve) and its access log."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import ROOT, run_cli, torchrun, wait_until, write_shards
+
+from imagenet_ais.cache import _listing
+
+TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--lr", "0.1", "--warmup-epochs", "0"]
+
+
+def cache_bytes(root: Path) -> int:
+    return sum(size for _, size, _ in _listing(root))
+
+
+def test_two_ranks_two_workers_fetch_each_shard_once_and_a_bad_copy_again(serve, tmp_path: Path) -> None:
+    data, cache = tmp_path / "shards", tmp_path / "cache"
+    manifest = write_shards(data, {"train": [9, 14, 7, 12, 10, 8], "val": [6, 5]})
+    shards = [s.name for split in manifest.splits.values() for s in split.shards]
+    server = serve(data)
+    common = ["--data", server.url, *TINY, "--workers", "2", "--cache-dir", cache]
+
+    # cold cache, two epochs: both ranks and all their workers want the shards
+    for mode in ("exact", "resampled"):
+        torchrun(2, *common, "--output", tmp_path / mode, "--epochs", "2", "--epoch-mode", mode)
+    gets = server.gets()
+    assert {name: gets[name] for name in shards} == dict.fromkeys(shards, 1), "one download each, for all runs"
+    cached = sorted(cache.rglob("imagenet-*.tar"))
+    assert [p.name for p in cached] == sorted(shards)
+    assert not list(cache.rglob("*.partial"))
+
+    bad = cached[2]
+    blob = bytearray(bad.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    bad.write_bytes(bytes(blob))
+    out = torchrun(2, *common, "--output", tmp_path / "again", "--epochs", "1", "--epoch-mode", "exact")
+    assert f"cached {bad} differs from the manifest: fetching it again" in out.stderr
+    gets = server.gets()
+    assert {name: gets[name] for name in shards} == {name: 1 + (name == bad.name) for name in shards}
+    assert bad.read_bytes() == (data / bad.name).read_bytes()
+
+
+def test_the_cache_stays_within_its_size_bound(serve, tmp_path: Path) -> None:
+    data, cache = tmp_path / "shards", tmp_path / "cache"
+    manifest = write_shards(data, {"train": [10] * 8, "val": [6]})
+    bound = manifest.splits["train"].bytes // 2
+    server = serve(data)
+    proc = subprocess.Popen(
+        [sys.executable, ROOT / "train.py", "--data", server.url, "--output", tmp_path / "run", *TINY,
+         "--epochs", "3", "--workers", "2", "--cache-dir", cache, "--cache-size", str(bound)],
+        cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    largest = 0
+    while proc.poll() is None:  # watch the cache while it fills and evicts
+        largest = max(largest, cache_bytes(cache) if cache.exists() else 0)
+        time.sleep(0.005)
+    assert proc.returncode == 0, proc.stdout.read()
+    assert 0 < largest <= bound
+    assert cache_bytes(cache) <= bound
+    assert sum(server.gets().values()) > len(manifest.splits["train"].shards) + 2, "evicted shards came again"
+
+
+def test_preload_killed_midway_and_rerun_ends_with_a_verified_copy(serve, tmp_path: Path) -> None:
+    data, dest = tmp_path / "shards", tmp_path / "local"
+    manifest = write_shards(data, {"train": [40] * 6, "val": [20, 20]})
+    server = serve(data, SERVE_RATE="200k")
+    args = ["imagenet_shards.py", "preload", server.url, dest, "--workers", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, *map(str, args)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    wait_until(proc, lambda: len(list(dest.glob("imagenet-*.tar"))) >= 3, "3 shards preloaded", poll=0.005)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (dest / "manifest.json").exists(), "no manifest: not a dataset yet"
+    done = {p.name for p in dest.glob("imagenet-*.tar")}
+    for name in done:  # what is under a final name is whole
+        assert (dest / name).read_bytes() == (data / name).read_bytes()
+
+    out = run_cli(*args)
+    assert f"{dest}: train: 6 shards, 240 samples" in out.stdout
+    assert "all shards match" in run_cli("imagenet_shards.py", "verify", dest).stdout
+    gets = server.gets()
+    assert all(gets[name] == 1 for name in done), "what was there already was not fetched again"
+    assert not list(dest.glob(".*.partial"))
+    shards = sorted(s.name for split in manifest.splits.values() for s in split.shards)
+    assert sorted(p.name for p in dest.glob("imagenet-*.tar")) == shards
+
+
+def test_preload_of_a_split_that_is_not_there_names_the_splits(serve, tmp_path: Path) -> None:
+    data = tmp_path / "shards"
+    write_shards(data, {"train": [4], "val": [4]})
+    server = serve(data)
+    out = run_cli("imagenet_shards.py", "preload", server.url, tmp_path / "x", "--splits", "test", check=False)
+    assert out.returncode == 1
+    assert out.stderr.strip() == f"Error: {server.url}/manifest.json has no split 'test' (it has train, val)"
+    assert not (tmp_path / "x").exists()
