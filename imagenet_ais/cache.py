@@ -51,6 +51,12 @@ def copy_verified(store: Store, info: ShardInfo, dest: Path, progress=None) -> N
         partial.unlink(missing_ok=True)
 
 
+def _identity(path: Path) -> str:
+    """What changes when a file is rewritten in place: a copy with the same identity was verified."""
+    st = path.stat()
+    return f"{st.st_ino} {st.st_size} {st.st_mtime_ns}"
+
+
 def _intact(path: Path, info: ShardInfo) -> bool:
     return path.stat().st_size == info.bytes and stream_sha256(path.open("rb")) == info.sha256
 
@@ -89,8 +95,10 @@ class ShardCache:
     of a node), at most ``max_bytes`` in all, least recently used evicted first.
 
     Whoever holds a shard's lock downloads it; other workers and ranks wanting it wait, then
-    read the finished copy. Every open re-verifies the copy against the manifest (a bad one is
-    fetched again); a shard that cannot get room within the bound is streamed, not cached.
+    read the finished copy. A copy is verified against the manifest when it arrives and again
+    whenever it changed since (inode, size or mtime: its lock file records the last verified
+    state and, by its mtime, the last use); a bad one is fetched again. A shard that cannot
+    get room within the bound is streamed, not cached.
     """
 
     root: Path
@@ -111,17 +119,19 @@ class ShardCache:
 
     def open(self, name: str) -> BinaryIO:
         info, path = self.shards[name], self.dir / name
+        lock = self.dir / f".{name}.lock"  # also holds what the copy was last verified as
         self.dir.mkdir(parents=True, exist_ok=True)
-        with _locked(self.dir / f".{name}.lock"):
+        with _locked(lock):
             if path.exists():
-                if _intact(path, info):
-                    os.utime(path)  # most recently used
+                if lock.read_text() == _identity(path) or _intact(path, info):
+                    lock.write_text(_identity(path))
                     return path.open("rb")
                 print(f"warning: cached {path} differs from the manifest: fetching it again", file=sys.stderr)
                 path.unlink()
             if not self._make_room(info.bytes, path):
                 return self.store.open(name)
             copy_verified(self.store, info, path)
+            lock.write_text(_identity(path))  # and its mtime: when it was last used
             return path.open("rb")
 
     def _make_room(self, need: int, path: Path) -> bool:
@@ -132,7 +142,9 @@ class ShardCache:
         with _locked(self.root / ".evict.lock"):
             files = _listing(self.root)  # other downloads rename and drop files meanwhile: a snapshot
             used = sum(size for _, size, _ in files)
-            for victim, size, _ in sorted((f for f in files if not f[0].name.startswith(".")), key=lambda f: f[2]):
+            used_at = {p.name[1 : -len(".lock")]: mtime for p, _, mtime in files if p.name.endswith(".lock")}
+            shards = (f for f in files if not f[0].name.startswith("."))
+            for victim, size, _ in sorted(shards, key=lambda f: used_at.get(f[0].name, f[2])):
                 if used + need <= self.max_bytes:
                     break
                 # a shard being read or verified right now keeps its lock: skip it
