@@ -78,8 +78,10 @@ def test_a_read_cut_off_by_a_server_restart_resumes_where_it_broke_off(serve, tm
     with store.open("imagenet-train-000000.tar") as f:
         head = f.read(50_000)
         server.stop()
-        threading.Timer(1.0, server.start).start()  # down for a second: the reader retries meanwhile
+        restart = threading.Timer(1.0, server.start)  # down for a second: the reader retries meanwhile
+        restart.start()
         rest = f.read()
+        restart.join()
     assert head + rest == payload
     ranges = [line for line in server.log.read_text().splitlines() if '" 206 ' in line]
     assert ranges, "the rest came with a range request"
