@@ -20,12 +20,14 @@ class MetricsLog:
     """One record per log interval or validation; resumed runs continue both logs.
 
     Every number of a record also goes to TensorBoard as ``<kind>/<name>`` at its step. A
-    resumed run purges TensorBoard events past the step it resumes from, so the steps
-    retrained after a crash are not drawn twice. ``report`` (e.g. Ray Train's) gets every
+    resumed run drops the records past the step it resumes from, in both logs, so the steps
+    retrained after a crash are not counted twice. ``report`` (e.g. Ray Train's) gets every
     record on every rank, files or not.
     """
 
     def __init__(self, output: Path | None, resume_step: int = 0, report: Callable[[dict], None] | None = None):
+        if output and resume_step:
+            _drop_records_after(output / METRICS, resume_step)
         self.file = (output / METRICS).open("a", buffering=1) if output else None
         self.board = SummaryWriter(str(output), purge_step=resume_step or None) if output else None
         self.report = report
@@ -45,6 +47,17 @@ class MetricsLog:
         if self.file and self.board:
             self.file.close()
             self.board.close()
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if len(kept) < len(lines):
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text("".join(kept))
+        partial.replace(path)
 
 
 def gpu_sample(device: torch.device) -> dict[str, float]:

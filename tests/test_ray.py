@@ -1,14 +1,18 @@
-"""./run ray: Ray Train's TorchTrainer on a real local Ray cluster (ray start --head, 2 CPUs)."""
+"""./run ray: Ray Train's TorchTrainer on a real local Ray cluster (ray start --head, 2 CPUs) with
+token authentication, as Ray starts clusters by default since 2.59."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -17,30 +21,71 @@ from conftest import ROOT, free_port, run_cli, tiny_run_env, write_shards
 RAY = str(Path(sys.executable).parent / "ray")
 
 
-def test_ray_trains_two_workers_on_a_running_cluster_and_leaves_it_running(tmp_path: Path) -> None:
+def _train_steps(output: Path) -> list[int]:
+    path = output / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [r["step"] for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def _kill_a_worker_after(output: Path, step: int, killed: list[int]) -> None:
+    """SIGKILL one Ray Train worker once the run has logged ``step`` (a lost worker, as a lost node)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (_train_steps(output) and _train_steps(output)[-1] >= step):
+        time.sleep(0.2)
+    pids = subprocess.run(["pgrep", "-f", "RayTrainWorker"], capture_output=True, text=True).stdout.split()
+    if pids:
+        os.kill(int(pids[0]), 9)
+        killed.append(int(pids[0]))
+
+
+def test_ray_with_token_auth_survives_a_lost_worker_and_leaves_the_cluster_running(tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
-    write_shards(data, {"train": [20, 28], "val": [6]})
+    write_shards(data, {"train": [40, 56], "val": [6]})
+    home = tmp_path / "home"  # no ~/.ray/auth_token: only the token this test hands over counts
+    home.mkdir()
+    token = tmp_path / "ray-token"
+    token.write_text(secrets.token_hex(32))
     address = f"127.0.0.1:{free_port()}"
+    base = {**os.environ, "HOME": str(home)}
+    base.pop("RAY_AUTH_TOKEN", None)
+    base.pop("RAY_AUTH_TOKEN_PATH", None)
+    base.pop("RAY_AUTH_MODE", None)
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     head = [RAY, "start", "--head", f"--port={address.split(':')[1]}", "--num-cpus=2", "--include-dashboard=false"]
     session = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
-    auth = {"RAY_AUTH_MODE": "token"}  # head and driver share the token in ~/.ray (made if missing)
-    subprocess.run([*head, f"--temp-dir={session}", "--disable-usage-stats"], check=True, env={**os.environ, **auth})
+    subprocess.run([*head, f"--temp-dir={session}", "--disable-usage-stats"], check=True, env={**base, **auth})
     try:
-        env = {**tiny_run_env(data, output), **auth, "RAY_ADDRESS": address, "RAY_WORKERS": "2"}
-        env["TRAIN_EXTRA"] = "--log-every 2"
-        out = run_cli(ROOT / "run", "ray", env=env)
-        log = out.stdout + out.stderr
+        env = {**tiny_run_env(data, output), "HOME": str(home), "RAY_ADDRESS": address, "RAY_WORKERS": "2"}
+        env["TRAIN_EXTRA"] = "--log-every 2 --checkpoint-every 2 --epochs 2"
 
-        records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in records if r["kind"] == "train"] == [2, 4, 6], "2 ranks × 4 images, 48 images"
-        assert [r["samples"] for r in records if r["kind"] == "val"] == [6]
+        # without the token: one line saying what to set, nothing trained
+        refused = run_cli(ROOT / "run", "ray", env=env, check=False)
+        lines = refused.stderr.strip().splitlines()
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+        assert "authentication" in lines[-1] and "RAY_AUTH_TOKEN_PATH" in lines[-1], refused.stderr
+        assert not (output / "metrics.jsonl").exists()
+
+        # with the token file only (the driver turns token mode on); one worker is killed mid-run
+        killed: list[int] = []
+        killer = threading.Thread(target=_kill_a_worker_after, args=(output, 4, killed))
+        killer.start()
+        try:
+            out = run_cli(ROOT / "run", "ray", env={**env, "RAY_AUTH_TOKEN_PATH": str(token)})
+        finally:
+            killer.join()
+        log = out.stdout + out.stderr
+        assert killed, "no Ray Train worker was found to kill"
+
+        steps = _train_steps(output)
+        assert steps == list(range(2, 26, 2)), "2 ranks × 4 images, 96 images × 2 epochs, once each after the restart"
         state = torch.load(output / "last.pt", weights_only=True)
-        assert (state["step"], len(state["rng"])) == (6, 2), "one DDP run of two workers"
+        assert (state["step"], len(state["rng"])) == (24, 2), "one DDP run of two workers, to the end"
+        assert "resumed from" in log, "the restarted group continued from the last checkpoint"
         reported = set(re.findall(r"Reporting training result \d+: .*?'kind': '(\w+)'.*? from rank (\d)", log))
-        assert reported == {("train", "0"), ("train", "1"), ("val", "0"), ("val", "1")}, "every record, every rank"
+        assert reported >= {("train", "0"), ("train", "1"), ("val", "0"), ("val", "1")}, "every record, every rank"
         status = [RAY, "status", f"--address={address}"]
-        alive = subprocess.run(status, capture_output=True, env={**os.environ, **auth}).returncode == 0
+        alive = subprocess.run(status, capture_output=True, env={**base, **auth}).returncode == 0
         assert alive, "./run ray leaves a cluster it did not start running"
     finally:
-        subprocess.run([RAY, "stop", "--force"], capture_output=True)  # this machine runs no other Ray
+        subprocess.run([RAY, "stop", "--force"], capture_output=True, env=base)  # this machine runs no other Ray
         shutil.rmtree(session, ignore_errors=True)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import re
 import shlex
+import shutil
 import subprocess
 import sys
+from importlib.metadata import distributions
 from pathlib import Path
 
 from conftest import ROOT, run_cli
+from packaging.markers import Marker
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -61,3 +68,91 @@ def test_shell_is_shellcheck_clean() -> None:
         [VENV_BIN / "shellcheck", "-x", *sorted(set(scripts))], cwd=ROOT, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _fresh_checkout(dest: Path) -> Path:
+    """This checkout's files (committed or not, never ignored ones) as a fresh clone would have them."""
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
+    for name in filter(None, files):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
+def _tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def test_dry_run_of_every_verb_on_a_fresh_checkout_exits_0_and_writes_nothing(tmp_path: Path) -> None:
+    clone = _fresh_checkout(tmp_path / "clone")
+    verbs = re.findall(r"^  ([a-z][a-z0-9-]*)\b", run_cli(clone / "run", "help").stdout, re.M)
+    assert {"venv", "lock", "local1", "docker2", "serve", "ais", "tail", "killall"} <= set(verbs)
+    needs = {"nodes": ["localhost,gpu2"], "plot": ["runs/x"]}  # the arguments help names as required
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path / "home")}  # none of this shell's settings
+    before = _tree(clone)
+    for verb in verbs:
+        proc = subprocess.run(
+            [str(clone / "run"), "-n", verb, *needs.get(verb, [])], cwd=clone, capture_output=True, text=True, env=env
+        )
+        assert proc.returncode == 0, f"./run -n {verb}: {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        assert proc.stdout.strip() or verb == "help", f"./run -n {verb} printed no command"
+        assert _tree(clone) == before, f"./run -n {verb} wrote {sorted(_tree(clone) - before)}"
+    serve = subprocess.run([str(clone / "run"), "-n", "serve"], cwd=clone, capture_output=True, text=True, env=env)
+    assert "nginx.conf <<'CONF'" in serve.stdout and "root " + str(clone / "data/demo/shards") in serve.stdout
+
+
+def _pins(lock: Path) -> dict[str, list[tuple[str, str]]]:
+    """name -> [(version, marker)] of a lock written by ./run lock."""
+    pins: dict[str, list[tuple[str, str]]] = {}
+    for line in lock.read_text().splitlines():
+        if line and not line.startswith(("#", " ")):
+            spec, _, marker = line.split("#")[0].partition(";")
+            name, version = spec.strip().split("==")
+            pins.setdefault(canonicalize_name(name), []).append((version, marker.strip()))
+    return pins
+
+
+def _ranges(reqs: Path) -> list[Requirement]:
+    out = []
+    for line in reqs.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line.startswith("-r"):
+            out += _ranges(reqs.parent / line[2:].strip())
+        elif line:
+            out.append(Requirement(line))
+    return out
+
+
+def test_each_lock_pins_its_ranges_and_agrees_with_the_dev_lock() -> None:
+    dev = _pins(ROOT / "requirements-dev.lock")
+    for name in ("requirements.txt", "requirements-ray.txt", "requirements-dev.txt"):
+        pins = _pins(ROOT / name.replace(".txt", ".lock"))
+        for req in _ranges(ROOT / name):
+            versions = [v for v, _ in pins.get(canonicalize_name(req.name), [])]
+            assert versions, f"{req.name} is in {name} but not in its lock: ./run lock"
+            assert all(req.specifier.contains(v, prereleases=True) for v in versions), (
+                f"{name} asks {req}, the lock has {versions}: ./run lock"
+            )
+        assert all(dev[n] == p for n, p in pins.items()), f"{name}'s lock differs from the dev lock: ./run lock"
+
+
+def test_the_venv_holds_exactly_the_locked_versions() -> None:
+    wanted = {
+        name: version
+        for name, pins in _pins(ROOT / "requirements-dev.lock").items()
+        for version, marker in pins
+        if not marker or Marker(marker).evaluate()
+    }
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in distributions()}
+    tools = {"pip", "uv"}  # the venv's own installers
+    assert {n: v for n, v in installed.items() if n not in tools} == wanted

@@ -144,9 +144,12 @@ def submit(dry_run: bool, multinode: bool, train_args: tuple[str, ...]) -> None:
 def tail(dry_run: bool, job_id: str | None, poll: float, lines: int) -> None:
     """Follow a job's log (default: the last submitted) until it ends; print its final status."""
     if not job_id:
-        if not LAST_JOB.exists():
+        if LAST_JOB.exists():
+            job_id = LAST_JOB.read_text().strip()
+        elif dry_run:
+            job_id = "JOB_ID"  # nothing was submitted: show the commands all the same
+        else:
             raise click.ClickException("no job submitted from here yet: give a job id")
-        job_id = LAST_JOB.read_text().strip()
     info = ngc("info", job_id, "--format_type", "json")
     log = ngc("log", job_id, "--tail", "--lines", str(lines))
     if dry_run:

@@ -6,13 +6,19 @@
 Each Ray worker runs the same training as train.py (data pipeline, checkpoints, uploads), one
 worker per GPU with --gpu, else N CPU workers over gloo; every metrics record is also
 reported to Ray. Without --address (or RAY_ADDRESS) it starts a private local cluster and
-stops it at the end; a cluster it connects to is left running. The workers get the
+stops it at the end; a cluster it connects to is left running. A cluster with token
+authentication (Ray's default since 2.59) needs its token here: RAY_AUTH_TOKEN, a file at
+RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token; any of them turns on RAY_AUTH_MODE=token. A lost
+worker restarts the group (--max-failures times), which continues from the last checkpoint.
+The workers get the
 ``imagenet_ais`` package shipped by Ray; its dependencies (requirements.txt) must be installed
 on the cluster's nodes, and --data and --output must be reachable from all of them.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -23,6 +29,38 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import train as train_cli  # noqa: E402
+from imagenet_ais import checkpoint  # noqa: E402
+
+
+def token_available() -> bool:
+    """A Ray auth token in the places Ray looks: the environment, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    return bool(os.environ.get("RAY_AUTH_TOKEN")) or Path(path).is_file()
+
+
+def listening(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def connect_refused(address: str) -> click.ClickException:
+    """Ray says only 'Failed to connect' when a cluster refuses the token: tell the likely cause apart."""
+    if address != "auto" and not listening(address):
+        return click.ClickException(f"no Ray cluster answers at {address}: check RAY_ADDRESS (the head's GCS port)")
+    if not token_available():
+        return click.ClickException(
+            f"the Ray cluster at {address} refused the connection, most likely for authentication (token auth is "
+            "Ray's default since 2.59): set RAY_AUTH_TOKEN_PATH to a file holding the cluster's token "
+            "(~/.ray/auth_token on its head) or RAY_AUTH_TOKEN to the token"
+        )
+    return click.ClickException(
+        f"the Ray cluster at {address} refused the connection: is the token in RAY_AUTH_TOKEN / "
+        "RAY_AUTH_TOKEN_PATH / ~/.ray/auth_token the cluster's own, and is RAY_AUTH_MODE not 'disabled'?"
+    )
 
 
 def worker(config: dict) -> None:
@@ -41,18 +79,45 @@ def worker(config: dict) -> None:
 @click.option("--num-workers", default=2, type=click.IntRange(min=1), help="training processes (GPUs with --gpu)")
 @click.option("--gpu/--cpu", default=False, help="one GPU per worker (NCCL), or CPU workers (gloo)")
 @click.option("--cpus-per-worker", default=1.0, type=click.FloatRange(min=0), help="CPUs Ray reserves per worker")
+@click.option(
+    "--max-failures",
+    default=3,
+    type=click.IntRange(min=0),
+    help="restarts of the worker group after a lost worker; each continues from the last checkpoint",
+)
 @click.argument("train_args", nargs=-1, type=click.UNPROCESSED)
-def main(address: str | None, num_workers: int, gpu: bool, cpus_per_worker: float, train_args: tuple[str, ...]) -> None:
-    import ray
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
+def main(
+    address: str | None,
+    num_workers: int,
+    gpu: bool,
+    cpus_per_worker: float,
+    max_failures: int,
+    train_args: tuple[str, ...],
+) -> None:
     cfg = train_cli.parse(list(train_args))
     # the workers' current directory is Ray's, not this one
     cfg.output = str(Path(cfg.output).resolve())
     if cfg.data and "://" not in cfg.data:
         cfg.data = str(Path(cfg.data).resolve())
-    ray.init(address=address or "local", runtime_env={"py_modules": [str(ROOT / "imagenet_ais")]})
+    if max_failures and cfg.resume is None:
+        # a restarted group must continue, not start over: that needs --resume auto, which is a
+        # fresh start only where the output holds no checkpoint yet
+        if checkpoint.find("auto", Path(cfg.output)):
+            raise click.ClickException(
+                f"{cfg.output} holds checkpoints: pass --resume auto to continue them, or choose another --output"
+            )
+        cfg.resume = "auto"
+    if address and "RAY_AUTH_MODE" not in os.environ and token_available():
+        os.environ["RAY_AUTH_MODE"] = "token"  # Ray itself does not use a token it finds when connecting
+
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    try:
+        ray.init(address=address or "local", runtime_env={"py_modules": [str(ROOT / "imagenet_ais")]})
+    except ConnectionError:
+        raise connect_refused(address or "local") from None
     try:
         trainer = TorchTrainer(
             worker,
@@ -60,7 +125,11 @@ def main(address: str | None, num_workers: int, gpu: bool, cpus_per_worker: floa
             scaling_config=ScalingConfig(
                 num_workers=num_workers, use_gpu=gpu, resources_per_worker={"CPU": cpus_per_worker}
             ),
-            run_config=RunConfig(name="ray", storage_path=str(Path(cfg.output, "ray"))),
+            run_config=RunConfig(
+                name="ray",
+                storage_path=str(Path(cfg.output, "ray")),
+                failure_config=FailureConfig(max_failures=max_failures),
+            ),
         )
         result = trainer.fit()
     finally:
