@@ -23,7 +23,7 @@
 # BATCH_SIZE 256 (32) per process, IMAGE_SIZE 224 (64), LR 0.1 (0.4) per 256 images, WARMUP_EPOCHS 5 (1).
 : "${ARCH:=}" "${EPOCHS:=}" "${BATCH_SIZE:=}" "${IMAGE_SIZE:=}" "${LR:=}" "${WARMUP_EPOCHS:=}"
 : "${EPOCH_MODE:=resampled}"      # resampled | exact
-: "${WORKERS:=}"                  # DataLoader workers per process; empty = CPU cores / processes, at most 8
+: "${WORKERS:=}"                  # DataLoader workers per process; empty = auto, sized where it trains (CPUs per local rank, less 2 on a GPU)
 : "${NPROC:=2}"                   # processes for ./run local2, and per host for ./run nodes
 : "${RDZV_PORT:=29400}"           # ./run nodes: c10d rendezvous port on the first host
 : "${RDZV_ID:=imagenet-ais}"      # ./run nodes: names the job; agents with the same id meet
@@ -35,6 +35,8 @@
 : "${SLURM_NODES:=1}"             # ./run slurm: nodes (NPROC processes, one per GPU, on each)
 : "${SLURM_TIME:=04:00:00}"       # ./run slurm: time limit; the job checkpoints and requeues itself before it
 : "${SLURM_WARN:=300}"            # ./run slurm: seconds before the limit to stop and checkpoint (SIGUSR1)
+: "${SLURM_GPUS:=$NPROC}"         # ./run slurm: --gpus-per-node (0: ask for none, e.g. CPU nodes)
+: "${SLURM_CPUS:=$((NPROC * 12))}" # ./run slurm: --cpus-per-task, i.e. CPUs per node (one task per node)
 : "${SLURM_EXTRA:=}"              # ./run slurm: more sbatch options, e.g. "--partition gpu --gpus-per-node 8"
 : "${SERVE_PORT:=8080}"           # ./run serve: the port nginx listens on
 : "${SERVE_ADDR:=0.0.0.0}"        # ./run serve: the address it binds (127.0.0.1: this machine only)

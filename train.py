@@ -22,6 +22,15 @@ def parse_bytes(value: str | None) -> int | None:
     return int(float(found[1]) * 1024 ** " KMGT".index(found[2] or " "))
 
 
+def parse_workers(value: str) -> int | None:
+    """``auto`` → None (sized on the node that trains, see distributed.auto_workers), else a count."""
+    if value == "auto":
+        return None
+    if not value.isdigit():
+        raise click.BadParameter(f"{value!r} is neither 'auto' nor a number of workers (0 or more)")
+    return int(value)
+
+
 @click.command(context_settings={"show_default": True, "max_content_width": 100})
 @click.option("--data", help="shard location holding manifest.json (directory, file://, ais://, gs://, http(s)://)")
 @click.option("--output", default="runs/train", help="checkpoints, metrics.jsonl and logs go here")
@@ -32,7 +41,12 @@ def parse_bytes(value: str | None) -> int | None:
 @click.option("--warmup-epochs", default=5.0, type=click.FloatRange(min=0))
 @click.option("--weight-decay", default=1e-4, type=float, help="not applied to norm layers and biases")
 @click.option("--label-smoothing", default=0.1, type=click.FloatRange(0, 1))
-@click.option("--workers", default=8, type=click.IntRange(min=0), help="DataLoader workers per process")
+@click.option(
+    "--workers",
+    default="auto",
+    callback=lambda ctx, param, value: parse_workers(value),
+    help="DataLoader workers per process; auto: this node's CPUs per local rank (less 2 on a GPU)",
+)
 @click.option("--image-size", default=224, type=click.IntRange(min=16), help="training (and validation) size")
 @click.option(
     "--progressive",
@@ -42,7 +56,7 @@ def parse_bytes(value: str | None) -> int | None:
 @click.option("--val-size", type=click.IntRange(min=16), help="validation size [default: END or --image-size]")
 @click.option("--amp", default="auto", type=click.Choice(["auto", "bf16", "fp16", "off"]), help="auto: bf16 on GPU")
 @click.option("--channels-last/--no-channels-last", default=None, help="[default: on for GPU]")
-@click.option("--compile", "compile_", is_flag=True, help="torch.compile the model")
+@click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile the model [default: on for GPU]")
 @click.option(
     "--compile-mode",
     default="default",
@@ -51,9 +65,9 @@ def parse_bytes(value: str | None) -> int | None:
 )
 @click.option(
     "--decode",
-    default="cpu",
-    type=click.Choice(["cpu", "gpu"]),
-    help="cpu: PIL in the DataLoader workers; gpu: nvJPEG, crop and resize on the GPU",
+    default="auto",
+    type=click.Choice(["auto", "cpu", "gpu"]),
+    help="cpu: PIL in the DataLoader workers; gpu: nvJPEG, crop and resize on the GPU; auto: gpu where CUDA is",
 )
 @click.option(
     "--dp",

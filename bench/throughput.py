@@ -77,6 +77,14 @@ PRESETS = {
         95,
         (Model("resnet50", 256, 224, None, ("gpu", "cpu"), 40, 60),),
     ),
+    # one GPU host, 1 to N GPUs (--gpus 1,2,4): ResNet-50 as train.py trains by default there
+    "multi-gpu": Preset(
+        1000,
+        40,
+        (500, 375),
+        95,
+        (Model("resnet50", 256, 224, "default", ("auto",), 150, 250),),
+    ),
     # one H100/H200 with 16 cores, in one device call (about 9 minutes)
     "gpu": Preset(
         1000,
@@ -107,17 +115,22 @@ def make_shards(work: Path, preset: Preset, workers: int) -> str:
     return str(data)
 
 
-def train(args: list[str], batch: int, output: Path, log: Path) -> dict[str, float]:
+def train(args: list[str], batch: int, output: Path, log: Path, gpus: int = 1) -> dict[str, float]:
+    """One train.py run (under torchrun for several GPUs); its steady rate, global img/s."""
     shutil.rmtree(output, ignore_errors=True)  # a fresh run, not a resumed one
+    launch = [sys.executable]
+    if gpus > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus)]
     with log.open("a") as out:
-        out.write(f"\n$ train.py {' '.join(args)}\n")
+        out.write(f"\n$ {gpus} × train.py {' '.join(args)}\n")
         out.flush()
         subprocess.run(
-            [sys.executable, str(ROOT / "train.py"), *args, "--output", str(output)],
+            [*launch, str(ROOT / "train.py"), *args, "--output", str(output)],
             check=True,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
+    batch *= gpus  # records count global batches
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     train_records = [r for r in records if r["kind"] == "train"]
     # steady state: not the first windows (compile, cudnn autotuning, buffer fill), and not a
@@ -135,22 +148,22 @@ def train(args: list[str], batch: int, output: Path, log: Path) -> dict[str, flo
     }
 
 
-def measure(model: Model, data: str, workers: int, work: Path, log: Path) -> Iterator[tuple[str, dict[str, float]]]:
+def measure(
+    model: Model, data: str, workers: str, work: Path, log: Path, gpus: int = 1
+) -> Iterator[tuple[str, dict[str, float]]]:
     """The ceiling, then each end-to-end variant, as each is measured."""
     common = ["--arch", model.arch, "--batch-size", str(model.batch), "--image-size", str(model.size)]
     common += ["--epochs", "1000", "--log-every", "10", "--keep-last", "1"]
-    if model.compile:
-        common += ["--compile", "--compile-mode", model.compile]
-    yield (
-        "ceiling",
-        train([*common, "--synthetic", "--max-steps", str(model.steps)], model.batch, work / "ceiling", log),
-    )
+    common += ["--compile", "--compile-mode", model.compile] if model.compile else ["--no-compile"]
+    ceiling = [*common, "--synthetic", "--max-steps", str(model.steps)]
+    yield "ceiling", train(ceiling, model.batch, work / "ceiling", log, gpus)
     for decode in model.decodes:
-        args = [*common, "--data", data, "--workers", str(workers), "--decode", decode]
-        yield f"{decode} decode", train([*args, "--max-steps", str(model.e2e_steps)], model.batch, work / decode, log)
+        args = [*common, "--data", data, "--workers", workers, "--decode", decode]
+        e2e = [*args, "--max-steps", str(model.e2e_steps)]
+        yield f"{decode} decode", train(e2e, model.batch, work / decode, log, gpus)
 
 
-def breakdown(data: str, batch: int, size: int, workers: int) -> dict[str, float]:
+def stage_rates(data: str, batch: int, size: int, workers: int) -> dict[str, float]:
     """Per-stage rates for one training batch of the shards on this machine's GPU, in img/s."""
     from torchvision.io import ImageReadMode, decode_jpeg
     from webdataset.tariterators import group_by_keys, tar_file_expander
@@ -219,32 +232,49 @@ def _sync() -> None:
 @click.option("--preset", default="cpu", type=click.Choice(list(PRESETS)), show_default=True)
 @click.option("--data", help="shard location (default: generate shards for the preset)")
 @click.option("--work", type=click.Path(file_okay=False, path_type=Path), help="keep shards and runs here")
-@click.option("--workers", default=min(16, os.cpu_count() or 1), show_default=True, help="DataLoader workers")
+@click.option("--workers", default="auto", show_default=True, help="DataLoader workers per process (train.py's)")
+@click.option("--gpus", default="1", show_default=True, help="GPU counts to run each model on, e.g. 1,2,4 (torchrun)")
+@click.option("--breakdown/--no-breakdown", default=True, help="per-stage rates on the GPU, after the runs")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), help="also write the numbers here")
-def main(preset: str, data: str | None, work: Path | None, workers: int, json_out: Path | None) -> None:
+def main(
+    preset: str, data: str | None, work: Path | None, workers: str, gpus: str, breakdown: bool, json_out: Path | None
+) -> None:
     p = PRESETS[preset]
+    counts = [int(n) for n in gpus.split(",")]
+    stage_workers = int(workers) if workers.isdigit() else min(16, os.cpu_count() or 1)
     with tempfile.TemporaryDirectory() as tmp:
         root = work or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        data = data or make_shards(root, p, workers)
+        data = data or make_shards(root, p, stage_workers)
         log = root / "train-runs.log"
         results: dict[str, object] = {"preset": preset, "device": _device(), "workers": workers, "models": []}
         # rows are printed as they are measured: a run cut short still reports what it got
-        click.echo(f"{results['device']}, {workers} workers")
-        click.echo(f"{'model':34} {'variant':12} {'img/s':>8} {'data wait':>10} {'ratio':>6} {'secs':>5}")
+        click.echo(f"{results['device']} × {max(counts)}, {os.cpu_count()} cores, workers {workers}")
+        click.echo(
+            f"{'model':34} {'gpus':>4} {'variant':12} {'img/s':>8} {'data wait':>10} {'ratio':>6} "
+            f"{'scaling':>8} {'secs':>5}"
+        )
+        single: dict[str, float] = {}  # variant → its 1-GPU rate, for the scaling column
         for model in p.models:
             name = f"{model.arch} bs{model.batch} {model.size}px {model.compile or 'eager'}"
-            ceiling = 0.0
-            for variant, r in measure(model, data, workers, root / model.arch, log):
-                ceiling = ceiling or r["img_per_s"]
-                ratio = r["img_per_s"] / ceiling
-                click.echo(
-                    f"{name:34} {variant:12} {r['img_per_s']:8.1f} {r['data_wait']:10.3f} {ratio:6.3f} "
-                    f"{r['seconds']:5.0f}"
-                )
-                results["models"].append({"model": name, "variant": variant, **r, "ratio": ratio})
-        if torch.cuda.is_available():
-            stages = breakdown(data, 256, 224, workers)
+            for n in counts:
+                ceiling = 0.0
+                for variant, r in measure(model, data, workers, root / f"{model.arch}-{n}", log, n):
+                    ceiling = ceiling or r["img_per_s"]
+                    ratio = r["img_per_s"] / ceiling
+                    if n == 1:
+                        single[f"{name} {variant}"] = r["img_per_s"]
+                    one = single.get(f"{name} {variant}")
+                    scaling = r["img_per_s"] / (n * one) if one else float("nan")
+                    click.echo(
+                        f"{name:34} {n:4} {variant:12} {r['img_per_s']:8.1f} {r['data_wait']:10.3f} {ratio:6.3f} "
+                        f"{scaling:8.3f} {r['seconds']:5.0f}"
+                    )
+                    results["models"].append(
+                        {"model": name, "gpus": n, "variant": variant, **r, "ratio": ratio, "scaling": scaling}
+                    )
+        if breakdown and torch.cuda.is_available():
+            stages = stage_rates(data, 256, 224, stage_workers)
             results["breakdown"] = stages
             click.echo("\nper stage, batch 256 → 224 px (img/s):")
             for k, v in stages.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,11 +43,30 @@ def setup() -> Dist:
         device = torch.device("cpu")
         backend = "gloo"
         # Processes sharing the CPU split its cores instead of each taking all of them.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(local_cpus())
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
     return Dist(rank, world, local_rank, device)
+
+
+def local_cpus() -> int:
+    """CPUs this process may use, shared by the node's ranks: the CPU affinity (Slurm's and
+    taskset's binding) within a cgroup CPU quota (docker --cpus, Kubernetes limits), divided
+    by LOCAL_WORLD_SIZE."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota: the affinity is the bound
+    return max(1, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def auto_workers(device: torch.device) -> int:
+    """DataLoader workers for ``--workers auto``: this rank's CPUs, less two on a GPU for the
+    training process's own threads (kernel launches, the feed's batching and decode)."""
+    return max(1, local_cpus() - (2 if device.type == "cuda" else 0))
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

@@ -42,15 +42,15 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 1e-4
     label_smoothing: float = 0.1
-    workers: int = 8
+    workers: int | None = None  # None = auto: the node's CPUs per local rank (distributed.auto_workers)
     image_size: int = 224
     progressive: str | None = None  # "START:END": train size grows over epochs (steps of 32)
     val_size: int | None = None  # default: END with --progressive, else image_size
     amp: str = "auto"  # auto = bf16 on GPU, off on CPU
     channels_last: bool | None = None  # None = on for GPU
-    compile: bool = False
+    compile: bool | None = None  # None = on for GPU (off with --dp decent)
     compile_mode: str = "default"  # torch.compile mode; reduce-overhead adds CUDA graphs
-    decode: str = "cpu"  # or "gpu": nvJPEG + crop/resize on the device (see transforms.py)
+    decode: str = "auto"  # "gpu": nvJPEG + crop/resize on the device (see transforms.py); auto = gpu on CUDA
     dp: str = "ddp"  # or "decent": decentralized data parallel (decentralized.py)
     topology: str = "ring"  # --dp decent: who mixes with whom at each step
     seed: int = 0
@@ -245,22 +245,24 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         classes = manifest.classes
         if cfg.decode == "gpu" and not cuda:
             say("note: --decode gpu without a GPU decodes in the training process, on the CPU", err=True)
+        decode = cfg.decode if cfg.decode != "auto" else "gpu" if cuda else "cpu"
+        workers = cfg.workers if cfg.workers is not None else distributed.auto_workers(d.device)
         spec = {
             "world": d.world,
             "rank": d.rank,
             "batch": cfg.batch_size,
             "seed": cfg.seed,
             "image_size": sizes[0],
-            "decode": cfg.decode,
+            "decode": decode,
             "cache": CacheSpec(cfg.cache_dir, cfg.cache_size) if cfg.cache_dir else None,
         }
         train_loader = TrainLoader(
-            manifest.split("train"), cfg.data, cfg.epoch_mode, spec, cfg.workers, cfg.shuffle_buffer, d.device, cl
+            manifest.split("train"), cfg.data, cfg.epoch_mode, spec, workers, cfg.shuffle_buffer, d.device, cl
         )
         val_split = manifest.splits.get("val")
         if val_split and val_split.samples:
             val_spec = {**spec, "image_size": val_size}
-            val_loader = ValLoader(val_split, cfg.data, val_spec, cfg.workers, d.device, cl)
+            val_loader = ValLoader(val_split, cfg.data, val_spec, workers, d.device, cl)
 
     raw_model = build_model(cfg.arch, len(classes)).to(d.device)
     if cl:
@@ -273,6 +275,12 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         say("note: --dp decent with one process trains as plain data parallel would", err=True)
     if decent and cfg.compile:
         raise ValueError("--dp decent does not work with --compile (its hooks re-point the parameters): drop one")
+    compiled = cfg.compile if cfg.compile is not None else cuda and not decent
+    say(
+        f"{cfg.arch} on {d.world} × {d.device.type}, "
+        + ("synthetic data" if cfg.synthetic else f"{decode} decode, {workers} workers per process")
+        + (f", compiled ({cfg.compile_mode})" if compiled else ", eager")
+    )
 
     def make_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.SGD(
@@ -339,7 +347,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         model = decentralized.wrap(raw_model, make_optimizer, schedule, cfg.topology, scaler)
     elif d.world > 1:
         model = DistributedDataParallel(raw_model, device_ids=[d.local_rank] if cuda else None)
-    if cfg.compile:
+    if compiled:
         model = torch.compile(model, mode=cfg.compile_mode)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     log = MetricsLog(output if d.main else None, resume_step=global_step, report=report)

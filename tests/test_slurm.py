@@ -120,6 +120,7 @@ def test_a_job_warned_before_its_time_limit_checkpoints_requeues_and_finishes(sl
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [20, 28], "val": [6]})
     env = {**slurm, **tiny_run_env(data, output), "EPOCHS": "3", "NPROC": "1", "RDZV_PORT": str(low_free_port())}
+    env |= {"SLURM_CPUS": str(os.cpu_count()), "SLURM_GPUS": "0"}  # the node has no GPUs
     env["TRAIN_EXTRA"] = "--log-every 1 --epoch-mode exact"  # 12 steps an epoch
     submitted = run_cli(ROOT / "run", "slurm", env=env).stdout
     job = re.search(r"Submitted batch job (\d+)", submitted).group(1)
@@ -134,6 +135,7 @@ def test_a_job_warned_before_its_time_limit_checkpoints_requeues_and_finishes(sl
     assert job_state(job, slurm)["JobState"] == "COMPLETED", text[-3000:]
     assert "checkpointing, then requeueing" in text and "(restart 1)" in text
     assert job_state(job, slurm)["Restarts"] == "1"
+    assert job_state(job, slurm)["NumCPUs"] == str(os.cpu_count()), "the job asked for SLURM_CPUS"
     train_log = (output / "train.log").read_text()
     assert "stopped by a signal" in train_log and "resumed from" in train_log
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]

@@ -376,3 +376,24 @@ def test_a_run_shows_in_tensorboard_and_plots_to_a_png(tmp_path: Path) -> None:
     assert proc.returncode == 1 and f"no metrics.jsonl in {tmp_path}" in proc.stderr
     dry = run_cli(ROOT / "run", "-n", "plot", output, env={"VENV": ".venv"}).stdout.splitlines()[-1]
     assert dry == f".venv/bin/python -m imagenet_ais.plot {output}"
+
+
+@pytest.mark.parametrize(("cpus", "local_world", "workers"), [("0", "1", 1), ("0,1", "1", 2), ("0,1", "2", 1)])
+def test_the_defaults_are_sized_on_the_machine_that_trains(
+    cpus: str, local_world: str, workers: int, tmp_path: Path
+) -> None:
+    """No --workers/--decode/--compile: workers from the CPUs this process may use per local rank
+    (taskset stands in for Slurm's binding), CPU decode and eager where there is no GPU."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [8]})
+    env = {"LOCAL_WORLD_SIZE": local_world}  # what torchrun tells each of a node's ranks
+    args = ["--data", data, "--output", output, *TINY, "--epochs", "1", "--max-steps", "1"]
+    run_cli("taskset", "-c", cpus, sys.executable, ROOT / "train.py", *args, env=env)
+    assert f"cpu decode, {workers} workers per process, eager" in (output / "train.log").read_text()
+
+
+def test_workers_must_be_auto_or_a_count(tmp_path: Path) -> None:
+    proc = run_cli("train.py", "--synthetic", "--output", tmp_path, "--workers", "many", check=False)
+    assert proc.returncode == 2 and "'many' is neither 'auto' nor a number of workers" in proc.stderr
