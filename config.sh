@@ -37,7 +37,7 @@
 : "${SLURM_WARN:=300}"            # ./run slurm: seconds before the limit to stop and checkpoint (SIGUSR1)
 : "${SLURM_GPUS:=$NPROC}"         # ./run slurm: --gpus-per-node (0: ask for none, e.g. CPU nodes)
 : "${SLURM_CPUS:=$((NPROC * 12))}" # ./run slurm: --cpus-per-task, i.e. CPUs per node (one task per node)
-: "${SLURM_EXTRA:=}"              # ./run slurm: more sbatch options, e.g. "--partition gpu --gpus-per-node 8"
+: "${SLURM_EXTRA:=}"              # ./run slurm: more sbatch options, e.g. "--partition gpu --account proj"
 : "${SERVE_PORT:=8080}"           # ./run serve: the port nginx listens on
 : "${SERVE_ADDR:=0.0.0.0}"        # ./run serve: the address it binds (127.0.0.1: this machine only)
 : "${SERVE_CERT:=}"               # ./run serve: PEM certificate and key: HTTPS (clients: REQUESTS_CA_BUNDLE=CA file)
@@ -62,7 +62,6 @@
 # NGC Base Command (./run singlenode, ais, tail, killall)
 : "${NGC_ACE:=${NGC_CLI_ACE:-}}"
 : "${NGC_INSTANCE:=dgxa100.80g.8.norm}"
-: "${NGC_GPUS:=8}"                # GPUs per node of that instance (processes per node)
 : "${NGC_REPLICAS:=2}"            # nodes for ./run ais
 : "${NGC_TOTAL_RUNTIME:=8H}"      # multinode wall-clock limit, [nD][nH][nM][nS]
 : "${NGC_RESULT_DIR:=/results}"

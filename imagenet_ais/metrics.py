@@ -20,16 +20,21 @@ class MetricsLog:
     """One record per log interval or validation; resumed runs continue both logs.
 
     Every number of a record also goes to TensorBoard as ``<kind>/<name>`` at its step. A
-    resumed run drops the records past the step it resumes from, in both logs, so the steps
-    retrained after a crash are not counted twice. ``report`` (e.g. Ray Train's) gets every
-    record on every rank, files or not.
+    run that resumes (``resume_step``: the step it continues from, 0 when --resume found no
+    checkpoint yet) drops the records past that step, in both logs, so the steps retrained
+    after a crash are not counted twice. ``report`` (e.g. Ray Train's) gets every record on
+    every rank, files or not.
     """
 
-    def __init__(self, output: Path | None, resume_step: int = 0, report: Callable[[dict], None] | None = None):
-        if output and resume_step:
+    def __init__(
+        self, output: Path | None, resume_step: int | None = None, report: Callable[[dict], None] | None = None
+    ):
+        if output and resume_step is not None:
             _drop_records_after(output / METRICS, resume_step)
         self.file = (output / METRICS).open("a", buffering=1) if output else None
-        self.board = SummaryWriter(str(output), purge_step=resume_step or None) if output else None
+        # TensorBoard purges events at or after purge_step; the record at the resume step stays
+        purge = None if resume_step is None else resume_step + 1
+        self.board = SummaryWriter(str(output), purge_step=purge) if output else None
         self.report = report
 
     def write(self, **record: Any) -> None:
@@ -52,9 +57,15 @@ class MetricsLog:
 def _drop_records_after(path: Path, step: int) -> None:
     if not path.exists():
         return
-    lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-    if len(kept) < len(lines):
+    text = path.read_text(errors="replace")
+    kept = []
+    for line in text.splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by the crash that made this a resume
+    if "".join(kept) != text:
         partial = path.with_name(f".{path.name}.partial")
         partial.write_text("".join(kept))
         partial.replace(path)

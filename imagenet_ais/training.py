@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -217,6 +219,18 @@ def train(cfg: TrainConfig, report: Callable[[dict], None] | None = None) -> dic
         distributed.teardown()
 
 
+def _compiles(device: torch.device, say: Callable[..., None]) -> bool:
+    """Whether torch.compile can work here by default: Inductor's Triton kernels need a GPU of
+    compute capability 7.0+ and a C compiler at run time."""
+    if torch.cuda.get_device_capability(device) < (7, 0):
+        say("note: this GPU is older than compute capability 7.0: training eager (torch.compile needs 7.0+)")
+        return False
+    if not any(shutil.which(cc) for cc in (os.environ.get("CC", "cc"), "gcc", "clang")):
+        say("note: no C compiler here (torch.compile needs one, e.g. apt-get install gcc): training eager")
+        return False
+    return True
+
+
 def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None] | None) -> dict[str, Any]:
     output = Path(cfg.output)
     output.mkdir(parents=True, exist_ok=True)
@@ -275,7 +289,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         say("note: --dp decent with one process trains as plain data parallel would", err=True)
     if decent and cfg.compile:
         raise ValueError("--dp decent does not work with --compile (its hooks re-point the parameters): drop one")
-    compiled = cfg.compile if cfg.compile is not None else cuda and not decent
+    compiled = cfg.compile if cfg.compile is not None else cuda and not decent and _compiles(d.device, say)
     say(
         f"{cfg.arch} on {d.world} × {d.device.type}, "
         + ("synthetic data" if cfg.synthetic else f"{decode} decode, {workers} workers per process")
@@ -350,7 +364,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
     if compiled:
         model = torch.compile(model, mode=cfg.compile_mode)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-    log = MetricsLog(output if d.main else None, resume_step=global_step, report=report)
+    log = MetricsLog(output if d.main else None, resume_step=global_step if cfg.resume else None, report=report)
     uploader = upload.Uploader(cfg.upload, cfg.upload_retry_seconds) if cfg.upload and d.main else None
     stop = StopSignal()
     averaged_at: int | None = None  # --dp decent: the step of the last global average

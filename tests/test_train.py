@@ -397,3 +397,18 @@ def test_the_defaults_are_sized_on_the_machine_that_trains(
 def test_workers_must_be_auto_or_a_count(tmp_path: Path) -> None:
     proc = run_cli("train.py", "--synthetic", "--output", tmp_path, "--workers", "many", check=False)
     assert proc.returncode == 2 and "'many' is neither 'auto' nor a number of workers" in proc.stderr
+
+
+def test_a_run_resumed_before_its_first_checkpoint_logs_each_step_once(tmp_path: Path) -> None:
+    """A crash before any checkpoint leaves records (the last one cut short); --resume auto
+    starts over and must neither count those steps twice nor choke on the torn line."""
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [16]})
+    output.mkdir()
+    (output / "metrics.jsonl").write_text(
+        '{"kind": "train", "epoch": 0, "step": 1, "loss": 9.0}\n{"kind": "train", "epoch": 0, "st'
+    )
+    args = ["--data", data, "--output", output, *TINY, "--epochs", "1", "--log-every", "1", "--resume", "auto"]
+    run_cli("train.py", *args, "--workers", "1")
+    assert [r["step"] for r in metrics(output) if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert all(r["loss"] != 9.0 for r in metrics(output)), "the crashed run's record is gone"
