@@ -20,7 +20,9 @@ def dry(*args: str, env: dict | None = None) -> list[list[str]]:
     """The commands ./run -n prints (pip lines of a venv refresh left out)."""
     out = run_cli(ROOT / "run", "-n", *args, env={"AIS_AUTHN_TOKEN": SECRET, **(env or {})}).stdout
     assert SECRET not in out
-    return [shlex.split(line) for line in out.splitlines() if line and "pip install" not in line]
+    return [
+        shlex.split(line) for line in out.splitlines() if line and "pip install" not in line and "pip sync" not in line
+    ]
 
 
 def flag(cmd: list[str], name: str) -> list[str]:

@@ -144,6 +144,8 @@ def test_each_lock_pins_its_ranges_and_agrees_with_the_dev_lock() -> None:
                 f"{name} asks {req}, the lock has {versions}: ./run lock"
             )
         assert all(dev[n] == p for n, p in pins.items()), f"{name}'s lock differs from the dev lock: ./run lock"
+    uv_version = re.search(r"^UV_VERSION=(\S+)", (ROOT / "run").read_text(), re.M).group(1)
+    assert dev["uv"] == [(uv_version, "")], "the uv the dev lock pins is the one ./run installs (UV_VERSION)"
 
 
 def test_the_venv_holds_exactly_the_locked_versions() -> None:
@@ -154,5 +156,4 @@ def test_the_venv_holds_exactly_the_locked_versions() -> None:
         if not marker or Marker(marker).evaluate()
     }
     installed = {canonicalize_name(d.metadata["Name"]): d.version for d in distributions()}
-    tools = {"pip", "uv"}  # the venv's own installers
-    assert {n: v for n, v in installed.items() if n not in tools} == wanted
+    assert installed == wanted
