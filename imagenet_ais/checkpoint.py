@@ -1,13 +1,17 @@
 """Checkpoints: atomic writes (temp file, fsync, rename) and loading for --resume.
 
 Saved state holds plain tensors and containers only, so loading uses ``weights_only=True``:
-a checkpoint can never run code.
+a checkpoint can never run code. Each one carries a SHA-256 of its contents (every tensor's
+bytes and every other value), checked at load: flipped bytes in tensor data load without
+any error from torch, and must not be trained on.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,35 @@ from imagenet_ais.storage import LocalStore
 
 LAST = "last.pt"  # hard links to the newest and the best ckpt-<step>.pt
 BEST = "best.pt"
+DIGEST = "sha256"  # the state's own key for its checksum
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint file that cannot be loaded, or whose contents do not match its checksum."""
+
+
+def digest(obj: Any, h: Any = None) -> str:
+    """SHA-256 over a state's structure, values and tensor bytes, in a fixed order."""
+    h = h or hashlib.sha256()
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(obj, dict):
+        h.update(f"D{len(obj)}".encode())
+        for key in sorted(obj, key=repr):
+            h.update(repr(key).encode())
+            digest(obj[key], h)
+    elif isinstance(obj, list | tuple):
+        h.update(f"L{len(obj)}".encode())  # lists and tuples alike: a load may turn one into the other
+        if all(type(item) is int for item in obj):
+            h.update(repr(list(obj)).encode())  # sample ids of an exact-mode position: one update, not millions
+        else:
+            for item in obj:
+                digest(item, h)
+    else:
+        h.update(repr(obj).encode())
+    return h.hexdigest()
 
 
 def name_for(step: int) -> str:
@@ -29,7 +62,7 @@ def save(state: dict[str, Any], output: Path, step: int, keep_last: int) -> Path
     name = name_for(step)
     tmp = store.scratch_file(name)
     try:
-        torch.save(state, tmp)
+        torch.save({**state, DIGEST: digest(state)}, tmp)
         store.put_file(tmp, name)
     finally:
         tmp.unlink(missing_ok=True)
@@ -68,10 +101,39 @@ def find(resume: str | None, output: Path) -> Path | None:
 
 
 def load(path: Path) -> dict[str, Any]:
+    """A checkpoint's state, checked against its checksum (older checkpoints have none)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for a damaged or foreign file
-        raise RuntimeError(f"{path}: cannot load checkpoint ({type(e).__name__}: {e})") from e
+        # the type only: torch's messages advise loading with weights_only=False, i.e. running
+        # whatever code the file holds, which must never be the advice to a user
+        raise DamagedCheckpoint(
+            f"{path}: not a checkpoint this tool can load ({type(e).__name__}): damaged, or not written by train.py"
+        ) from None
+    if not isinstance(state, dict) or "model" not in state:
+        raise DamagedCheckpoint(f"{path}: not a checkpoint written by train.py (no model state in it)")
+    expected = state.pop(DIGEST, None)
+    if expected is not None and digest(state) != expected:
+        raise DamagedCheckpoint(f"{path}: damaged: its contents do not match the checksum written when it was saved")
+    return state
+
+
+def load_newest_intact(first: Path, say: Callable[..., None]) -> tuple[Path, dict[str, Any]]:
+    """``first`` (``last.pt``) if intact, else the newest intact ``ckpt-*.pt`` beside it, said in a line."""
+    try:
+        return first, load(first)
+    except DamagedCheckpoint as e:
+        damage = e
+    for path in sorted(first.parent.glob("ckpt-*.pt"), reverse=True):
+        if os.path.samefile(path, first):
+            continue  # last.pt is a hard link to one of them
+        try:
+            state = load(path)
+        except DamagedCheckpoint:
+            continue
+        say(f"warning: {damage}; resuming from {path}, the newest intact checkpoint", err=True)
+        return path, state
+    raise DamagedCheckpoint(f"{damage}, and no intact ckpt-*.pt is beside it: start another --output") from None
 
 
 def rng_state() -> dict[str, Any]:

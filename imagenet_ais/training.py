@@ -321,7 +321,10 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         resume_path = checkpoint.find("auto", output)
     position = None
     if resume_path:
-        state = checkpoint.load(resume_path)
+        if cfg.resume == "auto":
+            resume_path, state = checkpoint.load_newest_intact(resume_path, say)
+        else:
+            state = checkpoint.load(resume_path)  # the file asked for, or a clear error
         if state["arch"] != cfg.arch or state["classes"] != classes:
             raise ValueError(
                 f"{resume_path} was trained as {state['arch']} on {len(state['classes'])} classes, "

@@ -412,3 +412,34 @@ def test_a_run_resumed_before_its_first_checkpoint_logs_each_step_once(tmp_path:
     run_cli("train.py", *args, "--workers", "1")
     assert [r["step"] for r in metrics(output) if r["kind"] == "train"] == [1, 2, 3, 4]
     assert all(r["loss"] != 9.0 for r in metrics(output)), "the crashed run's record is gone"
+
+
+def test_a_damaged_checkpoint_is_never_trained_on(tmp_path: Path) -> None:
+    """64 flipped bytes inside last.pt's tensor data load without a word from torch: the
+    checksum catches them; --resume auto falls back to the newest intact checkpoint and says
+    so, an explicit --resume of the damaged file is one line, and so is a foreign file."""
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [16]})
+    args = ["--data", data, "--output", output, *TINY, "--workers", "1", "--log-every", "1", "--keep-last", "5"]
+    run_cli("train.py", *args, "--epochs", "2")  # checkpoints at steps 4 and 8; last.pt is step 8
+    last = output / "last.pt"
+    raw = bytearray(last.read_bytes())
+    middle = len(raw) // 2
+    raw[middle : middle + 64] = bytes(b ^ 0xFF for b in raw[middle : middle + 64])
+    last.write_bytes(raw)  # in place: ckpt-00000008.pt is the same file
+    assert torch.load(last, weights_only=True)["step"] == 8, "torch itself loads it without complaint"
+
+    explicit = run_cli("train.py", *args, "--epochs", "3", "--resume", last, check=False)
+    assert explicit.returncode == 1 and "Traceback" not in explicit.stderr
+    assert f"{last}: damaged" in explicit.stderr.strip().splitlines()[-1]
+
+    out = run_cli("train.py", *args, "--epochs", "3", "--resume", "auto")
+    assert "resuming from" in out.stderr and "ckpt-00000004.pt, the newest intact checkpoint" in out.stderr
+    assert "resumed from" in out.stdout and "step 4" in out.stdout
+    assert torch.load(output / "last.pt", weights_only=True)["step"] == 12, "epochs 2 and 3 trained again from step 4"
+
+    foreign = tmp_path / "notes.pt"
+    foreign.write_text("not a checkpoint\n")
+    proc = run_cli("train.py", *args, "--epochs", "3", "--resume", foreign, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "weights_only" not in proc.stderr
+    assert f"{foreign}: not a checkpoint this tool can load" in proc.stderr.strip().splitlines()[-1]
