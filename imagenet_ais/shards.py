@@ -146,15 +146,36 @@ def write_shard(src: Path, dest_url: str, plan: ShardPlan) -> tuple[ShardInfo, l
     return info, rejected
 
 
-def _known_records(store: Store) -> dict[str, tuple[ShardInfo, list[dict[str, str]]]]:
+def _our_manifest(store: Store) -> Manifest | None:
+    """DEST's manifest, if any; one that this tool did not write stops the run, untouched."""
+    if not store.exists(MANIFEST):
+        return None
+    try:
+        return load_manifest(store)
+    except ValueError as e:
+        raise ValueError(
+            f"{store.url}/{MANIFEST} is not a manifest written by imagenet_shards.py ({e}): "
+            "convert into an empty DEST (nothing was changed)"
+        ) from None
+
+
+def _refuse_foreign(store: Store, known: dict[str, object]) -> None:
+    """Files in DEST that no manifest or journal of ours names are someone else's: refuse."""
+    ours = re.compile(rf"{JOURNAL}/imagenet-\w+-\d{{6}}\.tar\.json")  # records, also ones cut short
+    foreign = [n for n in store.list() if n != MANIFEST and n not in known and not ours.fullmatch(n)]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ValueError(
+            f"{store.url} holds files imagenet_shards.py did not write ({shown}): "
+            "convert into an empty DEST, or into one this tool made (nothing was changed)"
+        )
+
+
+def _known_records(store: Store, old: Manifest | None) -> dict[str, tuple[ShardInfo, list[dict[str, str]]]]:
     """Shards a previous run finished: from its manifest and from its journal."""
     known: dict[str, tuple[ShardInfo, list[dict[str, str]]]] = {}
-    if store.exists(MANIFEST):
-        try:
-            old = load_manifest(store)
-        except ValueError:
-            old = None
-        for split in old.splits.values() if old else []:
+    if old:
+        for split in old.splits.values():
             for shard in split.shards:
                 mine = [r for r in split.rejected if r.get("shard") == shard.name]
                 known[shard.name] = (shard, mine)
@@ -177,10 +198,22 @@ def _still_good(store: Store, info: ShardInfo) -> bool:
 def convert(
     src: Path, dest_url: str, splits: list[str], maxcount: int, maxsize: int, workers: int, seed: int
 ) -> Manifest:
+    if not splits:
+        raise ValueError("--splits names no split: give the split folders of SRC, e.g. --splits train,val")
     store = open_store(dest_url)
+    old = _our_manifest(store)
+    known = _known_records(store, old)
+    _refuse_foreign(store, known)
     classes = list_classes(src)
+    # splits of an earlier run that this one does not convert stay as they are
+    kept = {name: info for name, info in (old.splits.items() if old else []) if name not in splits}
+    if kept and old and old.classes != classes:
+        raise ValueError(
+            f"{store.url}/{MANIFEST} holds {', '.join(kept)} labelled with other classes than {src} has: "
+            f"convert those splits too (--splits {','.join([*kept, *splits])}) or use another DEST "
+            "(nothing was changed)"
+        )
     plans = {split: plan_split(src, split, classes, seed, maxcount, maxsize) for split in splits}
-    known = _known_records(store)
     if store.exists(MANIFEST):
         # The old manifest may name shards this run rewrites: readers must not see it meanwhile.
         store.delete(MANIFEST)
@@ -202,7 +235,7 @@ def convert(
             results[futures[future].name] = future.result()
             bar.update(len(futures[future].items))
 
-    manifest = Manifest(classes, {}, {"seed": seed, "maxcount": maxcount, "maxsize": maxsize})
+    manifest = Manifest(classes, dict(kept), {"seed": seed, "maxcount": maxcount, "maxsize": maxsize})
     for split, split_plans in plans.items():
         info = SplitInfo()
         for plan in split_plans:
@@ -214,7 +247,7 @@ def convert(
     # Only now is it safe to drop what no manifest names any more.
     wanted = {s.name for split in manifest.splits.values() for s in split.shards}
     for name in store.list("imagenet-"):
-        if re.fullmatch(r"imagenet-\w+-\d{6}\.tar", name) and name not in wanted:
+        if name in known and name not in wanted:  # ours (refused otherwise), named by no manifest now
             store.delete(name)
     for name in store.list(f"{JOURNAL}/"):
         store.delete(name)

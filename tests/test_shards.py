@@ -12,6 +12,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, run_cli, wait_until
 from PIL import Image
 
@@ -160,3 +161,44 @@ def test_synth_pictures_have_varied_sizes(tmp_path: Path) -> None:
     assert all(150 <= s <= 600 for wh in sizes for s in wh)
     assert len(set(sizes)) > 8
     shutil.rmtree(tmp_path / "train")
+
+
+def test_converting_one_split_keeps_the_others(tree: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "shards"
+    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20")
+    before = json.loads((dest / "manifest.json").read_text())
+    train = {p.name: p.read_bytes() for p in dest.glob("imagenet-train-*.tar")}
+    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "10", "--splits", "val")
+    after = json.loads((dest / "manifest.json").read_text())
+    assert after["splits"]["train"] == before["splits"]["train"], "train kept as it was"
+    assert {p.name: p.read_bytes() for p in dest.glob("imagenet-train-*.tar")} == train
+    assert len(after["splits"]["val"]["shards"]) == 3 and len(before["splits"]["val"]["shards"]) == 2
+    run_cli("imagenet_shards.py", "verify", dest)
+
+
+@pytest.mark.parametrize(
+    ("foreign", "says"),
+    [
+        ({"manifest.json": b'{"hello": "world"}'}, "manifest.json is not a manifest written by imagenet_shards.py"),
+        ({"notes.txt": b"mine"}, "holds files imagenet_shards.py did not write (notes.txt)"),
+        ({"imagenet-train-000042.tar": b"not ours"}, "did not write (imagenet-train-000042.tar)"),
+        ({"_progress/todo.txt": b"mine"}, "did not write (_progress/todo.txt)"),
+    ],
+)
+def test_a_dest_with_files_not_ours_is_refused_untouched(
+    foreign: dict[str, bytes], says: str, tree: Path, tmp_path: Path
+) -> None:
+    dest = tmp_path / "shards"
+    for name, data in foreign.items():
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        (dest / name).write_bytes(data)
+    proc = run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert says in proc.stderr.strip().splitlines()[-1] and "nothing was changed" in proc.stderr
+    assert {str(p.relative_to(dest)): p.read_bytes() for p in dest.rglob("*") if p.is_file()} == foreign
+
+
+def test_no_splits_is_refused(tree: Path, tmp_path: Path) -> None:
+    proc = run_cli("imagenet_shards.py", "convert", tree, tmp_path / "out", "--splits", ",", check=False)
+    assert proc.returncode == 1 and "--splits names no split" in proc.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
