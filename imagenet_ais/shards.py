@@ -18,6 +18,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import webdataset as wds
 from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
@@ -105,6 +106,9 @@ def as_training_jpeg(data: bytes) -> bytes:
                 img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
                 img.load()
                 return data
+            if img.mode.startswith("I"):
+                # 16-bit gray (PNG, TIFF): Pillow's convert clips at 255, i.e. nearly all white
+                img = Image.fromarray((np.asarray(img, dtype=np.int64).clip(0, 65535) // 257).astype(np.uint8))
             rgb = img.convert("RGB")
     except UnidentifiedImageError as e:
         raise ValueError("not an image format Pillow can read") from e

@@ -12,6 +12,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import ROOT, run_cli, wait_until
 from PIL import Image
@@ -202,3 +203,18 @@ def test_no_splits_is_refused(tree: Path, tmp_path: Path) -> None:
     proc = run_cli("imagenet_shards.py", "convert", tree, tmp_path / "out", "--splits", ",", check=False)
     assert proc.returncode == 1 and "--splits names no split" in proc.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_16_bit_gray_png_keeps_its_tones(tmp_path: Path) -> None:
+    """A 16-bit grayscale PNG (named .JPEG, as ImageNet's odd files are) is scaled to 8 bits,
+    not clipped: Pillow's plain conversion turns nearly every pixel white."""
+    folder = tmp_path / "src" / "train" / "n00000001"
+    folder.mkdir(parents=True)
+    ramp = np.tile(np.linspace(0, 65535, 256).astype(np.uint16), (64, 1))  # black to white, left to right
+    Image.fromarray(ramp).save(folder / "ramp.JPEG", format="PNG")
+    assert Image.open(folder / "ramp.JPEG").mode.startswith("I")
+    dest = tmp_path / "shards"
+    run_cli("imagenet_shards.py", "convert", tmp_path / "src", dest, "--splits", "train")
+    (stored,) = [v for k, v in members(dest / "imagenet-train-000000.tar").items() if k.endswith(".jpg")]
+    gray = np.asarray(Image.open(io.BytesIO(stored)).convert("L"), dtype=np.float64)
+    assert abs(gray.mean() - 127.5) < 4 and gray[:, :16].mean() < 12 and gray[:, -16:].mean() > 243
