@@ -218,7 +218,7 @@ def convert(
             "(nothing was changed)"
         )
     plans = {split: plan_split(src, split, classes, seed, maxcount, maxsize) for split in splits}
-    if store.exists(MANIFEST):
+    if old:
         # The old manifest may name shards this run rewrites: readers must not see it meanwhile.
         store.delete(MANIFEST)
     results: dict[str, tuple[ShardInfo, list[dict[str, str]]]] = {}
