@@ -12,7 +12,7 @@ import hashlib
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,9 +26,16 @@ from imagenet_ais.storage import LocalStore, Store, open_store, stream_sha256
 BLOCK = 1 << 20
 
 
-def copy_verified(store: Store, info: ShardInfo, dest: Path, progress=None) -> None:
+def copy_verified(
+    store: Store,
+    info: ShardInfo,
+    dest: Path,
+    progress: Callable[[int], object] | None = None,
+    publish: Callable[[Path, Path], object] = os.replace,
+) -> None:
     """``store``'s ``info.name`` → ``dest``, through ``.NAME.partial`` (sized in full first, so
-    the cache's accounting sees the whole shard from the start); renamed once it matches."""
+    the cache's accounting sees the whole shard from the start); ``publish``-ed (renamed) once
+    it matches."""
     partial = dest.with_name(f".{dest.name}.partial")
     digest, size = hashlib.sha256(), 0
     try:
@@ -46,7 +53,7 @@ def copy_verified(store: Store, info: ShardInfo, dest: Path, progress=None) -> N
             os.fsync(out.fileno())
         if (size, digest.hexdigest()) != (info.bytes, info.sha256):
             raise OSError(f"{store.url}/{info.name}: got {size} bytes that differ from the manifest's (sha256)")
-        os.replace(partial, dest)
+        publish(partial, dest)
     finally:
         partial.unlink(missing_ok=True)
 
@@ -82,6 +89,18 @@ def _listing(root: Path) -> list[tuple[Path, int, float]]:
             if path.is_file():
                 out.append((path, st.st_size, st.st_mtime))
     return out
+
+
+def _counted(path: Path) -> bool:
+    """Whether ``path`` counts against the cache's bound: shards and downloads, not lock files."""
+    return not path.name.endswith(".lock")
+
+
+def usage(root: Path) -> int:
+    """The bytes under ``root`` that count against the bound, seen as the cache sees them: under
+    its lock, so a download renamed meanwhile is counted once, neither twice nor not at all."""
+    with _locked(root / ".evict.lock"):
+        return sum(size for path, size, _ in _listing(root) if _counted(path))
 
 
 def _slug(location: str) -> str:
@@ -130,9 +149,15 @@ class ShardCache:
                 path.unlink()
             if not self._make_room(info.bytes, path):
                 return self.store.open(name)
-            copy_verified(self.store, info, path)
+            copy_verified(self.store, info, path, publish=self._publish)
             lock.write_text(_identity(path))  # and its mtime: when it was last used
             return path.open("rb")
+
+    def _publish(self, partial: Path, path: Path) -> None:
+        # under the cache-wide lock: a listing there never sees a rename halfway (readdir may
+        # then return both names, or neither, and the bound would be misjudged)
+        with _locked(self.root / ".evict.lock"):
+            os.replace(partial, path)
 
     def _make_room(self, need: int, path: Path) -> bool:
         """Evict least recently used shards until ``need`` more bytes fit; reserve them at once
@@ -141,7 +166,7 @@ class ShardCache:
             return True
         with _locked(self.root / ".evict.lock"):
             files = _listing(self.root)  # other downloads rename and drop files meanwhile: a snapshot
-            used = sum(size for _, size, _ in files)
+            used = sum(size for p, size, _ in files if _counted(p))
             used_at = {p.name[1 : -len(".lock")]: mtime for p, _, mtime in files if p.name.endswith(".lock")}
             shards = (f for f in files if not f[0].name.startswith("."))
             for victim, size, _ in sorted(shards, key=lambda f: used_at.get(f[0].name, f[2])):

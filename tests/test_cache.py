@@ -11,13 +11,9 @@ from pathlib import Path
 
 from conftest import ROOT, run_cli, torchrun, wait_until, write_shards
 
-from imagenet_ais.cache import _listing
+from imagenet_ais.cache import usage
 
 TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--lr", "0.1", "--warmup-epochs", "0"]
-
-
-def cache_bytes(root: Path) -> int:
-    return sum(size for _, size, _ in _listing(root))
 
 
 def test_two_ranks_two_workers_fetch_each_shard_once_and_a_bad_copy_again(serve, tmp_path: Path) -> None:
@@ -59,11 +55,11 @@ def test_the_cache_stays_within_its_size_bound(serve, tmp_path: Path) -> None:
     )  # fmt: skip
     largest = 0
     while proc.poll() is None:  # watch the cache while it fills and evicts
-        largest = max(largest, cache_bytes(cache) if cache.exists() else 0)
+        largest = max(largest, usage(cache) if cache.exists() else 0)
         time.sleep(0.005)
     assert proc.returncode == 0, proc.stdout.read()
     assert 0 < largest <= bound
-    assert cache_bytes(cache) <= bound
+    assert usage(cache) <= bound
     assert sum(server.gets().values()) > len(manifest.splits["train"].shards) + 2, "evicted shards came again"
 
 
