@@ -97,7 +97,12 @@ def parse_workers(value: str) -> int | None:
 @click.option("--max-steps", type=click.IntRange(min=1), help="stop after this global step (checkpointed)")
 @click.option("--synthetic", is_flag=True, help="random data already on the device: the throughput ceiling")
 @click.option("--epoch-mode", default="resampled", type=click.Choice(["resampled", "exact"]))
-@click.option("--shuffle-buffer", default=2000, type=click.IntRange(min=1), help="samples mixed across workers")
+@click.option(
+    "--shuffle-buffer",
+    default=2000,
+    type=click.IntRange(min=1),
+    help="samples each rank mixes, split among its workers (each at least one batch)",
+)
 @click.option("--log-every", default=20, type=click.IntRange(min=1), help="steps per metrics record")
 @click.option("--log-keys", is_flag=True, help="write every training key per epoch and rank under OUTPUT/keys/")
 @click.option("--upload", help="also upload checkpoints, metrics and log here (gs://, ais:// or a directory)")

@@ -37,10 +37,9 @@ from imagenet_ais.storage import open_store  # noqa: E402
 from imagenet_ais.transforms import (  # noqa: E402
     decode_on_cpu,
     decode_on_device,
+    encode_batch,
     encode_for_device,
-    join,
-    pack,
-    split,
+    pin_encoded,
 )
 
 DECODES = ("cpu", "gpu")
@@ -173,7 +172,8 @@ def stage_rates(data: str, batch: int, size: int, workers: int) -> dict[str, flo
         samples = group_by_keys(tar_file_expander([{"url": str(shard), "stream": stream}]))
         jpegs = [s["jpg"] for _, s in zip(range(batch), samples, strict=False)]
     device = torch.device("cuda")
-    encoded = pack(split(join([encode_for_device(raw, train=True) for raw in jpegs])), pin=True)
+    encoded = pin_encoded(encode_batch([encode_for_device(raw, train=True) for raw in jpegs]))
+    jpeg_list = list(encoded.blob.split(encoded.sizes))
     pixels = torch.empty(len(jpegs), size, size, 3, dtype=torch.uint8, pin_memory=True)
 
     def rate(fn: object, repeat: int = 10) -> float:
@@ -190,7 +190,7 @@ def stage_rates(data: str, batch: int, size: int, workers: int) -> dict[str, flo
         decode_on_cpu(raw, size, train=True)
     pil = 64 / (time.perf_counter() - start)
     return {
-        "nvJPEG decode": rate(lambda: decode_jpeg(encoded.data, mode=ImageReadMode.RGB, device=device)),
+        "nvJPEG decode": rate(lambda: decode_jpeg(jpeg_list, mode=ImageReadMode.RGB, device=device)),
         "nvJPEG decode + crop/resize/flip/normalise": rate(lambda: decode_on_device(encoded, size, device, True)),
         "H2D copy of decoded uint8 (pinned)": rate(lambda: pixels.to(device, non_blocking=True)),
         "PIL decode + crop/resize/flip, 1 core": pil,

@@ -11,10 +11,11 @@ Two epoch modes, both giving every rank the same number of steps so DDP never ha
   permuted line (fewer than one global batch) sit that epoch out, and which ones changes
   with the permutation every epoch.
 
-Workers yield decoded uint8 HWC images (decode "cpu"), or JPEG bytes plus the crop to take
-(decode "gpu"), in small chunks. In the training process one feed thread shuffles across
-workers and forms the batches while another makes them ready on the device, ahead of the
-step (see feed.py and transforms.py). Only image and ``.cls`` members are read: nothing in a shard is unpickled.
+Workers mix their samples in a shuffle buffer and hand over whole batches: decoded uint8 HWC
+images (decode "cpu"), or JPEG bytes plus the crops to take (decode "gpu"). In the training
+process one feed thread receives and pins them (pooling workers' short last batches) while
+another makes them ready on the device, ahead of the step (see feed.py and transforms.py).
+Only image and ``.cls`` members are read: nothing in a shard is unpickled.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import multiprocessing as mp
 import random
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from webdataset.filters import shuffle
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from imagenet_ais.cache import ShardCache
@@ -44,13 +46,14 @@ from imagenet_ais.manifest import SplitInfo
 from imagenet_ais.storage import LocalStore, Store, open_store
 from imagenet_ais.transforms import (
     Encoded,
+    concat_encoded,
     decode_on_cpu,
     decode_on_device,
+    encode_batch,
     encode_for_device,
-    join,
     normalize,
-    pack,
-    split,
+    pin_encoded,
+    take_encoded,
 )
 
 IMAGE_EXTS = ("jpg", "jpeg", "png")
@@ -70,7 +73,7 @@ class HostBatch(NamedTuple):
     images: torch.Tensor | Encoded  # uint8 N × H × W × 3 (decode "cpu"), or JPEG bytes and crops
     labels: torch.Tensor  # int64, N
     keys: list[str]
-    ids: list[tuple[int, int]]  # (shard, sample index) of each sample
+    ids: torch.Tensor  # int64 N × 2: (shard, sample index) of each sample
 
 
 class Batch(NamedTuple):
@@ -163,6 +166,7 @@ class StreamSpec:
     image_size: int
     decode: str = "cpu"  # or "gpu": workers hand over JPEG bytes, the device decodes
     cache: ShardCache | None = None  # remote shards kept on local disk
+    shuffle: int = 0  # samples each worker mixes before batching (0: stored order)
 
 
 class ShardStream(IterableDataset):
@@ -232,8 +236,15 @@ class ShardStream(IterableDataset):
     def __iter__(self) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        samples = self._decoded(self._pieces(worker, workers))
+        if self.spec.shuffle > 1 and self.mode != "val":
+            seed = f"buffer:{self.spec.seed}:{self.epoch.value}:{self.spec.rank}:{worker}"
+            samples = shuffle(self.spec.shuffle, self.spec.shuffle, seed=seed)(samples)
+        return samples
+
+    def _decoded(self, pieces: Iterator[Piece]) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
         train, size = self.mode != "val", self.size.value
-        for piece in self._pieces(worker, workers):
+        for piece in pieces:
             for index, sample in self._samples(piece):
                 try:
                     data = next(sample[e] for e in IMAGE_EXTS if e in sample)
@@ -268,49 +279,71 @@ def _worker_init(_: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _collate_chunk(samples: list[tuple]) -> tuple:
-    """A worker's chunk: pixels in one numpy array, or JPEG bytes in one tensor.
+def _collate_in_worker(samples: list[tuple]) -> tuple:
+    """A worker's batch in the form that crosses to the training process fastest.
 
     Measured on the GPU machine (bench/RESULTS.md): pixels passed as a tensor, i.e. in a
-    fresh shared-memory block per chunk, capped the main process at ~550-950 img/s, as
-    every first touch of a fresh mapping faults per 4 KiB page in that VM; through the pipe
-    into reused memory they reached ~2,900 img/s end to end. JPEG bytes went faster in shared
-    memory: they are read once, when packed into a batch.
+    fresh shared-memory block per batch, capped the main process at ~550-950 img/s, as
+    every first touch of a fresh mapping faults per 4 KiB page in that VM; as a numpy array,
+    through the pipe into reused memory, they reached ~2,900 img/s end to end. JPEG bytes go
+    in shared memory: they are read once, when copied into pinned memory.
     """
     images, labels, keys, shards, indices = zip(*samples, strict=True)
+    ids = torch.tensor([shards, indices], dtype=torch.int64).T
     if isinstance(images[0], torch.Tensor):
-        return np.stack([image.numpy() for image in images]), labels, keys, shards, indices
-    return join(list(images)), labels, keys, shards, indices
+        pixels: np.ndarray | Encoded = np.stack([image.numpy() for image in images])
+    else:
+        pixels = encode_batch(list(images))
+    return pixels, torch.tensor(labels, dtype=torch.int64), list(keys), ids
 
 
-def _chunk_samples(chunk: tuple) -> list[tuple]:
-    images, *rest = chunk
-    pieces = torch.from_numpy(images).unbind(0) if isinstance(images, np.ndarray) else split(images)
-    return list(zip(pieces, *rest, strict=True))
+def _received(batch: tuple) -> HostBatch:
+    pixels, labels, keys, ids = batch
+    return HostBatch(torch.from_numpy(pixels) if isinstance(pixels, np.ndarray) else pixels, labels, keys, ids)
 
 
-def _loader(dataset: ShardStream, chunk: int, workers: int) -> DataLoader:
-    return DataLoader(
-        dataset,
-        batch_size=chunk,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        prefetch_factor=4 if workers > 0 else None,
-        collate_fn=_collate_chunk,
-        worker_init_fn=_worker_init,
+def _concat(batches: Sequence[HostBatch]) -> HostBatch:
+    first = batches[0].images
+    images = (
+        concat_encoded([b.images for b in batches])  # type: ignore[misc]
+        if isinstance(first, Encoded)
+        else torch.cat([b.images for b in batches])  # type: ignore[misc]
+    )
+    return HostBatch(
+        images,
+        torch.cat([b.labels for b in batches]),
+        [k for b in batches for k in b.keys],
+        torch.cat([b.ids for b in batches]),
     )
 
 
-def _collate(samples: list[tuple], pin: bool) -> HostBatch:
-    """Samples → one host batch; pixels are stacked straight into pinned memory for the copy."""
-    images = [s[0] for s in samples]
-    if isinstance(images[0], torch.Tensor):
-        out = torch.empty((len(images), *images[0].shape), dtype=torch.uint8, pin_memory=pin)
-        batch: torch.Tensor | Encoded = torch.stack(images, out=out)
+def _take(batch: HostBatch, rows: list[int]) -> HostBatch:
+    """The samples ``rows`` of ``batch`` (repeats allowed)."""
+    images = batch.images
+    picked = take_encoded(images, rows) if isinstance(images, Encoded) else images[rows]
+    return HostBatch(picked, batch.labels[rows], [batch.keys[r] for r in rows], batch.ids[rows])
+
+
+def _pinned(batch: HostBatch) -> HostBatch:
+    """``batch`` in pinned memory, ready for an asynchronous copy to the GPU."""
+    images = batch.images
+    if isinstance(images, Encoded):
+        images = pin_encoded(images)
     else:
-        batch = pack(images, pin)
-    labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
-    return HostBatch(batch, labels.pin_memory() if pin else labels, [s[2] for s in samples], [s[3:5] for s in samples])
+        images = torch.empty(images.shape, dtype=torch.uint8, pin_memory=True).copy_(images)
+    return batch._replace(images=images, labels=batch.labels.pin_memory())
+
+
+def _loader(dataset: ShardStream, batch: int, workers: int) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_size=batch,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        prefetch_factor=2 if workers > 0 else None,
+        collate_fn=_collate_in_worker,
+        worker_init_fn=_worker_init,
+    )
 
 
 class _OnDevice:
@@ -319,7 +352,7 @@ class _OnDevice:
     def __init__(self, dataset: ShardStream, device: torch.device, channels_last: bool):
         self.dataset, self.device, self.channels_last = dataset, device, channels_last
 
-    def __call__(self, batch: HostBatch) -> tuple[Batch, list[tuple[int, int]]]:
+    def __call__(self, batch: HostBatch) -> tuple[Batch, torch.Tensor]:
         labels, keys = batch.labels, batch.keys
         if isinstance(batch.images, Encoded):
             x, rows = decode_on_device(batch.images, self.dataset.size.value, self.device, self.channels_last)
@@ -342,7 +375,6 @@ class _ShardLoader:
         mode: str,
         spec_kw: dict,
         workers: int,
-        chunk: int,
         device: torch.device,
         channels_last: bool,
     ):
@@ -354,14 +386,17 @@ class _ShardLoader:
             spec_kw["cache"] = ShardCache(Path(cache.root), location, cache.max_bytes, shards)
         self.spec = StreamSpec(location, [s.name for s in split.shards], counts, **spec_kw)
         self.dataset = ShardStream(self.spec, mode)
-        self.loader = _loader(self.dataset, chunk, workers)
+        self.loader = _loader(self.dataset, self.spec.batch, workers)
         self.device, self.pin = device, device.type == "cuda"
         self.to_device = _OnDevice(self.dataset, device, channels_last)
 
     def host_batches(self) -> Iterator[HostBatch]:
         raise NotImplementedError
 
-    def _on_device(self, ahead: int) -> Iterator[tuple[Batch, list[tuple[int, int]]]]:
+    def _ready(self, batch: HostBatch) -> HostBatch:
+        return _pinned(batch) if self.pin else batch
+
+    def _on_device(self, ahead: int) -> Iterator[tuple[Batch, torch.Tensor]]:
         feed = DeviceFeed(self.host_batches(), self.to_device, self.device, ahead)
         try:
             yield from feed
@@ -370,7 +405,12 @@ class _ShardLoader:
 
 
 class TrainLoader(_ShardLoader):
-    """Fixed-length epochs: ``len(self)`` batches of exactly ``batch`` samples, every epoch."""
+    """Fixed-length epochs: ``len(self)`` batches of exactly ``batch`` samples, every epoch.
+
+    Each worker mixes its samples in a buffer and hands over whole batches; the training
+    process only pins them, except for each worker's short last batch of an exact epoch,
+    which it pools with the others' (and pads the epoch's last batch if decodes failed).
+    """
 
     def __init__(
         self,
@@ -386,16 +426,17 @@ class TrainLoader(_ShardLoader):
         if split.samples == 0:
             raise ValueError("the training split has no samples")
         batch = spec_kw["batch"]
-        super().__init__(split, location, mode, spec_kw, workers, min(batch, 32), device, channels_last)
+        # the rank's buffer, split among its workers; each needs a batch to hand one over
+        shuffle = max(batch, shuffle_buffer // max(1, workers))
+        super().__init__(split, location, mode, {**spec_kw, "shuffle": shuffle}, workers, device, channels_last)
         counts, world = self.spec.counts, self.spec.world
         if mode == "exact":
             self.steps = exact_assignment(counts, world, batch, self.spec.seed, 0)[1]
         else:
             self.steps = math.ceil(sum(counts) / (world * batch))
-        self.shuffle_buffer = max(shuffle_buffer, batch)
         self.epoch = 0
         self.padded = 0  # samples repeated to fill the epoch's last batches when decodes failed
-        self.delivered: dict[int, set[int]] = {}  # this epoch's samples handed to training, by shard
+        self.delivered: list[torch.Tensor] = []  # this epoch's (shard, index) handed to training
 
     def __len__(self) -> int:
         return self.steps
@@ -403,7 +444,7 @@ class TrainLoader(_ShardLoader):
     def set_epoch(self, epoch: int, image_size: int | None = None) -> None:
         """Start ``epoch`` (call before iterating), optionally at another image size."""
         if epoch != self.epoch or epoch != self.dataset.skip[0]:
-            self.delivered = {}
+            self.delivered = []
         self.epoch = epoch
         self.dataset.epoch.value = epoch
         if image_size:
@@ -411,49 +452,53 @@ class TrainLoader(_ShardLoader):
 
     def position(self) -> dict:
         """Where this rank is in the epoch: the samples already trained on, by shard."""
-        return {"epoch": self.epoch, "delivered": {k: sorted(v) for k, v in self.delivered.items()}}
+        delivered: dict[int, set[int]] = {}
+        for shard, index in torch.cat(self.delivered).tolist() if self.delivered else []:
+            delivered.setdefault(shard, set()).add(index)
+        return {"epoch": self.epoch, "delivered": {k: sorted(v) for k, v in delivered.items()}}
 
     def restore(self, position: dict) -> None:
         """Continue an epoch without the samples ``position`` says were trained on (exact mode)."""
         delivered = {int(k): set(v) for k, v in position["delivered"].items()}
         self.dataset.skip = (position["epoch"], delivered)
         self.epoch = position["epoch"]
-        self.delivered = {k: set(v) for k, v in delivered.items()}
+        pairs = [(shard, index) for shard, indices in delivered.items() for index in indices]
+        self.delivered = [torch.tensor(pairs, dtype=torch.int64).view(-1, 2)]
 
     def __iter__(self) -> Iterator[Batch]:
         """This epoch's batches on the device; a batch counts as delivered once handed out."""
         for batch, ids in self._on_device(ahead=4):
-            for shard, index in ids:
-                self.delivered.setdefault(shard, set()).add(index)
+            self.delivered.append(ids)
             yield batch
 
     def host_batches(self) -> Iterator[HostBatch]:
         """This epoch's batches, still on the host (pixels, or JPEG bytes and crops)."""
-        rng = random.Random(f"buffer:{self.spec.seed}:{self.epoch}:{self.spec.rank}")
-        stream = (sample for chunk in self.loader for sample in _chunk_samples(chunk))
-        buffer: list[tuple] = []
-        previous: list[tuple] = []
-        for _ in range(self.steps):
-            # Read up to two batches per step until the buffer is full: the first batch
-            # comes without waiting for a whole buffer, and mixing improves as it fills.
-            budget = 2 * self.spec.batch
-            for sample in stream:
-                buffer.append(sample)
-                budget -= 1
-                if len(buffer) >= self.shuffle_buffer or (budget <= 0 and len(buffer) >= self.spec.batch):
-                    break
-            picked = []
-            while buffer and len(picked) < self.spec.batch:
-                i = rng.randrange(len(buffer))
-                buffer[i], buffer[-1] = buffer[-1], buffer[i]
-                picked.append(buffer.pop())
-            while len(picked) < self.spec.batch:
-                if not previous:
-                    raise RuntimeError("no decodable training sample in this rank's shards")
-                picked.append(rng.choice(previous))
-                self.padded += 1
-            previous = picked
-            yield _collate(picked, self.pin)
+        batch, made = self.spec.batch, 0
+        pool: list[HostBatch] = []  # workers' short last batches
+        previous: HostBatch | None = None
+        for received in map(_received, self.loader):
+            if len(received.keys) < batch:
+                pool.append(received)
+                if sum(len(b.keys) for b in pool) < batch:
+                    continue
+                pooled = _concat(pool)
+                received, rest = _take(pooled, list(range(batch))), list(range(batch, len(pooled.keys)))
+                pool = [_take(pooled, rest)] if rest else []
+            yield (previous := self._ready(received))
+            made += 1
+            if made == self.steps:
+                return
+        rng = random.Random(f"pad:{self.spec.seed}:{self.epoch}:{self.spec.rank}")
+        while made < self.steps:  # decodes failed or shards were cut short: repeat samples
+            have = _concat(pool) if pool else None
+            source = previous or have
+            if source is None:
+                raise RuntimeError("no decodable training sample in this rank's shards")
+            need = batch - (len(have.keys) if have else 0)
+            padding = _take(source, [rng.randrange(len(source.keys)) for _ in range(need)])
+            self.padded += need
+            yield (previous := self._ready(_concat([have, padding]) if have else padding))
+            pool, made = [], made + 1
 
 
 class ValLoader(_ShardLoader):
@@ -468,12 +513,11 @@ class ValLoader(_ShardLoader):
         device: torch.device = CPU,
         channels_last: bool = False,
     ):
-        super().__init__(split, location, "val", spec_kw, workers, spec_kw["batch"], device, channels_last)
+        super().__init__(split, location, "val", spec_kw, workers, device, channels_last)
         self.samples = split.samples
 
     def host_batches(self) -> Iterator[HostBatch]:
-        for chunk in self.loader:
-            yield _collate(_chunk_samples(chunk), self.pin)
+        yield from (self._ready(_received(b)) for b in self.loader)
 
     def __iter__(self) -> Iterator[Batch]:
         yield from (batch for batch, _ in self._on_device(ahead=2))

@@ -122,7 +122,7 @@ class DeviceFeed:
         if event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
-            for t in tensors_in(ready):
+            for t in (t for t in tensors_in(ready) if t.is_cuda):
                 # made on the side stream: without this, their memory would go back to that
                 # stream's pool as soon as the step drops them, and the next batch would be
                 # written into it while the step's kernels may still read it

@@ -46,7 +46,8 @@ class Box(NamedTuple):
 class Encoded(NamedTuple):
     """A batch still in JPEG form: bytes on the host, crops to apply once decoded."""
 
-    data: list[torch.Tensor]  # uint8, 1-d, one JPEG each
+    blob: torch.Tensor  # uint8: the batch's JPEGs end to end
+    sizes: list[int]  # bytes of each JPEG in ``blob``
     boxes: torch.Tensor  # int64 N × 5: left, top, width, height, flip
 
 
@@ -123,30 +124,33 @@ def encode_for_device(data: bytes, train: bool) -> tuple[bytes, Box]:
     return data, box
 
 
-def join(samples: list[tuple[bytes, Box]]) -> tuple[torch.Tensor, list[int], list[Box]]:
-    """A worker's chunk as one uint8 tensor (one shared-memory block to hand over), sizes, boxes."""
+def encode_batch(samples: list[tuple[bytes, Box]]) -> Encoded:
+    """A worker's batch as one uint8 tensor (one shared-memory block to hand over), sizes, boxes."""
     blob = torch.frombuffer(bytearray(b"".join(raw for raw, _ in samples)), dtype=torch.uint8)
-    return blob, [len(raw) for raw, _ in samples], [box for _, box in samples]
+    boxes = torch.tensor([tuple(box) for _, box in samples], dtype=torch.int64).view(-1, 5)
+    return Encoded(blob, [len(raw) for raw, _ in samples], boxes)
 
 
-def split(chunk: tuple[torch.Tensor, list[int], list[Box]]) -> list[tuple[torch.Tensor, Box]]:
-    """``join`` undone as views: one uint8 tensor per JPEG, with its box."""
-    blob, sizes, boxes = chunk
-    return list(zip(blob.split(sizes), boxes, strict=True))
+def concat_encoded(batches: list[Encoded]) -> Encoded:
+    sizes = [n for b in batches for n in b.sizes]
+    return Encoded(torch.cat([b.blob for b in batches]), sizes, torch.cat([b.boxes for b in batches]))
 
 
-def pack(samples: list[tuple[torch.Tensor, Box]], pin: bool = False) -> Encoded:
-    """Samples from ``split`` → one host batch, its JPEGs copied end to end into one buffer.
+def take_encoded(batch: Encoded, rows: list[int]) -> Encoded:
+    """The samples ``rows`` of ``batch`` (repeats allowed), packed again."""
+    jpegs = batch.blob.split(batch.sizes)
+    return Encoded(torch.cat([jpegs[r] for r in rows]), [batch.sizes[r] for r in rows], batch.boxes[rows])
 
-    The copy reads the workers' shared memory here, in the thread that forms batches, so the
+
+def pin_encoded(batch: Encoded) -> Encoded:
+    """``batch`` with its bytes copied into pinned memory.
+
+    The copy reads the worker's shared memory here, in the thread that forms batches, so the
     first-touch page faults on it are not paid inside nvJPEG's call; a pinned buffer comes
     from torch's caching host allocator, i.e. is reused without faulting again.
     """
-    data = [d for d, _ in samples]
-    sizes = [len(d) for d in data]
-    blob = torch.cat(data, out=torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin))
-    boxes = torch.tensor([tuple(box) for _, box in samples], dtype=torch.int64).view(-1, 5)
-    return Encoded(list(blob.split(sizes)), boxes)
+    pinned = torch.empty(len(batch.blob), dtype=torch.uint8, pin_memory=True).copy_(batch.blob)
+    return batch._replace(blob=pinned)
 
 
 def decode_on_device(
@@ -157,7 +161,7 @@ def decode_on_device(
     Returns float N×3×size×size on ``device``, and None, or, when some samples failed to
     decode, which sample each row holds instead (failures replaced by others of the batch).
     """
-    images, rows = _decode(batch.data, device)
+    images, rows = _decode(list(batch.blob.split(batch.sizes)), device)
     boxes = batch.boxes[rows] if rows else batch.boxes
     out = _resize_crops(images, boxes, size, device)
     flip = boxes[:, 4].bool().to(device, non_blocking=True).view(-1, 1, 1, 1)

@@ -26,10 +26,8 @@ from imagenet_ais.transforms import (
     _crop_resize,
     decode_on_cpu,
     decode_on_device,
+    encode_batch,
     encode_for_device,
-    join,
-    pack,
-    split,
 )
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
@@ -96,14 +94,14 @@ def test_device_decode_matches_pil_within_jpeg_tolerance(device: str) -> None:
     datas = [jpeg(photo(rng.randint(300, 520), rng.randint(250, 400), seed=i)) for i in range(5)]
     datas.append(jpeg(photo(PAD_LIMIT + 100, 300)))  # resized on its own, outside the padded batch
     # val: the whole pipeline on both sides
-    batch = pack(split(join([encode_for_device(d, train=False) for d in datas])))
+    batch = encode_batch([encode_for_device(d, train=False) for d in datas])
     got, rows = decode_on_device(batch, 64, torch.device(device), channels_last=True)
     assert rows is None and got.shape == (6, 3, 64, 64) and got.is_contiguous(memory_format=torch.channels_last)
     expected = torch.stack([decode_on_cpu(d, 64, train=False) for d in datas]).float()
     assert (pixels(got) - expected).abs().mean() < 3.0
     # train: the same random boxes through both paths, flips included
     boxes = [Box(10, 20, 200, 150, False), Box(0, 0, 120, 240, True), Box(50, 5, 250, 240, True)]
-    batch = pack(split(join([(datas[i], box) for i, box in enumerate(boxes)])))
+    batch = encode_batch([(datas[i], box) for i, box in enumerate(boxes)])
     got, _ = decode_on_device(batch, 48, torch.device(device), channels_last=False)
     expected = []
     for i, box in enumerate(boxes):
@@ -124,7 +122,7 @@ def test_shrinking_fine_detail_averages_it_like_pil(device: str) -> None:
     noise = np.random.default_rng(0).integers(0, 2, (256, 256, 1), dtype=np.uint8).repeat(3, axis=2) * 255
     data, box = jpeg(Image.fromarray(noise), subsampling=0), Box(0, 0, 256, 256)
     pil = torch.from_numpy(np.asarray(_crop_resize(Image.open(io.BytesIO(data)), box, 32))).float()
-    got, _ = decode_on_device(pack(split(join([(data, box)]))), 32, torch.device(device), channels_last=False)
+    got, _ = decode_on_device(encode_batch([(data, box)]), 32, torch.device(device), channels_last=False)
     assert pil.std() < 25 and pixels(got).std() < 25, (pil.std(), pixels(got).std())
 
 
@@ -139,7 +137,7 @@ def test_odd_inputs_are_reencoded_for_the_device(device: str) -> None:
         reread = Image.open(io.BytesIO(raw))
         assert (reread.format, reread.mode, reread.size) == ("JPEG", "RGB", (200, 150))
         assert box == Box(34, 9, 131, 131)  # the centre 131 × 131 (0.875 × 150)
-    got, _ = decode_on_device(pack(split(join(samples))), 32, torch.device(device), channels_last=False)
+    got, _ = decode_on_device(encode_batch(samples), 32, torch.device(device), channels_last=False)
     expected = torch.stack([decode_on_cpu(d, 32, train=False) for d in (gray, cmyk, png.getvalue())]).float()
     assert (pixels(got) - expected).abs().mean() < 4.0
 
@@ -147,18 +145,18 @@ def test_odd_inputs_are_reencoded_for_the_device(device: str) -> None:
 def test_an_undecodable_sample_is_replaced_by_another_of_the_batch() -> None:
     good = [encode_for_device(jpeg(photo(120, 100, seed=i)), train=False) for i in range(3)]
     broken = (b"\xff\xd8\xff not really a jpeg", good[0][1])
-    got, rows = decode_on_device(pack(split(join([good[0], broken, *good[1:]]))), 16, torch.device("cpu"), False)
+    got, rows = decode_on_device(encode_batch([good[0], broken, *good[1:]]), 16, torch.device("cpu"), False)
     assert got.shape == (4, 3, 16, 16) and rows is not None
     assert rows[0] == 0 and rows[2:] == [2, 3] and rows[1] in (0, 2, 3)
     assert torch.equal(got[1], got[rows[1]])
     with pytest.raises(RuntimeError, match="none of the 1 JPEGs"):
-        decode_on_device(pack(split(join([broken]))), 16, torch.device("cpu"), False)
+        decode_on_device(encode_batch([broken]), 16, torch.device("cpu"), False)
 
 
 def test_crops_at_the_picture_edge_are_not_darkened() -> None:
     white = jpeg(Image.new("RGB", (200, 150), (255, 255, 255)))
     boxes = [Box(100, 50, 100, 100), Box(0, 0, 200, 150), Box(180, 130, 20, 20)]  # down- and upscaled
     larger = (jpeg(Image.new("RGB", (300, 300), (255, 255, 255))), Box(0, 0, 10, 10))  # so the others get padding
-    batch = pack(split(join([*((white, b) for b in boxes), larger])))
+    batch = encode_batch([*((white, b) for b in boxes), larger])
     got, _ = decode_on_device(batch, 32, torch.device("cpu"), channels_last=False)
     assert pixels(got).min() > 250
