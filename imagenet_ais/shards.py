@@ -13,7 +13,7 @@ import json
 import random
 import re
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,12 +23,18 @@ import webdataset as wds
 from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
+from imagenet_ais.destlock import LOCK, lock_dest
 from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, load_manifest
 from imagenet_ais.storage import Store, open_store, stream_sha256
 
 JOURNAL = "_progress"  # per-shard records of a conversion in flight; removed once the manifest is written
+SET_ASIDE = f"{JOURNAL}/{MANIFEST}"  # the manifest a run started from, kept out of readers' sight meanwhile
+OURS = re.compile(rf"{JOURNAL}/(imagenet-\w+-\d{{6}}\.tar\.json|{re.escape(MANIFEST)})")  # records too, cut short
 TAR_OVERHEAD = 1536  # header + padding for the two members of a sample, for --maxsize planning
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+
+
+Record = tuple[ShardInfo, list[dict[str, str]]]  # a shard built, and the inputs it rejected
 
 
 @dataclass
@@ -123,7 +129,7 @@ def file_sha256(path: Path) -> str:
     return stream_sha256(path.open("rb"))
 
 
-def write_shard(src: Path, dest_url: str, plan: ShardPlan) -> tuple[ShardInfo, list[dict[str, str]]]:
+def write_shard(src: Path, dest_url: str, plan: ShardPlan) -> Record:
     """Build one shard in scratch space, then publish it under its final name."""
     store = open_store(dest_url)
     rejected: list[dict[str, str]] = []
@@ -150,23 +156,25 @@ def write_shard(src: Path, dest_url: str, plan: ShardPlan) -> tuple[ShardInfo, l
     return info, rejected
 
 
-def _our_manifest(store: Store) -> Manifest | None:
-    """DEST's manifest, if any; one that this tool did not write stops the run, untouched."""
-    if not store.exists(MANIFEST):
-        return None
+def _read_manifests(store: Store) -> tuple[Manifest | None, Manifest | None]:
+    """DEST's published manifest and the one a run in progress set aside, if any. A published
+    one that this tool did not write stops the run, untouched."""
     try:
-        return load_manifest(store)
+        published = load_manifest(store) if store.exists(MANIFEST) else None
     except ValueError as e:
         raise ValueError(
             f"{store.url}/{MANIFEST} is not a manifest written by imagenet_shards.py ({e}): "
             "convert into an empty DEST (nothing was changed)"
         ) from None
+    set_aside = None
+    if store.exists(SET_ASIDE):
+        set_aside = Manifest.from_json(store.read_bytes(SET_ASIDE).decode(), f"{store.url}/{SET_ASIDE}")
+    return published, set_aside
 
 
-def _refuse_foreign(store: Store, known: dict[str, object]) -> None:
+def _refuse_foreign(store: Store, known: dict[str, Record]) -> None:
     """Files in DEST that no manifest or journal of ours names are someone else's: refuse."""
-    ours = re.compile(rf"{JOURNAL}/imagenet-\w+-\d{{6}}\.tar\.json")  # records, also ones cut short
-    foreign = [n for n in store.list() if n != MANIFEST and n not in known and not ours.fullmatch(n)]
+    foreign = [n for n in store.list() if n not in (MANIFEST, LOCK) and n not in known and not OURS.fullmatch(n)]
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise ValueError(
@@ -175,15 +183,17 @@ def _refuse_foreign(store: Store, known: dict[str, object]) -> None:
         )
 
 
-def _known_records(store: Store, old: Manifest | None) -> dict[str, tuple[ShardInfo, list[dict[str, str]]]]:
-    """Shards a previous run finished: from its manifest and from its journal."""
-    known: dict[str, tuple[ShardInfo, list[dict[str, str]]]] = {}
-    if old:
-        for split in old.splits.values():
+def _known_records(store: Store, manifests: list[Manifest]) -> dict[str, Record]:
+    """Shards earlier runs finished: from their manifests and from the journal."""
+    known: dict[str, Record] = {}
+    for manifest in manifests:
+        for split in manifest.splits.values():
             for shard in split.shards:
                 mine = [r for r in split.rejected if r.get("shard") == shard.name]
                 known[shard.name] = (shard, mine)
     for name in store.list(f"{JOURNAL}/"):
+        if name == SET_ASIDE:
+            continue
         try:
             record = json.loads(store.read_bytes(name))
             info = ShardInfo(**record["shard"])
@@ -193,10 +203,33 @@ def _known_records(store: Store, old: Manifest | None) -> dict[str, tuple[ShardI
     return known
 
 
+def _tidy(store: Store, manifest: Manifest, known: dict[str, Record]) -> None:
+    """After ``manifest`` is published: drop shards of ours it does not name, then the journal."""
+    wanted = {s.name for split in manifest.splits.values() for s in split.shards}
+    for name in store.list("imagenet-"):
+        if name in known and name not in wanted:  # ours (refused otherwise), named by no manifest now
+            store.delete(name)
+    for name in store.list(f"{JOURNAL}/"):
+        if name != SET_ASIDE:
+            store.delete(name)
+    store.delete(SET_ASIDE)  # last: until here it names shards that may still be there
+
+
 def _still_good(store: Store, info: ShardInfo) -> bool:
     if not store.exists(info.name) or store.size(info.name) != info.bytes:
         return False
     return stream_sha256(store.open(info.name)) == info.sha256
+
+
+def _check_published(store: Store, manifest: Manifest) -> None:
+    """Every shard the manifest names is there at its size, just before the manifest goes up."""
+    for split in manifest.splits.values():
+        for shard in split.shards:
+            if not store.exists(shard.name) or store.size(shard.name) != shard.bytes:
+                raise OSError(
+                    f"{store.url}/{shard.name} is missing or not {shard.bytes} bytes at the end of the run "
+                    "(changed by something else meanwhile?): no manifest was written; run convert again"
+                )
 
 
 def convert(
@@ -205,57 +238,72 @@ def convert(
     if not splits:
         raise ValueError("--splits names no split: give the split folders of SRC, e.g. --splits train,val")
     store = open_store(dest_url)
-    old = _our_manifest(store)
-    known = _known_records(store, old)
-    _refuse_foreign(store, known)
     classes = list_classes(src)
-    # splits of an earlier run that this one does not convert stay as they are
-    kept = {name: info for name, info in (old.splits.items() if old else []) if name not in splits}
-    if kept and old and old.classes != classes:
-        raise ValueError(
-            f"{store.url}/{MANIFEST} holds {', '.join(kept)} labelled with other classes than {src} has: "
-            f"convert those splits too (--splits {','.join([*kept, *splits])}) or use another DEST "
-            "(nothing was changed)"
-        )
     plans = {split: plan_split(src, split, classes, seed, maxcount, maxsize) for split in splits}
-    if old:
-        # The old manifest may name shards this run rewrites: readers must not see it meanwhile.
-        store.delete(MANIFEST)
-    results: dict[str, tuple[ShardInfo, list[dict[str, str]]]] = {}
+    with lock_dest(store) as lock:
+        published, set_aside = _read_manifests(store)
+        known = _known_records(store, [m for m in (set_aside, published) if m])
+        _refuse_foreign(store, known)
+        old = published or set_aside
+        # splits of an earlier run that this one does not convert stay as they are
+        kept = {name: info for name, info in (old.splits.items() if old else []) if name not in splits}
+        if kept and old and old.classes != classes:
+            raise ValueError(
+                f"{store.url}/{MANIFEST} holds {', '.join(kept)} labelled with other classes than {src} has: "
+                f"convert those splits too (--splits {','.join([*kept, *splits])}) or use another DEST "
+                "(nothing was changed)"
+            )
+        if published:
+            _tidy(store, published, known)  # a run killed while tidying up: finish that first
+            # Readers must not see a manifest naming shards this run may rewrite; the journal keeps
+            # it (a run that fails still knows the shards, and the splits it keeps, next time).
+            store.write_bytes(SET_ASIDE, store.read_bytes(MANIFEST))
+            store.delete(MANIFEST)
+        results = _build(store, src, [p for ps in plans.values() for p in ps], known, workers, lock.refresh)
+
+        manifest = Manifest(classes, dict(kept), {"seed": seed, "maxcount": maxcount, "maxsize": maxsize})
+        for split, split_plans in plans.items():
+            info = SplitInfo()
+            for plan in split_plans:
+                shard, rejected = results[plan.name]
+                info.shards.append(shard)
+                info.rejected.extend({**r, "shard": plan.name} for r in rejected)
+            manifest.splits[split] = info
+        _check_published(store, manifest)
+        store.write_bytes(MANIFEST, manifest.to_json().encode())
+        _tidy(store, manifest, known)
+    return manifest
+
+
+def _build(
+    store: Store, src: Path, plans: list[ShardPlan], known: dict[str, Record], workers: int, refresh: Callable[[], None]
+) -> dict[str, Record]:
+    """Every planned shard: kept when a verified copy built from the same inputs is there, else built."""
+    results: dict[str, Record] = {}
     todo: list[ShardPlan] = []
-    for plan in (p for ps in plans.values() for p in ps):
+    for plan in plans:
         record = known.get(plan.name)
         if record and record[0].plan == plan.digest and _still_good(store, record[0]):
             results[plan.name] = record
         else:
             todo.append(plan)
+        refresh()
     total = sum(len(p.items) for p in todo)
     with (
-        tqdm(total=total, unit="img", desc=f"convert → {dest_url}", disable=total == 0) as bar,
+        tqdm(total=total, unit="img", desc=f"convert → {store.url}", disable=total == 0) as bar,
         ProcessPoolExecutor(max_workers=max(1, workers)) as pool,
     ):
-        futures = {pool.submit(write_shard, src, dest_url, plan): plan for plan in todo}
-        for future in as_completed(futures):
-            results[futures[future].name] = future.result()
-            bar.update(len(futures[future].items))
-
-    manifest = Manifest(classes, dict(kept), {"seed": seed, "maxcount": maxcount, "maxsize": maxsize})
-    for split, split_plans in plans.items():
-        info = SplitInfo()
-        for plan in split_plans:
-            shard, rejected = results[plan.name]
-            info.shards.append(shard)
-            info.rejected.extend({**r, "shard": plan.name} for r in rejected)
-        manifest.splits[split] = info
-    store.write_bytes(MANIFEST, manifest.to_json().encode())
-    # Only now is it safe to drop what no manifest names any more.
-    wanted = {s.name for split in manifest.splits.values() for s in split.shards}
-    for name in store.list("imagenet-"):
-        if name in known and name not in wanted:  # ours (refused otherwise), named by no manifest now
-            store.delete(name)
-    for name in store.list(f"{JOURNAL}/"):
-        store.delete(name)
-    return manifest
+        futures = {pool.submit(write_shard, src, store.url, plan): plan for plan in todo}
+        try:
+            for future in as_completed(futures):
+                results[futures[future].name] = future.result()
+                bar.update(len(futures[future].items))
+                refresh()
+        except BaseException:
+            for future in futures:  # fail now, not after building every shard still queued
+                future.cancel()
+            raise
+    return results
 
 
 def iter_members(stream: io.BufferedIOBase) -> Iterator[tuple[str, bytes]]:

@@ -7,9 +7,11 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ import pytest
 from conftest import ROOT, run_cli, wait_until
 from PIL import Image
 
+from imagenet_ais import synth
 from imagenet_ais.synth import wnid
 
 
@@ -218,3 +221,92 @@ def test_a_16_bit_gray_png_keeps_its_tones(tmp_path: Path) -> None:
     (stored,) = [v for k, v in members(dest / "imagenet-train-000000.tar").items() if k.endswith(".jpg")]
     gray = np.asarray(Image.open(io.BytesIO(stored)).convert("L"), dtype=np.float64)
     assert abs(gray.mean() - 127.5) < 4 and gray[:, :16].mean() < 12 and gray[:, -16:].mean() > 243
+
+
+def start_convert(src: Path, dest: str | Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, ROOT / "imagenet_shards.py", "convert", src, dest, *args],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def test_a_second_convert_into_the_same_dest_is_refused(tree: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "shards"
+    args = ["--maxcount", "1", "--workers", "1"]
+    first = start_convert(tree, dest, *args)
+    wait_until(first, lambda: len(list(dest.glob("imagenet-*.tar"))) >= 2, "2 shards written", poll=0.002)
+    os.killpg(first.pid, signal.SIGSTOP)  # mid-run for as long as the second one takes
+    try:
+        second = run_cli("imagenet_shards.py", "convert", tree, dest, *args, check=False)
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
+    assert second.returncode == 1 and "Traceback" not in second.stderr
+    line = second.stderr.strip().splitlines()[-1]
+    assert line == (
+        f"Error: {dest} is being converted by PID {first.pid} on {socket.gethostname()}: "
+        "wait for it to finish (nothing was changed)"
+    )
+    assert first.wait() == 0, first.stderr.read()
+    manifest = json.loads((dest / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["samples"] == 72 and manifest["splits"]["val"]["samples"] == 24
+    assert sorted(p.name for p in dest.iterdir()) == sorted(
+        ["manifest.json", *(s["name"] for split in manifest["splits"].values() for s in split["shards"])]
+    ), "no lock or journal left behind"
+    run_cli("imagenet_shards.py", "verify", dest)
+
+
+def test_a_failed_run_publishes_no_manifest_and_the_next_keeps_the_other_splits(tree: Path, tmp_path: Path) -> None:
+    """The manifest a run starts from is set aside, not lost: killed while rewriting val, DEST has
+    no manifest (readers see no dataset), and the next run still knows train is ours and keeps it."""
+    dest = tmp_path / "shards"
+    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20")
+    before = json.loads((dest / "manifest.json").read_text())
+    train = {p.name: p.read_bytes() for p in dest.glob("imagenet-train-*.tar")}
+
+    args = ["--splits", "val", "--maxcount", "1", "--workers", "1"]
+    killed = start_convert(tree, dest, *args)
+    wait_until(killed, lambda: (dest / "imagenet-val-000005.tar").exists(), "6 val shards written", poll=0.002)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    assert not (dest / "manifest.json").exists(), "a manifest describing shards being rewritten"
+
+    run_cli("imagenet_shards.py", "convert", tree, dest, *args)
+    after = json.loads((dest / "manifest.json").read_text())
+    assert after["splits"]["train"] == before["splits"]["train"]
+    assert len(after["splits"]["val"]["shards"]) == 24
+    assert {p.name: p.read_bytes() for p in dest.glob("imagenet-train-*.tar")} == train
+    assert not (dest / "_progress").exists() and not (dest / "_convert.lock").exists()
+    run_cli("imagenet_shards.py", "verify", dest)
+
+
+@pytest.mark.parametrize("holder", ["alive", "dead"])
+def test_an_object_store_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(
+    holder: str, gcs, tmp_path: Path
+) -> None:
+    from imagenet_ais.storage import GCSStore
+
+    src = tmp_path / "src"
+    synth.make_tree(src, classes=2, train_per_class=2, val_per_class=1, seed=0)
+    url = f"gs://{gcs.make_bucket()}/shards"
+    store = GCSStore(url)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = os.getpid() if holder == "alive" else int(gone.stdout)
+    lock = {"pid": pid, "host": socket.gethostname(), "time": time.time(), "token": "theirs"}
+    store.write_bytes("_convert.lock", json.dumps(lock).encode())
+
+    proc = run_cli("imagenet_shards.py", "convert", src, url, "--workers", "1", check=False)
+    if holder == "alive":
+        assert proc.returncode == 1
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"Error: {url} is being converted by PID {pid} on {socket.gethostname()}: "
+            "wait for it to finish (nothing was changed)"
+        )
+        assert store.list() == ["_convert.lock"]
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert f"_convert.lock of PID {pid} on {socket.gethostname()} is stale" in proc.stderr
+        assert "_convert.lock" not in store.list() and store.exists("manifest.json")
