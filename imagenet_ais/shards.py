@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import random
 import re
 import tarfile
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import webdataset as wds
@@ -37,10 +39,18 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 Record = tuple[ShardInfo, list[dict[str, str]]]  # a shard built, and the inputs it rejected
 
 
+class Input(NamedTuple):
+    rel: str  # path relative to SRC
+    key: str
+    cls: int  # class index
+    size: int  # size and mtime as planned: a file changed since is a different input
+    mtime_ns: int
+
+
 @dataclass
 class ShardPlan:
     name: str
-    items: list[tuple[str, str, int]]  # (path relative to SRC, key, class index)
+    items: list[Input]
 
     @property
     def digest(self) -> str:
@@ -66,25 +76,25 @@ def plan_split(src: Path, split: str, classes: list[str], seed: int, maxcount: i
     if not root.is_dir():
         raise FileNotFoundError(f"{root} not found: create it or leave {split!r} out of --splits")
     index = {wnid: i for i, wnid in enumerate(classes)}
-    files: list[tuple[str, int, int]] = []
+    files: list[tuple[str, int, os.stat_result]] = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
         if folder.name not in index:
             raise ValueError(f"{folder}: class {folder.name!r} is not among the train classes")
         for f in sorted(folder.iterdir()):
             if f.is_file():
-                files.append((f"{split}/{folder.name}/{f.name}", index[folder.name], f.stat().st_size))
+                files.append((f"{split}/{folder.name}/{f.name}", index[folder.name], f.stat()))
     random.Random(f"{seed}:{split}").shuffle(files)
 
     plans: list[ShardPlan] = []
     used: set[str] = set()
-    items: list[tuple[str, str, int]] = []
+    items: list[Input] = []
     size = 0
-    for rel, cls, nbytes in files:
-        if items and (len(items) >= maxcount or size + nbytes + TAR_OVERHEAD > maxsize):
+    for rel, cls, st in files:
+        if items and (len(items) >= maxcount or size + st.st_size + TAR_OVERHEAD > maxsize):
             plans.append(ShardPlan(shard_name(split, len(plans)), items))
             items, size = [], 0
-        items.append((rel, unique_key(rel, used), cls))
-        size += nbytes + TAR_OVERHEAD
+        items.append(Input(rel, unique_key(rel, used), cls, st.st_size, st.st_mtime_ns))
+        size += st.st_size + TAR_OVERHEAD
     if items:
         plans.append(ShardPlan(shard_name(split, len(plans)), items))
     return plans
@@ -137,13 +147,13 @@ def write_shard(src: Path, dest_url: str, plan: ShardPlan) -> Record:
     try:
         count = 0
         with tmp.open("wb") as f, wds.TarWriter(f, mtime=0) as tar:
-            for rel, key, cls in plan.items:
+            for item in plan.items:
                 try:
-                    jpeg = as_training_jpeg((src / rel).read_bytes())
+                    jpeg = as_training_jpeg((src / item.rel).read_bytes())
                 except (OSError, ValueError) as e:
-                    rejected.append({"path": rel, "reason": str(e)})
+                    rejected.append({"path": item.rel, "reason": str(e)})
                     continue
-                tar.write({"__key__": key, "jpg": jpeg, "cls": str(cls).encode()})
+                tar.write({"__key__": item.key, "jpg": jpeg, "cls": str(item.cls).encode()})
                 count += 1
         info = ShardInfo(plan.name, count, tmp.stat().st_size, file_sha256(tmp), plan.digest)
         # The record goes first: a shard under its final name always has one, so a re-run

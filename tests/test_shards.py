@@ -310,3 +310,30 @@ def test_an_object_store_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(
         assert proc.returncode == 0, proc.stderr
         assert f"_convert.lock of PID {pid} on {socket.gethostname()} is stale" in proc.stderr
         assert "_convert.lock" not in store.list() and store.exists("manifest.json")
+
+
+def test_a_rerun_rereads_inputs_that_changed(tree: Path, tmp_path: Path) -> None:
+    """A fixed image is no longer rejected and a replaced one (same name, same size) is stored
+    anew; shards whose inputs did not change are kept as they are."""
+    src, dest = tmp_path / "src", tmp_path / "shards"
+    shutil.copytree(tree, src)
+    args = ["--maxcount", "10", "--workers", "2"]
+    run_cli("imagenet_shards.py", "convert", src, dest, *args)
+    mtimes = {p.name: p.stat().st_mtime_ns for p in dest.glob("*.tar")}
+
+    fixed = src / "train" / wnid(0) / f"{wnid(0)}_truncated.JPEG"
+    fixed.write_bytes((src / "train" / wnid(0) / f"{wnid(0)}_0.JPEG").read_bytes())
+    replaced = src / "train" / wnid(3) / f"{wnid(3)}_0.JPEG"
+    data = bytearray(replaced.read_bytes())
+    data[len(data) // 2] ^= 0x01  # other bytes, the same size
+    replaced.write_bytes(bytes(data))
+    run_cli("imagenet_shards.py", "convert", src, dest, *args)
+
+    train = json.loads((dest / "manifest.json").read_text())["splits"]["train"]
+    assert train["samples"] == 73
+    assert {Path(r["path"]).name for r in train["rejected"]} == {f"{wnid(0)}_{b}.JPEG" for b in ("empty", "notimage")}
+    stored = {n: v for s in train["shards"] for n, v in members(dest / s["name"]).items()}
+    assert stored[f"{wnid(3)}_0.jpg"] == bytes(data)
+    assert stored[f"{wnid(0)}_truncated.jpg"] == fixed.read_bytes()
+    rewritten = [p.name for p in dest.glob("*.tar") if p.stat().st_mtime_ns != mtimes[p.name]]
+    assert 1 <= len(rewritten) <= 2, rewritten
