@@ -1,24 +1,20 @@
 """Shard writing: an ImageFolder tree → shuffled WebDataset tar shards + manifest, and verify.
 
-Shards are planned up front (a seeded shuffle cut by --maxcount/--maxsize), so each one can be
-built in its own process, named before it exists, and skipped on a re-run when a complete,
-checksum-verified copy with the same plan is already at the destination.
+Shards are planned up front (inputs.py), so each one can be built in its own process, named
+before it exists, and skipped on a re-run when a complete, checksum-verified copy with the same
+plan is already at the destination.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
-import os
-import random
 import re
 import tarfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import webdataset as wds
@@ -26,88 +22,15 @@ from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from imagenet_ais.destlock import LOCK, lock_dest
+from imagenet_ais.inputs import ShardPlan, check_counts, list_classes, plan_split
 from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, load_manifest
 from imagenet_ais.storage import Store, open_store, stream_sha256
 
 JOURNAL = "_progress"  # per-shard records of a conversion in flight; removed once the manifest is written
 SET_ASIDE = f"{JOURNAL}/{MANIFEST}"  # the manifest a run started from, kept out of readers' sight meanwhile
 OURS = re.compile(rf"{JOURNAL}/(imagenet-\w+-\d{{6}}\.tar\.json|{re.escape(MANIFEST)})")  # records too, cut short
-TAR_OVERHEAD = 1536  # header + padding for the two members of a sample, for --maxsize planning
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
-
 
 Record = tuple[ShardInfo, list[dict[str, str]]]  # a shard built, and the inputs it rejected
-
-
-class Input(NamedTuple):
-    rel: str  # path relative to SRC
-    key: str
-    cls: int  # class index
-    size: int  # size and mtime as planned: a file changed since is a different input
-    mtime_ns: int
-
-
-@dataclass
-class ShardPlan:
-    name: str
-    items: list[Input]
-
-    @property
-    def digest(self) -> str:
-        return hashlib.sha256(repr(self.items).encode()).hexdigest()[:16]
-
-
-def shard_name(split: str, index: int) -> str:
-    return f"imagenet-{split}-{index:06d}.tar"
-
-
-def list_classes(src: Path) -> list[str]:
-    train = src / "train"
-    if not train.is_dir():
-        raise FileNotFoundError(f"{train} not found: SRC must hold train/<wnid>/ folders (ImageFolder layout)")
-    classes = sorted(p.name for p in train.iterdir() if p.is_dir())
-    if not classes:
-        raise FileNotFoundError(f"{train} has no class folders")
-    return classes
-
-
-def plan_split(src: Path, split: str, classes: list[str], seed: int, maxcount: int, maxsize: int) -> list[ShardPlan]:
-    root = src / split
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root} not found: create it or leave {split!r} out of --splits")
-    index = {wnid: i for i, wnid in enumerate(classes)}
-    files: list[tuple[str, int, os.stat_result]] = []
-    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-        if folder.name not in index:
-            raise ValueError(f"{folder}: class {folder.name!r} is not among the train classes")
-        for f in sorted(folder.iterdir()):
-            if f.is_file():
-                files.append((f"{split}/{folder.name}/{f.name}", index[folder.name], f.stat()))
-    random.Random(f"{seed}:{split}").shuffle(files)
-
-    plans: list[ShardPlan] = []
-    used: set[str] = set()
-    items: list[Input] = []
-    size = 0
-    for rel, cls, st in files:
-        if items and (len(items) >= maxcount or size + st.st_size + TAR_OVERHEAD > maxsize):
-            plans.append(ShardPlan(shard_name(split, len(plans)), items))
-            items, size = [], 0
-        items.append(Input(rel, unique_key(rel, used), cls, st.st_size, st.st_mtime_ns))
-        size += st.st_size + TAR_OVERHEAD
-    if items:
-        plans.append(ShardPlan(shard_name(split, len(plans)), items))
-    return plans
-
-
-def unique_key(rel: str, used: set[str]) -> str:
-    """A member-safe key: no '/', '..' or '.' (webdataset splits keys at the first dot)."""
-    base = re.sub(r"[^A-Za-z0-9_-]", "_", Path(rel).name.split(".")[0]) or "sample"
-    key, n = base, 1
-    while key in used:
-        key, n = f"{base}_{n}", n + 1
-    used.add(key)
-    return key
 
 
 def as_training_jpeg(data: bytes) -> bytes:
@@ -242,14 +165,32 @@ def _check_published(store: Store, manifest: Manifest) -> None:
                 )
 
 
+def _labels(plans: list[ShardPlan], results: dict[str, Record] | None = None) -> Iterator[int]:
+    """The class of each sample planned, or (given the results) of each sample written."""
+    for plan in plans:
+        dropped = {r["path"] for r in results[plan.name][1]} if results else set()
+        yield from (item.cls for item in plan.items if item.rel not in dropped)
+
+
 def convert(
-    src: Path, dest_url: str, splits: list[str], maxcount: int, maxsize: int, workers: int, seed: int
+    src: Path,
+    dest_url: str,
+    splits: list[str],
+    maxcount: int,
+    maxsize: int,
+    workers: int,
+    seed: int,
+    allow_empty: bool = False,
 ) -> Manifest:
     if not splits:
         raise ValueError("--splits names no split: give the split folders of SRC, e.g. --splits train,val")
     store = open_store(dest_url)
     classes = list_classes(src)
-    plans = {split: plan_split(src, split, classes, seed, maxcount, maxsize) for split in splits}
+    seen: dict[str, str] = {}  # folders read, across splits: a link to one is not read twice
+    plans = {split: plan_split(src, split, classes, seed, maxcount, maxsize, seen) for split in splits}
+    for split, (split_plans, _) in plans.items():
+        if not allow_empty:
+            check_counts(split, classes, _labels(split_plans))
     with lock_dest(store) as lock:
         published, set_aside = _read_manifests(store)
         known = _known_records(store, [m for m in (set_aside, published) if m])
@@ -269,11 +210,13 @@ def convert(
             # it (a run that fails still knows the shards, and the splits it keeps, next time).
             store.write_bytes(SET_ASIDE, store.read_bytes(MANIFEST))
             store.delete(MANIFEST)
-        results = _build(store, src, [p for ps in plans.values() for p in ps], known, workers, lock.refresh)
+        results = _build(store, src, [p for ps, _ in plans.values() for p in ps], known, workers, lock.refresh)
 
         manifest = Manifest(classes, dict(kept), {"seed": seed, "maxcount": maxcount, "maxsize": maxsize})
-        for split, split_plans in plans.items():
-            info = SplitInfo()
+        for split, (split_plans, unread) in plans.items():
+            if not allow_empty:  # again: every file of a class may have been rejected
+                check_counts(split, classes, _labels(split_plans, results))
+            info = SplitInfo(rejected=list(unread))
             for plan in split_plans:
                 shard, rejected = results[plan.name]
                 info.shards.append(shard)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_cli, wait_until
+from conftest import ROOT, run_cli, tiny_jpeg, wait_until
 from PIL import Image
 
 from imagenet_ais import synth
@@ -337,3 +338,114 @@ def test_a_rerun_rereads_inputs_that_changed(tree: Path, tmp_path: Path) -> None
     assert stored[f"{wnid(0)}_truncated.jpg"] == fixed.read_bytes()
     rewritten = [p.name for p in dest.glob("*.tar") if p.stat().st_mtime_ns != mtimes[p.name]]
     assert 1 <= len(rewritten) <= 2, rewritten
+
+
+def small_tree(root: Path, layout: dict[str, str | None]) -> Path:
+    """Files (a tiny JPEG each) and symlinks (``"-> target"``) under ``root``; None: an empty folder."""
+    rng = random.Random(0)
+    for rel, what in layout.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if what is None:
+            path.mkdir()
+        elif what.startswith("-> "):
+            path.symlink_to(what[3:])
+        else:
+            path.write_bytes(tiny_jpeg(rng, 1) if what == "jpeg" else what.encode())
+    return root
+
+
+def test_every_input_file_is_in_a_shard_or_listed_with_a_reason(tmp_path: Path) -> None:
+    src = small_tree(
+        tmp_path / "src",
+        {
+            "train/n1/a.JPEG": "jpeg",
+            "train/n1/sub/deeper/b.JPEG": "jpeg",  # nested: read, as ImageFolder does
+            "train/n1/loop": "-> .",  # a folder symlink loop
+            "train/n1/up": "-> ../..",  # a link to SRC
+            "train/n1/sub/again": "-> ../../n2",  # a link to another class folder
+            "train/n1/dangling.JPEG": "-> nowhere.JPEG",
+            "train/n1/self.JPEG": "-> self.JPEG",
+            "train/n2/c.JPEG": "jpeg",
+            "train/stray.JPEG": "jpeg",
+            "val/n1/d.JPEG": "jpeg",
+            "val/n2/e.JPEG": "jpeg",
+        },
+    )
+    dest = tmp_path / "shards"
+    out = run_cli("imagenet_shards.py", "convert", src, dest, "--workers", "1").stdout
+    train = json.loads((dest / "manifest.json").read_text())["splits"]["train"]
+    stored = members(dest / "imagenet-train-000000.tar")
+    assert sorted(n for n in stored if n.endswith(".cls")) == ["a.cls", "b.cls", "c.cls"]
+    assert stored["b.cls"] == b"0" and stored["c.cls"] == b"1"
+    reasons = {r["path"]: r["reason"] for r in train["rejected"]}
+    assert reasons == {
+        "train/n1/loop": "a link to the folder train/n1: its files are read there, not twice",
+        "train/n1/up": "a link to the folder .: its files are read there, not twice",
+        "train/n1/sub/again": "a link to the folder train/n2: its files are read there, not twice",
+        "train/n1/dangling.JPEG": "a broken symlink (to nowhere.JPEG): point it at an image or remove it",
+        "train/n1/self.JPEG": "a symlink loop: point it at an image or remove it",
+        "train/stray.JPEG": "not in a class folder: move it into train/<wnid>/",
+    }
+    for path, reason in reasons.items():
+        assert f"rejected {path}: {reason}" in out
+    assert "train: 3 samples in 1 shards, 6 rejected" in out and "val: 2 samples" in out
+
+
+def refused(src: Path, dest: Path, *args: str) -> str:
+    """convert's one-line error; DEST is left as it was (absent here) and no manifest is written."""
+    proc = run_cli("imagenet_shards.py", "convert", src, dest, "--workers", "1", *args, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert not (dest / "manifest.json").exists()
+    return proc.stderr.strip().splitlines()[-1]
+
+
+CLASSES = {"train/n1/a.JPEG": "jpeg", "train/n2/b.JPEG": "jpeg", "val/n1/c.JPEG": "jpeg", "val/n2/d.JPEG": "jpeg"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ({"train/n3": None, "val/n3/f.JPEG": "jpeg"}, "Error: train/n3 has no samples (the folder is missing"),
+        ({"train/n3/x.JPEG": "", "val/n3/f.JPEG": "jpeg"}, "Error: train/n3 has no samples"),  # rejected
+        ({"train/n3/x.JPEG": "jpeg"}, "Error: val/n3 has no samples"),
+        ({"val/n2/d.JPEG": "-> gone.JPEG"}, "Error: val/n2 has no samples"),
+    ],
+)
+def test_a_class_with_no_samples_is_an_error_unless_allowed(extra: dict, says: str, tmp_path: Path) -> None:
+    src = small_tree(tmp_path / "src", {**CLASSES, **extra})
+    dest = tmp_path / "shards"
+    line = refused(src, dest)
+    assert line.startswith(says) and line.endswith("or pass --allow-empty to convert without them")
+    run_cli("imagenet_shards.py", "convert", src, dest, "--workers", "1", "--allow-empty")
+    assert (dest / "manifest.json").exists()
+
+
+def test_an_empty_split_is_an_error_unless_allowed(tmp_path: Path) -> None:
+    src = small_tree(tmp_path / "src", {"train/n1/a.JPEG": "jpeg", "val": None})
+    assert refused(src, tmp_path / "shards") == (
+        "Error: val has no samples: add images to val/<wnid>/, or pass --allow-empty to convert without them"
+    )
+    run_cli("imagenet_shards.py", "convert", src, tmp_path / "shards", "--allow-empty")
+    assert json.loads((tmp_path / "shards" / "manifest.json").read_text())["splits"]["val"]["shards"] == []
+
+
+def test_the_raw_flat_val_layout_is_refused_with_how_to_arrange_it(tmp_path: Path) -> None:
+    layout = {"train/n1/a.JPEG": "jpeg", **{f"val/ILSVRC2012_val_{i:08d}.JPEG": "jpeg" for i in range(1, 4)}}
+    src = small_tree(tmp_path / "src", layout)
+    assert refused(src, tmp_path / "shards") == (
+        f"Error: {src / 'val'} holds 3 files and no class folders (the raw ILSVRC2012 val layout?): "
+        "arrange them as val/<wnid>/<file> (e.g. with ILSVRC2012's valprep.sh), or leave 'val' out of --splits"
+    )
+
+
+@pytest.mark.parametrize("link", ["train/n3", "val/n2"])
+def test_a_class_folder_linked_to_another_is_refused(link: str, tmp_path: Path) -> None:
+    src = small_tree(tmp_path / "src", {**CLASSES, "train/n3/e.JPEG": "jpeg", "val/n3/f.JPEG": "jpeg"})
+    shutil.rmtree(src / link)
+    (src / link).symlink_to(src / "train" / "n1")
+    assert refused(src, tmp_path / "shards") == (
+        f"Error: {src / link} is the same folder as {src / 'train' / 'n1'} (a symlink): its images would be "
+        "read twice, under two labels or in two splits; make it a folder of its own (nothing was changed)"
+    )
+    assert not (tmp_path / "shards").exists()
