@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_cli, tiny_jpeg, wait_until
+from conftest import ROOT, run_cli, tiny_jpeg, wait_until, write_shards
 from PIL import Image
 
 from imagenet_ais import synth
@@ -449,3 +449,34 @@ def test_a_class_folder_linked_to_another_is_refused(link: str, tmp_path: Path) 
         "read twice, under two labels or in two splits; make it a folder of its own (nothing was changed)"
     )
     assert not (tmp_path / "shards").exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (
+            lambda m: m["splits"]["train"]["shards"][1].update(samples="16"),
+            "shard 1 of 'train': 'samples' is \"16\", not int",
+        ),
+        (
+            lambda m: m["splits"]["train"]["shards"][0].update(bytes=True),
+            "shard 0 of 'train': 'bytes' is true, not int",
+        ),
+        (lambda m: m.update(classes="c0 c1"), '"classes" is "c0 c1", not a list of class names'),
+        (
+            lambda m: m["splits"]["train"].update(rejected="none"),
+            '"rejected" of \'train\' is "none", not a list of objects',
+        ),
+    ],
+)
+def test_a_manifest_field_of_the_wrong_type_is_one_line(edit, says: str, tmp_path: Path) -> None:
+    write_shards(tmp_path, {"train": [3, 3]})
+    doc = json.loads((tmp_path / "manifest.json").read_text())
+    edit(doc)
+    (tmp_path / "manifest.json").write_text(json.dumps(doc))
+    for verb in ("summary", "verify"):
+        proc = run_cli("imagenet_shards.py", verb, tmp_path, check=False)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            f"Error: {tmp_path / 'manifest.json'}: unreadable manifest ({says}); re-run `imagenet_shards.py convert`"
+        ]
