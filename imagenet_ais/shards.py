@@ -282,19 +282,31 @@ def check_shard(dest_url: str, info: ShardInfo, num_classes: int) -> str | None:
                 key, _, ext = name.partition(".")
                 if "/" in name or ".." in name or not key:
                     return f"bad member name {name!r}"
+                if ext not in ("jpg", "cls"):  # a .pyd or .pickle would even be unpickled by a reader
+                    return f"unexpected member {name!r}: a shard holds only <key>.jpg and <key>.cls"
+                if ext in samples.setdefault(key, set()):
+                    return f"duplicate key {key!r}: {name} is in the shard twice"
+                samples[key].add(ext)
                 if ext == "jpg":
                     with Image.open(io.BytesIO(data)) as img:
                         img.load()
-                elif ext == "cls" and not 0 <= int(data) < num_classes:
-                    return f"{name}: class {int(data)} out of range"
-                samples.setdefault(key, set()).add(ext)
+                elif (label := _label(data)) is None or not 0 <= label < num_classes:
+                    shown = data[:20].decode(errors="replace")
+                    return f"{name}: label {shown!r} is not a class of the manifest (0..{num_classes - 1})"
     except (OSError, ValueError, tarfile.TarError) as e:
         return f"unreadable ({type(e).__name__}: {e})"
-    if incomplete := [k for k, exts in samples.items() if exts != {"jpg", "cls"}]:
-        return f"sample {incomplete[0]!r} lacks .jpg or .cls"
+    if incomplete := [k for k, exts in samples.items() if len(exts) < 2]:
+        return f"sample {incomplete[0]!r} lacks its .{({'jpg', 'cls'} - samples[incomplete[0]]).pop()}"
     if len(samples) != info.samples:
         return f"{len(samples)} samples != manifest {info.samples}"
     return None
+
+
+def _label(data: bytes) -> int | None:
+    try:
+        return int(data)
+    except ValueError:
+        return None
 
 
 def verify(dest_url: str, workers: int) -> dict[str, str]:

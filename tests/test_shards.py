@@ -21,6 +21,7 @@ from conftest import ROOT, run_cli, tiny_jpeg, wait_until, write_shards
 from PIL import Image
 
 from imagenet_ais import synth
+from imagenet_ais.shards import file_sha256
 from imagenet_ais.synth import wnid
 
 
@@ -480,3 +481,42 @@ def test_a_manifest_field_of_the_wrong_type_is_one_line(edit, says: str, tmp_pat
         assert proc.stderr.strip().splitlines() == [
             f"Error: {tmp_path / 'manifest.json'}: unreadable manifest ({says}); re-run `imagenet_shards.py convert`"
         ]
+
+
+@pytest.mark.parametrize(
+    ("names", "samples", "says"),
+    [
+        (
+            ["k0.jpg", "k0.cls", "k1.jpg", "k1.cls", "k0.jpg", "k0.cls"],
+            2,
+            "duplicate key 'k0': k0.jpg is in the shard twice",
+        ),
+        (["k0.jpg", "k0.cls", "k0.pyd"], 1, "unexpected member 'k0.pyd': a shard holds only <key>.jpg and <key>.cls"),
+        (
+            ["k0.pickle", "k0.jpg", "k0.cls"],
+            1,
+            "unexpected member 'k0.pickle': a shard holds only <key>.jpg and <key>.cls",
+        ),
+        (["k0.jpg", "k0.cls=99"], 1, "k0.cls: label '99' is not a class of the manifest (0..3)"),
+        (["k0.jpg", "k0.cls=-1"], 1, "k0.cls: label '-1' is not a class of the manifest (0..3)"),
+        (["k0.jpg", "k0.cls=one"], 1, "k0.cls: label 'one' is not a class of the manifest (0..3)"),
+        (["k0.jpg", "k0.cls", "k1.jpg"], 2, "sample 'k1' lacks its .cls"),
+    ],
+)
+def test_verify_names_what_is_wrong_inside_a_shard(names: list[str], samples: int, says: str, tmp_path: Path) -> None:
+    """Shards whose size and checksum match the manifest, so only reading them can tell."""
+    write_shards(tmp_path, {"train": [1]})
+    shard = tmp_path / "imagenet-train-000000.tar"
+    with tarfile.open(shard, "w") as tar:
+        for name in names:
+            name, _, value = name.partition("=")
+            data = tiny_jpeg(random.Random(0), 1) if name.endswith(".jpg") else (value or "1").encode()
+            member = tarfile.TarInfo(name)
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    doc = json.loads((tmp_path / "manifest.json").read_text())
+    doc["splits"]["train"]["shards"][0].update(samples=samples, bytes=shard.stat().st_size, sha256=file_sha256(shard))
+    (tmp_path / "manifest.json").write_text(json.dumps(doc))
+    proc = run_cli("imagenet_shards.py", "verify", tmp_path, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == f"BAD {tmp_path}/imagenet-train-000000.tar: {says}"
