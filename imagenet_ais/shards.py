@@ -7,6 +7,7 @@ plan is already at the destination.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import re
@@ -24,13 +25,14 @@ from tqdm import tqdm
 from imagenet_ais.destlock import LOCK, lock_dest
 from imagenet_ais.inputs import ShardPlan, check_counts, list_classes, plan_split
 from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, load_manifest
-from imagenet_ais.storage import Store, open_store, stream_sha256
+from imagenet_ais.storage import LocalStore, Store, open_store, stream_sha256
 
 JOURNAL = "_progress"  # per-shard records of a conversion in flight; removed once the manifest is written
 SET_ASIDE = f"{JOURNAL}/{MANIFEST}"  # the manifest a run started from, kept out of readers' sight meanwhile
 OURS = re.compile(rf"{JOURNAL}/(imagenet-\w+-\d{{6}}\.tar\.json|{re.escape(MANIFEST)})")  # records too, cut short
 
 Record = tuple[ShardInfo, list[dict[str, str]]]  # a shard built, and the inputs it rejected
+DISK_FULL = (errno.ENOSPC, errno.EFBIG)
 
 
 def as_training_jpeg(data: bytes) -> bytes:
@@ -62,6 +64,17 @@ def file_sha256(path: Path) -> str:
     return stream_sha256(path.open("rb"))
 
 
+def _disk_full(e: OSError, path: object, store: Store) -> OSError:
+    """ENOSPC or EFBIG while writing ``path`` for ``store``, as one line saying what to do."""
+    where = f"DEST {store.url}" if isinstance(store, LocalStore) else f"the scratch disk of {store.url} (see TMPDIR)"
+    if e.errno == errno.ENOSPC:
+        return OSError(f"no space left on {where} writing {path}: free some space or convert elsewhere")
+    return OSError(
+        f"{path}: file too large for {where} (a file-size limit, see ulimit -f, or the file system's): "
+        "raise the limit or lower --maxsize"
+    )
+
+
 def write_shard(src: Path, dest_url: str, plan: ShardPlan) -> Record:
     """Build one shard in scratch space, then publish it under its final name."""
     store = open_store(dest_url)
@@ -84,6 +97,10 @@ def write_shard(src: Path, dest_url: str, plan: ShardPlan) -> Record:
         record = {"shard": asdict(info), "rejected": rejected}
         store.write_bytes(f"{JOURNAL}/{plan.name}.json", json.dumps(record).encode())
         store.put_file(tmp, plan.name)
+    except OSError as e:
+        if e.errno in DISK_FULL:
+            raise _disk_full(e, tmp, store) from None
+        raise
     finally:
         tmp.unlink(missing_ok=True)
     return info, rejected
@@ -185,46 +202,70 @@ def convert(
     if not splits:
         raise ValueError("--splits names no split: give the split folders of SRC, e.g. --splits train,val")
     store = open_store(dest_url)
+    if isinstance(store, LocalStore) and store.root.resolve().is_relative_to(src.resolve()):
+        raise ValueError(
+            f"DEST {store.url} is inside SRC {src}: its files would be read as inputs on the next run; "
+            "choose a DEST outside SRC (nothing was changed)"
+        )
     classes = list_classes(src)
     seen: dict[str, str] = {}  # folders read, across splits: a link to one is not read twice
     plans = {split: plan_split(src, split, classes, seed, maxcount, maxsize, seen) for split in splits}
     for split, (split_plans, _) in plans.items():
         if not allow_empty:
             check_counts(split, classes, _labels(split_plans))
-    with lock_dest(store) as lock:
-        published, set_aside = _read_manifests(store)
-        known = _known_records(store, [m for m in (set_aside, published) if m])
-        _refuse_foreign(store, known)
-        old = published or set_aside
-        # splits of an earlier run that this one does not convert stay as they are
-        kept = {name: info for name, info in (old.splits.items() if old else []) if name not in splits}
-        if kept and old and old.classes != classes:
-            raise ValueError(
-                f"{store.url}/{MANIFEST} holds {', '.join(kept)} labelled with other classes than {src} has: "
-                f"convert those splits too (--splits {','.join([*kept, *splits])}) or use another DEST "
-                "(nothing was changed)"
-            )
-        if published:
-            _tidy(store, published, known)  # a run killed while tidying up: finish that first
-            # Readers must not see a manifest naming shards this run may rewrite; the journal keeps
-            # it (a run that fails still knows the shards, and the splits it keeps, next time).
-            store.write_bytes(SET_ASIDE, store.read_bytes(MANIFEST))
-            store.delete(MANIFEST)
-        results = _build(store, src, [p for ps, _ in plans.values() for p in ps], known, workers, lock.refresh)
+    source = {"seed": seed, "maxcount": maxcount, "maxsize": maxsize}
+    try:
+        with lock_dest(store) as lock:
+            return _convert_locked(store, src, classes, plans, source, workers, allow_empty, lock.refresh)
+    except OSError as e:  # the journal, the manifest: small files, but a full disk is a full disk
+        if e.errno in DISK_FULL:
+            raise _disk_full(e, store.url, store) from None
+        raise
 
-        manifest = Manifest(classes, dict(kept), {"seed": seed, "maxcount": maxcount, "maxsize": maxsize})
-        for split, (split_plans, unread) in plans.items():
-            if not allow_empty:  # again: every file of a class may have been rejected
-                check_counts(split, classes, _labels(split_plans, results))
-            info = SplitInfo(rejected=list(unread))
-            for plan in split_plans:
-                shard, rejected = results[plan.name]
-                info.shards.append(shard)
-                info.rejected.extend({**r, "shard": plan.name} for r in rejected)
-            manifest.splits[split] = info
-        _check_published(store, manifest)
-        store.write_bytes(MANIFEST, manifest.to_json().encode())
-        _tidy(store, manifest, known)
+
+def _convert_locked(
+    store: Store,
+    src: Path,
+    classes: list[str],
+    plans: dict[str, tuple[list[ShardPlan], list[dict[str, str]]]],
+    source: dict[str, object],
+    workers: int,
+    allow_empty: bool,
+    refresh: Callable[[], None],
+) -> Manifest:
+    published, set_aside = _read_manifests(store)
+    known = _known_records(store, [m for m in (set_aside, published) if m])
+    _refuse_foreign(store, known)
+    old = published or set_aside
+    # splits of an earlier run that this one does not convert stay as they are
+    kept = {name: info for name, info in (old.splits.items() if old else []) if name not in plans}
+    if kept and old and old.classes != classes:
+        raise ValueError(
+            f"{store.url}/{MANIFEST} holds {', '.join(kept)} labelled with other classes than {src} has: "
+            f"convert those splits too (--splits {','.join([*kept, *plans])}) or use another DEST "
+            "(nothing was changed)"
+        )
+    if published:
+        _tidy(store, published, known)  # a run killed while tidying up: finish that first
+        # Readers must not see a manifest naming shards this run may rewrite; the journal keeps
+        # it (a run that fails still knows the shards, and the splits it keeps, next time).
+        store.write_bytes(SET_ASIDE, store.read_bytes(MANIFEST))
+        store.delete(MANIFEST)
+    results = _build(store, src, [p for ps, _ in plans.values() for p in ps], known, workers, refresh)
+
+    manifest = Manifest(classes, dict(kept), source)
+    for split, (split_plans, unread) in plans.items():
+        if not allow_empty:  # again: every file of a class may have been rejected
+            check_counts(split, classes, _labels(split_plans, results))
+        info = SplitInfo(rejected=list(unread))
+        for plan in split_plans:
+            shard, rejected = results[plan.name]
+            info.shards.append(shard)
+            info.rejected.extend({**r, "shard": plan.name} for r in rejected)
+        manifest.splits[split] = info
+    _check_published(store, manifest)
+    store.write_bytes(MANIFEST, manifest.to_json().encode())
+    _tidy(store, manifest, known)
     return manifest
 
 

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import random
+import resource
 import shutil
 import signal
 import socket
@@ -520,3 +521,46 @@ def test_verify_names_what_is_wrong_inside_a_shard(names: list[str], samples: in
     proc = run_cli("imagenet_shards.py", "verify", tmp_path, check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == f"BAD {tmp_path}/imagenet-train-000000.tar: {says}"
+
+
+def test_a_file_size_limit_is_one_line_and_publishes_nothing(tree: Path, tmp_path: Path) -> None:
+    dest, limit = tmp_path / "shards", 1 << 20  # the first shard (all of train) is larger
+
+    def limited() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    cmd = [sys.executable, ROOT / "imagenet_shards.py", "convert", tree, dest, "--workers", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, preexec_fn=limited)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"Error: {dest}/.imagenet-train-000000.tar.") and ".partial: file too large for DEST" in line
+    assert line.endswith("(a file-size limit, see ulimit -f, or the file system's): raise the limit or lower --maxsize")
+    assert not (dest / "manifest.json").exists() and not list(dest.glob(".*.partial"))
+
+
+def test_a_full_disk_is_one_line_and_publishes_nothing(tree: Path, tmp_path: Path) -> None:
+    """DEST on a 256 KiB tmpfs, mounted in a user and mount namespace of the convert's own."""
+    dest = tmp_path / "shards"
+    dest.mkdir()
+    mount = 'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$@"'
+    convert = [sys.executable, ROOT / "imagenet_shards.py", "convert", tree, dest, "--workers", "1"]
+    if not shutil.which("unshare") or run_cli("unshare", "-rm", "true", check=False).returncode:
+        pytest.skip("no unshare, or user namespaces are not allowed here")
+    proc = run_cli("unshare", "-rm", "sh", "-c", mount, dest, *convert, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"Error: no space left on DEST {dest} writing {dest}/.imagenet-train-000000.tar.")
+    assert line.endswith(".partial: free some space or convert elsewhere")
+
+
+@pytest.mark.parametrize("inside", [".", "train/shards", "elsewhere/shards"])
+def test_a_dest_inside_src_is_refused(inside: str, tmp_path: Path) -> None:
+    src = small_tree(tmp_path / "src", CLASSES)
+    before = sorted(src.rglob("*"))
+    dest = src / inside
+    assert refused(src, dest) == (
+        f"Error: DEST {dest} is inside SRC {src}: its files would be read as inputs on the next run; "
+        "choose a DEST outside SRC (nothing was changed)"
+    )
+    assert sorted(src.rglob("*")) == before
