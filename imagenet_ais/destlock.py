@@ -124,8 +124,11 @@ class _ObjectLock:
 
     def _put(self, once: bool) -> None:
         tmp = self.store.scratch_file(LOCK)
-        tmp.write_text(json.dumps(self.me))
-        self.store.put_file(tmp, LOCK, once=once)
+        try:
+            tmp.write_text(json.dumps(self.me))
+            self.store.put_file(tmp, LOCK, once=once)
+        finally:
+            tmp.unlink(missing_ok=True)  # put_file consumes it, unless it failed first (http: read-only)
 
     def _holder(self) -> dict:
         return _parse(self.store.read_bytes(LOCK)) if self.store.exists(LOCK) else {}
