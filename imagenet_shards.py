@@ -62,13 +62,17 @@ def synth_cmd(
 @click.option("--maxsize", default=int(1e9), show_default=True, type=click.IntRange(min=1), help="bytes per shard")
 @click.option("--workers", default=os.cpu_count() or 1, show_default=True, type=click.IntRange(min=1))
 @click.option("--seed", default=0, show_default=True, help="seed of the cross-shard shuffle")
-def convert_cmd(src: Path, dest: str, splits: str, maxcount: int, maxsize: int, workers: int, seed: int) -> None:
+@click.option("--allow-empty", is_flag=True, help="convert even when a split or a class of it ends up with no samples")
+def convert_cmd(
+    src: Path, dest: str, splits: str, maxcount: int, maxsize: int, workers: int, seed: int, allow_empty: bool
+) -> None:
     """Convert the ImageFolder tree SRC into shuffled shards and a manifest at DEST.
 
     Re-running resumes: shards already complete and verified at DEST are kept.
     """
     try:
-        manifest = shards.convert(src, dest, [s for s in splits.split(",") if s], maxcount, maxsize, workers, seed)
+        split_list = [s for s in splits.split(",") if s]
+        manifest = shards.convert(src, dest, split_list, maxcount, maxsize, workers, seed, allow_empty)
     except (OSError, ValueError) as e:  # OSError: a read or an upload failed for good
         raise click.ClickException(str(e)) from e
     for name, split in manifest.splits.items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field
+from typing import get_type_hints
 
 from imagenet_ais.storage import Store
 
@@ -62,11 +63,17 @@ class Manifest:
                 raise ValueError(f"not a {FORMAT} manifest")
             if doc.get("version") != VERSION:
                 raise ValueError(f"manifest version {doc.get('version')} (this tool reads {VERSION})")
+            classes = doc["classes"]
+            if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+                raise ValueError(f'"classes" is {_short(classes)}, not a list of class names')
             splits = {
-                name: SplitInfo([ShardInfo(**s) for s in split["shards"]], list(split["rejected"]))
+                name: SplitInfo(
+                    [_shard(s, f"shard {i} of {name!r}") for i, s in enumerate(split["shards"])],
+                    _rejected(split["rejected"], name),
+                )
                 for name, split in doc["splits"].items()
             }
-            return cls(list(doc["classes"]), splits, dict(doc.get("source", {})))
+            return cls(classes, splits, dict(doc.get("source", {})))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{where}: unreadable manifest ({e}); re-run `imagenet_shards.py convert`") from e
 
@@ -74,6 +81,26 @@ class Manifest:
         if name not in self.splits:
             raise ValueError(f"manifest has no {name!r} split (it has: {', '.join(self.splits) or 'none'})")
         return self.splits[name]
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def _shard(fields: dict, where: str) -> ShardInfo:
+    """A ShardInfo once each field has its declared type (bool is no int here)."""
+    for name, want in get_type_hints(ShardInfo).items():
+        value = fields.get(name)
+        if name in fields and (not isinstance(value, want) or (want is int and isinstance(value, bool))):
+            raise ValueError(f"{where}: {name!r} is {_short(value)}, not {want.__name__}")
+    return ShardInfo(**fields)
+
+
+def _rejected(entries: object, split: str) -> list[dict[str, str]]:
+    if not isinstance(entries, list) or not all(isinstance(r, dict) for r in entries):
+        raise ValueError(f'"rejected" of {split!r} is {_short(entries)}, not a list of objects')
+    return entries
 
 
 def load_manifest(store: Store) -> Manifest:

@@ -1,21 +1,20 @@
 """Shard writing: an ImageFolder tree → shuffled WebDataset tar shards + manifest, and verify.
 
-Shards are planned up front (a seeded shuffle cut by --maxcount/--maxsize), so each one can be
-built in its own process, named before it exists, and skipped on a re-run when a complete,
-checksum-verified copy with the same plan is already at the destination.
+Shards are planned up front (inputs.py), so each one can be built in its own process, named
+before it exists, and skipped on a re-run when a complete, checksum-verified copy with the same
+plan is already at the destination.
 """
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import io
 import json
-import random
 import re
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -23,75 +22,17 @@ import webdataset as wds
 from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
+from imagenet_ais.destlock import LOCK, lock_dest
+from imagenet_ais.inputs import ShardPlan, check_counts, list_classes, plan_split
 from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, load_manifest
-from imagenet_ais.storage import Store, open_store, stream_sha256
+from imagenet_ais.storage import LocalStore, Store, open_store, stream_sha256
 
 JOURNAL = "_progress"  # per-shard records of a conversion in flight; removed once the manifest is written
-TAR_OVERHEAD = 1536  # header + padding for the two members of a sample, for --maxsize planning
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+SET_ASIDE = f"{JOURNAL}/{MANIFEST}"  # the manifest a run started from, kept out of readers' sight meanwhile
+OURS = re.compile(rf"{JOURNAL}/(imagenet-\w+-\d{{6}}\.tar\.json|{re.escape(MANIFEST)})")  # records too, cut short
 
-
-@dataclass
-class ShardPlan:
-    name: str
-    items: list[tuple[str, str, int]]  # (path relative to SRC, key, class index)
-
-    @property
-    def digest(self) -> str:
-        return hashlib.sha256(repr(self.items).encode()).hexdigest()[:16]
-
-
-def shard_name(split: str, index: int) -> str:
-    return f"imagenet-{split}-{index:06d}.tar"
-
-
-def list_classes(src: Path) -> list[str]:
-    train = src / "train"
-    if not train.is_dir():
-        raise FileNotFoundError(f"{train} not found: SRC must hold train/<wnid>/ folders (ImageFolder layout)")
-    classes = sorted(p.name for p in train.iterdir() if p.is_dir())
-    if not classes:
-        raise FileNotFoundError(f"{train} has no class folders")
-    return classes
-
-
-def plan_split(src: Path, split: str, classes: list[str], seed: int, maxcount: int, maxsize: int) -> list[ShardPlan]:
-    root = src / split
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root} not found: create it or leave {split!r} out of --splits")
-    index = {wnid: i for i, wnid in enumerate(classes)}
-    files: list[tuple[str, int, int]] = []
-    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-        if folder.name not in index:
-            raise ValueError(f"{folder}: class {folder.name!r} is not among the train classes")
-        for f in sorted(folder.iterdir()):
-            if f.is_file():
-                files.append((f"{split}/{folder.name}/{f.name}", index[folder.name], f.stat().st_size))
-    random.Random(f"{seed}:{split}").shuffle(files)
-
-    plans: list[ShardPlan] = []
-    used: set[str] = set()
-    items: list[tuple[str, str, int]] = []
-    size = 0
-    for rel, cls, nbytes in files:
-        if items and (len(items) >= maxcount or size + nbytes + TAR_OVERHEAD > maxsize):
-            plans.append(ShardPlan(shard_name(split, len(plans)), items))
-            items, size = [], 0
-        items.append((rel, unique_key(rel, used), cls))
-        size += nbytes + TAR_OVERHEAD
-    if items:
-        plans.append(ShardPlan(shard_name(split, len(plans)), items))
-    return plans
-
-
-def unique_key(rel: str, used: set[str]) -> str:
-    """A member-safe key: no '/', '..' or '.' (webdataset splits keys at the first dot)."""
-    base = re.sub(r"[^A-Za-z0-9_-]", "_", Path(rel).name.split(".")[0]) or "sample"
-    key, n = base, 1
-    while key in used:
-        key, n = f"{base}_{n}", n + 1
-    used.add(key)
-    return key
+Record = tuple[ShardInfo, list[dict[str, str]]]  # a shard built, and the inputs it rejected
+DISK_FULL = (errno.ENOSPC, errno.EFBIG)
 
 
 def as_training_jpeg(data: bytes) -> bytes:
@@ -123,7 +64,18 @@ def file_sha256(path: Path) -> str:
     return stream_sha256(path.open("rb"))
 
 
-def write_shard(src: Path, dest_url: str, plan: ShardPlan) -> tuple[ShardInfo, list[dict[str, str]]]:
+def _disk_full(e: OSError, path: object, store: Store) -> OSError:
+    """ENOSPC or EFBIG while writing ``path`` for ``store``, as one line saying what to do."""
+    where = f"DEST {store.url}" if isinstance(store, LocalStore) else f"the scratch disk of {store.url} (see TMPDIR)"
+    if e.errno == errno.ENOSPC:
+        return OSError(f"no space left on {where} writing {path}: free some space or convert elsewhere")
+    return OSError(
+        f"{path}: file too large for {where} (a file-size limit, see ulimit -f, or the file system's): "
+        "raise the limit or lower --maxsize"
+    )
+
+
+def write_shard(src: Path, dest_url: str, plan: ShardPlan) -> Record:
     """Build one shard in scratch space, then publish it under its final name."""
     store = open_store(dest_url)
     rejected: list[dict[str, str]] = []
@@ -131,13 +83,13 @@ def write_shard(src: Path, dest_url: str, plan: ShardPlan) -> tuple[ShardInfo, l
     try:
         count = 0
         with tmp.open("wb") as f, wds.TarWriter(f, mtime=0) as tar:
-            for rel, key, cls in plan.items:
+            for item in plan.items:
                 try:
-                    jpeg = as_training_jpeg((src / rel).read_bytes())
+                    jpeg = as_training_jpeg((src / item.rel).read_bytes())
                 except (OSError, ValueError) as e:
-                    rejected.append({"path": rel, "reason": str(e)})
+                    rejected.append({"path": item.rel, "reason": str(e)})
                     continue
-                tar.write({"__key__": key, "jpg": jpeg, "cls": str(cls).encode()})
+                tar.write({"__key__": item.key, "jpg": jpeg, "cls": str(item.cls).encode()})
                 count += 1
         info = ShardInfo(plan.name, count, tmp.stat().st_size, file_sha256(tmp), plan.digest)
         # The record goes first: a shard under its final name always has one, so a re-run
@@ -145,28 +97,34 @@ def write_shard(src: Path, dest_url: str, plan: ShardPlan) -> tuple[ShardInfo, l
         record = {"shard": asdict(info), "rejected": rejected}
         store.write_bytes(f"{JOURNAL}/{plan.name}.json", json.dumps(record).encode())
         store.put_file(tmp, plan.name)
+    except OSError as e:
+        if e.errno in DISK_FULL:
+            raise _disk_full(e, tmp, store) from None
+        raise
     finally:
         tmp.unlink(missing_ok=True)
     return info, rejected
 
 
-def _our_manifest(store: Store) -> Manifest | None:
-    """DEST's manifest, if any; one that this tool did not write stops the run, untouched."""
-    if not store.exists(MANIFEST):
-        return None
+def _read_manifests(store: Store) -> tuple[Manifest | None, Manifest | None]:
+    """DEST's published manifest and the one a run in progress set aside, if any. A published
+    one that this tool did not write stops the run, untouched."""
     try:
-        return load_manifest(store)
+        published = load_manifest(store) if store.exists(MANIFEST) else None
     except ValueError as e:
         raise ValueError(
             f"{store.url}/{MANIFEST} is not a manifest written by imagenet_shards.py ({e}): "
             "convert into an empty DEST (nothing was changed)"
         ) from None
+    set_aside = None
+    if store.exists(SET_ASIDE):
+        set_aside = Manifest.from_json(store.read_bytes(SET_ASIDE).decode(), f"{store.url}/{SET_ASIDE}")
+    return published, set_aside
 
 
-def _refuse_foreign(store: Store, known: dict[str, object]) -> None:
+def _refuse_foreign(store: Store, known: dict[str, Record]) -> None:
     """Files in DEST that no manifest or journal of ours names are someone else's: refuse."""
-    ours = re.compile(rf"{JOURNAL}/imagenet-\w+-\d{{6}}\.tar\.json")  # records, also ones cut short
-    foreign = [n for n in store.list() if n != MANIFEST and n not in known and not ours.fullmatch(n)]
+    foreign = [n for n in store.list() if n not in (MANIFEST, LOCK) and n not in known and not OURS.fullmatch(n)]
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise ValueError(
@@ -175,15 +133,17 @@ def _refuse_foreign(store: Store, known: dict[str, object]) -> None:
         )
 
 
-def _known_records(store: Store, old: Manifest | None) -> dict[str, tuple[ShardInfo, list[dict[str, str]]]]:
-    """Shards a previous run finished: from its manifest and from its journal."""
-    known: dict[str, tuple[ShardInfo, list[dict[str, str]]]] = {}
-    if old:
-        for split in old.splits.values():
+def _known_records(store: Store, manifests: list[Manifest]) -> dict[str, Record]:
+    """Shards earlier runs finished: from their manifests and from the journal."""
+    known: dict[str, Record] = {}
+    for manifest in manifests:
+        for split in manifest.splits.values():
             for shard in split.shards:
                 mine = [r for r in split.rejected if r.get("shard") == shard.name]
                 known[shard.name] = (shard, mine)
     for name in store.list(f"{JOURNAL}/"):
+        if name == SET_ASIDE:
+            continue
         try:
             record = json.loads(store.read_bytes(name))
             info = ShardInfo(**record["shard"])
@@ -193,69 +153,151 @@ def _known_records(store: Store, old: Manifest | None) -> dict[str, tuple[ShardI
     return known
 
 
+def _tidy(store: Store, manifest: Manifest, known: dict[str, Record]) -> None:
+    """After ``manifest`` is published: drop shards of ours it does not name, then the journal."""
+    wanted = {s.name for split in manifest.splits.values() for s in split.shards}
+    for name in store.list("imagenet-"):
+        if name in known and name not in wanted:  # ours (refused otherwise), named by no manifest now
+            store.delete(name)
+    for name in store.list(f"{JOURNAL}/"):
+        if name != SET_ASIDE:
+            store.delete(name)
+    store.delete(SET_ASIDE)  # last: until here it names shards that may still be there
+
+
 def _still_good(store: Store, info: ShardInfo) -> bool:
     if not store.exists(info.name) or store.size(info.name) != info.bytes:
         return False
     return stream_sha256(store.open(info.name)) == info.sha256
 
 
+def _check_published(store: Store, manifest: Manifest) -> None:
+    """Every shard the manifest names is there at its size, just before the manifest goes up."""
+    for split in manifest.splits.values():
+        for shard in split.shards:
+            if not store.exists(shard.name) or store.size(shard.name) != shard.bytes:
+                raise OSError(
+                    f"{store.url}/{shard.name} is missing or not {shard.bytes} bytes at the end of the run "
+                    "(changed by something else meanwhile?): no manifest was written; run convert again"
+                )
+
+
+def _labels(plans: list[ShardPlan], results: dict[str, Record] | None = None) -> Iterator[int]:
+    """The class of each sample planned, or (given the results) of each sample written."""
+    for plan in plans:
+        dropped = {r["path"] for r in results[plan.name][1]} if results else set()
+        yield from (item.cls for item in plan.items if item.rel not in dropped)
+
+
 def convert(
-    src: Path, dest_url: str, splits: list[str], maxcount: int, maxsize: int, workers: int, seed: int
+    src: Path,
+    dest_url: str,
+    splits: list[str],
+    maxcount: int,
+    maxsize: int,
+    workers: int,
+    seed: int,
+    allow_empty: bool = False,
 ) -> Manifest:
     if not splits:
         raise ValueError("--splits names no split: give the split folders of SRC, e.g. --splits train,val")
     store = open_store(dest_url)
-    old = _our_manifest(store)
-    known = _known_records(store, old)
-    _refuse_foreign(store, known)
+    if isinstance(store, LocalStore) and store.root.resolve().is_relative_to(src.resolve()):
+        raise ValueError(
+            f"DEST {store.url} is inside SRC {src}: its files would be read as inputs on the next run; "
+            "choose a DEST outside SRC (nothing was changed)"
+        )
     classes = list_classes(src)
+    seen: dict[str, str] = {}  # folders read, across splits: a link to one is not read twice
+    plans = {split: plan_split(src, split, classes, seed, maxcount, maxsize, seen) for split in splits}
+    for split, (split_plans, _) in plans.items():
+        if not allow_empty:
+            check_counts(split, classes, _labels(split_plans))
+    source = {"seed": seed, "maxcount": maxcount, "maxsize": maxsize}
+    try:
+        with lock_dest(store) as lock:
+            return _convert_locked(store, src, classes, plans, source, workers, allow_empty, lock.refresh)
+    except OSError as e:  # the journal, the manifest: small files, but a full disk is a full disk
+        if e.errno in DISK_FULL:
+            raise _disk_full(e, store.url, store) from None
+        raise
+
+
+def _convert_locked(
+    store: Store,
+    src: Path,
+    classes: list[str],
+    plans: dict[str, tuple[list[ShardPlan], list[dict[str, str]]]],
+    source: dict[str, object],
+    workers: int,
+    allow_empty: bool,
+    refresh: Callable[[], None],
+) -> Manifest:
+    published, set_aside = _read_manifests(store)
+    known = _known_records(store, [m for m in (set_aside, published) if m])
+    _refuse_foreign(store, known)
+    old = published or set_aside
     # splits of an earlier run that this one does not convert stay as they are
-    kept = {name: info for name, info in (old.splits.items() if old else []) if name not in splits}
+    kept = {name: info for name, info in (old.splits.items() if old else []) if name not in plans}
     if kept and old and old.classes != classes:
         raise ValueError(
             f"{store.url}/{MANIFEST} holds {', '.join(kept)} labelled with other classes than {src} has: "
-            f"convert those splits too (--splits {','.join([*kept, *splits])}) or use another DEST "
+            f"convert those splits too (--splits {','.join([*kept, *plans])}) or use another DEST "
             "(nothing was changed)"
         )
-    plans = {split: plan_split(src, split, classes, seed, maxcount, maxsize) for split in splits}
-    if old:
-        # The old manifest may name shards this run rewrites: readers must not see it meanwhile.
+    if published:
+        _tidy(store, published, known)  # a run killed while tidying up: finish that first
+        # Readers must not see a manifest naming shards this run may rewrite; the journal keeps
+        # it (a run that fails still knows the shards, and the splits it keeps, next time).
+        store.write_bytes(SET_ASIDE, store.read_bytes(MANIFEST))
         store.delete(MANIFEST)
-    results: dict[str, tuple[ShardInfo, list[dict[str, str]]]] = {}
-    todo: list[ShardPlan] = []
-    for plan in (p for ps in plans.values() for p in ps):
-        record = known.get(plan.name)
-        if record and record[0].plan == plan.digest and _still_good(store, record[0]):
-            results[plan.name] = record
-        else:
-            todo.append(plan)
-    total = sum(len(p.items) for p in todo)
-    with (
-        tqdm(total=total, unit="img", desc=f"convert → {dest_url}", disable=total == 0) as bar,
-        ProcessPoolExecutor(max_workers=max(1, workers)) as pool,
-    ):
-        futures = {pool.submit(write_shard, src, dest_url, plan): plan for plan in todo}
-        for future in as_completed(futures):
-            results[futures[future].name] = future.result()
-            bar.update(len(futures[future].items))
+    results = _build(store, src, [p for ps, _ in plans.values() for p in ps], known, workers, refresh)
 
-    manifest = Manifest(classes, dict(kept), {"seed": seed, "maxcount": maxcount, "maxsize": maxsize})
-    for split, split_plans in plans.items():
-        info = SplitInfo()
+    manifest = Manifest(classes, dict(kept), source)
+    for split, (split_plans, unread) in plans.items():
+        if not allow_empty:  # again: every file of a class may have been rejected
+            check_counts(split, classes, _labels(split_plans, results))
+        info = SplitInfo(rejected=list(unread))
         for plan in split_plans:
             shard, rejected = results[plan.name]
             info.shards.append(shard)
             info.rejected.extend({**r, "shard": plan.name} for r in rejected)
         manifest.splits[split] = info
+    _check_published(store, manifest)
     store.write_bytes(MANIFEST, manifest.to_json().encode())
-    # Only now is it safe to drop what no manifest names any more.
-    wanted = {s.name for split in manifest.splits.values() for s in split.shards}
-    for name in store.list("imagenet-"):
-        if name in known and name not in wanted:  # ours (refused otherwise), named by no manifest now
-            store.delete(name)
-    for name in store.list(f"{JOURNAL}/"):
-        store.delete(name)
+    _tidy(store, manifest, known)
     return manifest
+
+
+def _build(
+    store: Store, src: Path, plans: list[ShardPlan], known: dict[str, Record], workers: int, refresh: Callable[[], None]
+) -> dict[str, Record]:
+    """Every planned shard: kept when a verified copy built from the same inputs is there, else built."""
+    results: dict[str, Record] = {}
+    todo: list[ShardPlan] = []
+    for plan in plans:
+        record = known.get(plan.name)
+        if record and record[0].plan == plan.digest and _still_good(store, record[0]):
+            results[plan.name] = record
+        else:
+            todo.append(plan)
+        refresh()
+    total = sum(len(p.items) for p in todo)
+    with (
+        tqdm(total=total, unit="img", desc=f"convert → {store.url}", disable=total == 0) as bar,
+        ProcessPoolExecutor(max_workers=max(1, workers)) as pool,
+    ):
+        futures = {pool.submit(write_shard, src, store.url, plan): plan for plan in todo}
+        try:
+            for future in as_completed(futures):
+                results[futures[future].name] = future.result()
+                bar.update(len(futures[future].items))
+                refresh()
+        except BaseException:
+            for future in futures:  # fail now, not after building every shard still queued
+                future.cancel()
+            raise
+    return results
 
 
 def iter_members(stream: io.BufferedIOBase) -> Iterator[tuple[str, bytes]]:
@@ -281,19 +323,31 @@ def check_shard(dest_url: str, info: ShardInfo, num_classes: int) -> str | None:
                 key, _, ext = name.partition(".")
                 if "/" in name or ".." in name or not key:
                     return f"bad member name {name!r}"
+                if ext not in ("jpg", "cls"):  # a .pyd or .pickle would even be unpickled by a reader
+                    return f"unexpected member {name!r}: a shard holds only <key>.jpg and <key>.cls"
+                if ext in samples.setdefault(key, set()):
+                    return f"duplicate key {key!r}: {name} is in the shard twice"
+                samples[key].add(ext)
                 if ext == "jpg":
                     with Image.open(io.BytesIO(data)) as img:
                         img.load()
-                elif ext == "cls" and not 0 <= int(data) < num_classes:
-                    return f"{name}: class {int(data)} out of range"
-                samples.setdefault(key, set()).add(ext)
+                elif (label := _label(data)) is None or not 0 <= label < num_classes:
+                    shown = data[:20].decode(errors="replace")
+                    return f"{name}: label {shown!r} is not a class of the manifest (0..{num_classes - 1})"
     except (OSError, ValueError, tarfile.TarError) as e:
         return f"unreadable ({type(e).__name__}: {e})"
-    if incomplete := [k for k, exts in samples.items() if exts != {"jpg", "cls"}]:
-        return f"sample {incomplete[0]!r} lacks .jpg or .cls"
+    if incomplete := [k for k, exts in samples.items() if len(exts) < 2]:
+        return f"sample {incomplete[0]!r} lacks its .{({'jpg', 'cls'} - samples[incomplete[0]]).pop()}"
     if len(samples) != info.samples:
         return f"{len(samples)} samples != manifest {info.samples}"
     return None
+
+
+def _label(data: bytes) -> int | None:
+    try:
+        return int(data)
+    except ValueError:
+        return None
 
 
 def verify(dest_url: str, workers: int) -> dict[str, str]:

@@ -110,7 +110,10 @@ class LocalStore(_StoreBase):
 
     def delete(self, name: str) -> None:
         path = self._path(name)
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return  # (its folder may be gone too)
         for parent in path.parents:  # drop folders the deletion left empty, like a bucket would
             if parent == self.root or any(parent.iterdir()):
                 break

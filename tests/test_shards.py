@@ -5,18 +5,24 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
+import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_cli, wait_until
+from conftest import ROOT, run_cli, tiny_jpeg, wait_until, write_shards
 from PIL import Image
 
+from imagenet_ais import synth
+from imagenet_ais.shards import file_sha256
 from imagenet_ais.synth import wnid
 
 
@@ -218,3 +224,343 @@ def test_a_16_bit_gray_png_keeps_its_tones(tmp_path: Path) -> None:
     (stored,) = [v for k, v in members(dest / "imagenet-train-000000.tar").items() if k.endswith(".jpg")]
     gray = np.asarray(Image.open(io.BytesIO(stored)).convert("L"), dtype=np.float64)
     assert abs(gray.mean() - 127.5) < 4 and gray[:, :16].mean() < 12 and gray[:, -16:].mean() > 243
+
+
+def start_convert(src: Path, dest: str | Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, ROOT / "imagenet_shards.py", "convert", src, dest, *args],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def test_a_second_convert_into_the_same_dest_is_refused(tree: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "shards"
+    args = ["--maxcount", "1", "--workers", "1"]
+    first = start_convert(tree, dest, *args)
+    wait_until(first, lambda: len(list(dest.glob("imagenet-*.tar"))) >= 2, "2 shards written", poll=0.002)
+    os.killpg(first.pid, signal.SIGSTOP)  # mid-run for as long as the second one takes
+    try:
+        second = run_cli("imagenet_shards.py", "convert", tree, dest, *args, check=False)
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
+    assert second.returncode == 1 and "Traceback" not in second.stderr
+    line = second.stderr.strip().splitlines()[-1]
+    assert line == (
+        f"Error: {dest} is being converted by PID {first.pid} on {socket.gethostname()}: "
+        "wait for it to finish (nothing was changed)"
+    )
+    assert first.wait() == 0, first.stderr.read()
+    manifest = json.loads((dest / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["samples"] == 72 and manifest["splits"]["val"]["samples"] == 24
+    assert sorted(p.name for p in dest.iterdir()) == sorted(
+        ["manifest.json", *(s["name"] for split in manifest["splits"].values() for s in split["shards"])]
+    ), "no lock or journal left behind"
+    run_cli("imagenet_shards.py", "verify", dest)
+
+
+def test_a_failed_run_publishes_no_manifest_and_the_next_keeps_the_other_splits(tree: Path, tmp_path: Path) -> None:
+    """The manifest a run starts from is set aside, not lost: killed while rewriting val, DEST has
+    no manifest (readers see no dataset), and the next run still knows train is ours and keeps it."""
+    dest = tmp_path / "shards"
+    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20")
+    before = json.loads((dest / "manifest.json").read_text())
+    train = {p.name: p.read_bytes() for p in dest.glob("imagenet-train-*.tar")}
+
+    args = ["--splits", "val", "--maxcount", "1", "--workers", "1"]
+    killed = start_convert(tree, dest, *args)
+    wait_until(killed, lambda: (dest / "imagenet-val-000005.tar").exists(), "6 val shards written", poll=0.002)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    assert not (dest / "manifest.json").exists(), "a manifest describing shards being rewritten"
+
+    run_cli("imagenet_shards.py", "convert", tree, dest, *args)
+    after = json.loads((dest / "manifest.json").read_text())
+    assert after["splits"]["train"] == before["splits"]["train"]
+    assert len(after["splits"]["val"]["shards"]) == 24
+    assert {p.name: p.read_bytes() for p in dest.glob("imagenet-train-*.tar")} == train
+    assert not (dest / "_progress").exists() and not (dest / "_convert.lock").exists()
+    run_cli("imagenet_shards.py", "verify", dest)
+
+
+@pytest.mark.parametrize("holder", ["alive", "dead"])
+def test_an_object_store_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(
+    holder: str, gcs, tmp_path: Path
+) -> None:
+    from imagenet_ais.storage import GCSStore
+
+    src = tmp_path / "src"
+    synth.make_tree(src, classes=2, train_per_class=2, val_per_class=1, seed=0)
+    url = f"gs://{gcs.make_bucket()}/shards"
+    store = GCSStore(url)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = os.getpid() if holder == "alive" else int(gone.stdout)
+    lock = {"pid": pid, "host": socket.gethostname(), "time": time.time(), "token": "theirs"}
+    store.write_bytes("_convert.lock", json.dumps(lock).encode())
+
+    proc = run_cli("imagenet_shards.py", "convert", src, url, "--workers", "1", check=False)
+    if holder == "alive":
+        assert proc.returncode == 1
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"Error: {url} is being converted by PID {pid} on {socket.gethostname()}: "
+            "wait for it to finish (nothing was changed)"
+        )
+        assert store.list() == ["_convert.lock"]
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert f"_convert.lock of PID {pid} on {socket.gethostname()} is stale" in proc.stderr
+        assert "_convert.lock" not in store.list() and store.exists("manifest.json")
+
+
+def test_a_rerun_rereads_inputs_that_changed(tree: Path, tmp_path: Path) -> None:
+    """A fixed image is no longer rejected and a replaced one (same name, same size) is stored
+    anew; shards whose inputs did not change are kept as they are."""
+    src, dest = tmp_path / "src", tmp_path / "shards"
+    shutil.copytree(tree, src)
+    args = ["--maxcount", "10", "--workers", "2"]
+    run_cli("imagenet_shards.py", "convert", src, dest, *args)
+    mtimes = {p.name: p.stat().st_mtime_ns for p in dest.glob("*.tar")}
+
+    fixed = src / "train" / wnid(0) / f"{wnid(0)}_truncated.JPEG"
+    fixed.write_bytes((src / "train" / wnid(0) / f"{wnid(0)}_0.JPEG").read_bytes())
+    replaced = src / "train" / wnid(3) / f"{wnid(3)}_0.JPEG"
+    data = bytearray(replaced.read_bytes())
+    data[len(data) // 2] ^= 0x01  # other bytes, the same size
+    replaced.write_bytes(bytes(data))
+    run_cli("imagenet_shards.py", "convert", src, dest, *args)
+
+    train = json.loads((dest / "manifest.json").read_text())["splits"]["train"]
+    assert train["samples"] == 73
+    assert {Path(r["path"]).name for r in train["rejected"]} == {f"{wnid(0)}_{b}.JPEG" for b in ("empty", "notimage")}
+    stored = {n: v for s in train["shards"] for n, v in members(dest / s["name"]).items()}
+    assert stored[f"{wnid(3)}_0.jpg"] == bytes(data)
+    assert stored[f"{wnid(0)}_truncated.jpg"] == fixed.read_bytes()
+    rewritten = [p.name for p in dest.glob("*.tar") if p.stat().st_mtime_ns != mtimes[p.name]]
+    assert 1 <= len(rewritten) <= 2, rewritten
+
+
+def small_tree(root: Path, layout: dict[str, str | None]) -> Path:
+    """Files (a tiny JPEG each) and symlinks (``"-> target"``) under ``root``; None: an empty folder."""
+    rng = random.Random(0)
+    for rel, what in layout.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if what is None:
+            path.mkdir()
+        elif what.startswith("-> "):
+            path.symlink_to(what[3:])
+        else:
+            path.write_bytes(tiny_jpeg(rng, 1) if what == "jpeg" else what.encode())
+    return root
+
+
+def test_every_input_file_is_in_a_shard_or_listed_with_a_reason(tmp_path: Path) -> None:
+    src = small_tree(
+        tmp_path / "src",
+        {
+            "train/n1/a.JPEG": "jpeg",
+            "train/n1/sub/deeper/b.JPEG": "jpeg",  # nested: read, as ImageFolder does
+            "train/n1/loop": "-> .",  # a folder symlink loop
+            "train/n1/up": "-> ../..",  # a link to SRC
+            "train/n1/sub/again": "-> ../../n2",  # a link to another class folder
+            "train/n1/dangling.JPEG": "-> nowhere.JPEG",
+            "train/n1/self.JPEG": "-> self.JPEG",
+            "train/n2/c.JPEG": "jpeg",
+            "train/stray.JPEG": "jpeg",
+            "val/n1/d.JPEG": "jpeg",
+            "val/n2/e.JPEG": "jpeg",
+        },
+    )
+    dest = tmp_path / "shards"
+    out = run_cli("imagenet_shards.py", "convert", src, dest, "--workers", "1").stdout
+    train = json.loads((dest / "manifest.json").read_text())["splits"]["train"]
+    stored = members(dest / "imagenet-train-000000.tar")
+    assert sorted(n for n in stored if n.endswith(".cls")) == ["a.cls", "b.cls", "c.cls"]
+    assert stored["b.cls"] == b"0" and stored["c.cls"] == b"1"
+    reasons = {r["path"]: r["reason"] for r in train["rejected"]}
+    assert reasons == {
+        "train/n1/loop": "a link to the folder train/n1: its files are read there, not twice",
+        "train/n1/up": "a link to the folder .: its files are read there, not twice",
+        "train/n1/sub/again": "a link to the folder train/n2: its files are read there, not twice",
+        "train/n1/dangling.JPEG": "a broken symlink (to nowhere.JPEG): point it at an image or remove it",
+        "train/n1/self.JPEG": "a symlink loop: point it at an image or remove it",
+        "train/stray.JPEG": "not in a class folder: move it into train/<wnid>/",
+    }
+    for path, reason in reasons.items():
+        assert f"rejected {path}: {reason}" in out
+    assert "train: 3 samples in 1 shards, 6 rejected" in out and "val: 2 samples" in out
+
+
+def refused(src: Path, dest: Path, *args: str) -> str:
+    """convert's one-line error; DEST is left as it was (absent here) and no manifest is written."""
+    proc = run_cli("imagenet_shards.py", "convert", src, dest, "--workers", "1", *args, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert not (dest / "manifest.json").exists()
+    return proc.stderr.strip().splitlines()[-1]
+
+
+CLASSES = {"train/n1/a.JPEG": "jpeg", "train/n2/b.JPEG": "jpeg", "val/n1/c.JPEG": "jpeg", "val/n2/d.JPEG": "jpeg"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ({"train/n3": None, "val/n3/f.JPEG": "jpeg"}, "Error: train/n3 has no samples (the folder is missing"),
+        ({"train/n3/x.JPEG": "", "val/n3/f.JPEG": "jpeg"}, "Error: train/n3 has no samples"),  # rejected
+        ({"train/n3/x.JPEG": "jpeg"}, "Error: val/n3 has no samples"),
+        ({"val/n2/d.JPEG": "-> gone.JPEG"}, "Error: val/n2 has no samples"),
+    ],
+)
+def test_a_class_with_no_samples_is_an_error_unless_allowed(extra: dict, says: str, tmp_path: Path) -> None:
+    src = small_tree(tmp_path / "src", {**CLASSES, **extra})
+    dest = tmp_path / "shards"
+    line = refused(src, dest)
+    assert line.startswith(says) and line.endswith("or pass --allow-empty to convert without them")
+    run_cli("imagenet_shards.py", "convert", src, dest, "--workers", "1", "--allow-empty")
+    assert (dest / "manifest.json").exists()
+
+
+def test_an_empty_split_is_an_error_unless_allowed(tmp_path: Path) -> None:
+    src = small_tree(tmp_path / "src", {"train/n1/a.JPEG": "jpeg", "val": None})
+    assert refused(src, tmp_path / "shards") == (
+        "Error: val has no samples: add images to val/<wnid>/, or pass --allow-empty to convert without them"
+    )
+    run_cli("imagenet_shards.py", "convert", src, tmp_path / "shards", "--allow-empty")
+    assert json.loads((tmp_path / "shards" / "manifest.json").read_text())["splits"]["val"]["shards"] == []
+
+
+def test_the_raw_flat_val_layout_is_refused_with_how_to_arrange_it(tmp_path: Path) -> None:
+    layout = {"train/n1/a.JPEG": "jpeg", **{f"val/ILSVRC2012_val_{i:08d}.JPEG": "jpeg" for i in range(1, 4)}}
+    src = small_tree(tmp_path / "src", layout)
+    assert refused(src, tmp_path / "shards") == (
+        f"Error: {src / 'val'} holds 3 files and no class folders (the raw ILSVRC2012 val layout?): "
+        "arrange them as val/<wnid>/<file> (e.g. with ILSVRC2012's valprep.sh), or leave 'val' out of --splits"
+    )
+
+
+@pytest.mark.parametrize("link", ["train/n3", "val/n2"])
+def test_a_class_folder_linked_to_another_is_refused(link: str, tmp_path: Path) -> None:
+    src = small_tree(tmp_path / "src", {**CLASSES, "train/n3/e.JPEG": "jpeg", "val/n3/f.JPEG": "jpeg"})
+    shutil.rmtree(src / link)
+    (src / link).symlink_to(src / "train" / "n1")
+    assert refused(src, tmp_path / "shards") == (
+        f"Error: {src / link} is the same folder as {src / 'train' / 'n1'} (a symlink): its images would be "
+        "read twice, under two labels or in two splits; make it a folder of its own (nothing was changed)"
+    )
+    assert not (tmp_path / "shards").exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (
+            lambda m: m["splits"]["train"]["shards"][1].update(samples="16"),
+            "shard 1 of 'train': 'samples' is \"16\", not int",
+        ),
+        (
+            lambda m: m["splits"]["train"]["shards"][0].update(bytes=True),
+            "shard 0 of 'train': 'bytes' is true, not int",
+        ),
+        (lambda m: m.update(classes="c0 c1"), '"classes" is "c0 c1", not a list of class names'),
+        (
+            lambda m: m["splits"]["train"].update(rejected="none"),
+            '"rejected" of \'train\' is "none", not a list of objects',
+        ),
+    ],
+)
+def test_a_manifest_field_of_the_wrong_type_is_one_line(edit, says: str, tmp_path: Path) -> None:
+    write_shards(tmp_path, {"train": [3, 3]})
+    doc = json.loads((tmp_path / "manifest.json").read_text())
+    edit(doc)
+    (tmp_path / "manifest.json").write_text(json.dumps(doc))
+    for verb in ("summary", "verify"):
+        proc = run_cli("imagenet_shards.py", verb, tmp_path, check=False)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            f"Error: {tmp_path / 'manifest.json'}: unreadable manifest ({says}); re-run `imagenet_shards.py convert`"
+        ]
+
+
+@pytest.mark.parametrize(
+    ("names", "samples", "says"),
+    [
+        (
+            ["k0.jpg", "k0.cls", "k1.jpg", "k1.cls", "k0.jpg", "k0.cls"],
+            2,
+            "duplicate key 'k0': k0.jpg is in the shard twice",
+        ),
+        (["k0.jpg", "k0.cls", "k0.pyd"], 1, "unexpected member 'k0.pyd': a shard holds only <key>.jpg and <key>.cls"),
+        (
+            ["k0.pickle", "k0.jpg", "k0.cls"],
+            1,
+            "unexpected member 'k0.pickle': a shard holds only <key>.jpg and <key>.cls",
+        ),
+        (["k0.jpg", "k0.cls=99"], 1, "k0.cls: label '99' is not a class of the manifest (0..3)"),
+        (["k0.jpg", "k0.cls=-1"], 1, "k0.cls: label '-1' is not a class of the manifest (0..3)"),
+        (["k0.jpg", "k0.cls=one"], 1, "k0.cls: label 'one' is not a class of the manifest (0..3)"),
+        (["k0.jpg", "k0.cls", "k1.jpg"], 2, "sample 'k1' lacks its .cls"),
+    ],
+)
+def test_verify_names_what_is_wrong_inside_a_shard(names: list[str], samples: int, says: str, tmp_path: Path) -> None:
+    """Shards whose size and checksum match the manifest, so only reading them can tell."""
+    write_shards(tmp_path, {"train": [1]})
+    shard = tmp_path / "imagenet-train-000000.tar"
+    with tarfile.open(shard, "w") as tar:
+        for name in names:
+            name, _, value = name.partition("=")
+            data = tiny_jpeg(random.Random(0), 1) if name.endswith(".jpg") else (value or "1").encode()
+            member = tarfile.TarInfo(name)
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    doc = json.loads((tmp_path / "manifest.json").read_text())
+    doc["splits"]["train"]["shards"][0].update(samples=samples, bytes=shard.stat().st_size, sha256=file_sha256(shard))
+    (tmp_path / "manifest.json").write_text(json.dumps(doc))
+    proc = run_cli("imagenet_shards.py", "verify", tmp_path, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == f"BAD {tmp_path}/imagenet-train-000000.tar: {says}"
+
+
+def test_a_file_size_limit_is_one_line_and_publishes_nothing(tree: Path, tmp_path: Path) -> None:
+    dest, limit = tmp_path / "shards", 1 << 20  # the first shard (all of train) is larger
+
+    def limited() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    cmd = [sys.executable, ROOT / "imagenet_shards.py", "convert", tree, dest, "--workers", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, preexec_fn=limited)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"Error: {dest}/.imagenet-train-000000.tar.") and ".partial: file too large for DEST" in line
+    assert line.endswith("(a file-size limit, see ulimit -f, or the file system's): raise the limit or lower --maxsize")
+    assert not (dest / "manifest.json").exists() and not list(dest.glob(".*.partial"))
+
+
+def test_a_full_disk_is_one_line_and_publishes_nothing(tree: Path, tmp_path: Path) -> None:
+    """DEST on a 256 KiB tmpfs, mounted in a user and mount namespace of the convert's own."""
+    dest = tmp_path / "shards"
+    dest.mkdir()
+    mount = 'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$@"'
+    convert = [sys.executable, ROOT / "imagenet_shards.py", "convert", tree, dest, "--workers", "1"]
+    if not shutil.which("unshare") or run_cli("unshare", "-rm", "true", check=False).returncode:
+        pytest.skip("no unshare, or user namespaces are not allowed here")
+    proc = run_cli("unshare", "-rm", "sh", "-c", mount, dest, *convert, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"Error: no space left on DEST {dest} writing {dest}/.imagenet-train-000000.tar.")
+    assert line.endswith(".partial: free some space or convert elsewhere")
+
+
+@pytest.mark.parametrize("inside", [".", "train/shards", "elsewhere/shards"])
+def test_a_dest_inside_src_is_refused(inside: str, tmp_path: Path) -> None:
+    src = small_tree(tmp_path / "src", CLASSES)
+    before = sorted(src.rglob("*"))
+    dest = src / inside
+    assert refused(src, dest) == (
+        f"Error: DEST {dest} is inside SRC {src}: its files would be read as inputs on the next run; "
+        "choose a DEST outside SRC (nothing was changed)"
+    )
+    assert sorted(src.rglob("*")) == before

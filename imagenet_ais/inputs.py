@@ -1,0 +1,180 @@
+"""What convert reads from SRC: the classes, every file of a split, and the plan of its shards.
+
+Every file under a split folder is either planned into a shard or rejected with a reason, and
+a class or split left with no samples is an error unless allowed: nothing is dropped unsaid.
+Shards are planned up front (a seeded shuffle cut by --maxcount/--maxsize), so each one can be
+built in its own process, named before it exists, and recognised on a re-run.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import random
+import re
+import stat
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+TAR_OVERHEAD = 1536  # header + padding for the two members of a sample, for --maxsize planning
+Rejected = dict[str, str]  # {"path": relative to SRC, "reason": ...}
+
+
+class Input(NamedTuple):
+    rel: str  # path relative to SRC
+    key: str
+    cls: int  # class index
+    size: int  # size and mtime as planned: a file changed since is a different input
+    mtime_ns: int
+
+
+@dataclass
+class ShardPlan:
+    name: str
+    items: list[Input]
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(repr(self.items).encode()).hexdigest()[:16]
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"imagenet-{split}-{index:06d}.tar"
+
+
+def list_classes(src: Path) -> list[str]:
+    train = src / "train"
+    if not train.is_dir():
+        raise FileNotFoundError(f"{train} not found: SRC must hold train/<wnid>/ folders (ImageFolder layout)")
+    classes = sorted(p.name for p in train.iterdir() if p.is_dir())
+    if not classes:
+        raise FileNotFoundError(f"{train} has no class folders: arrange it as train/<wnid>/<file>")
+    return classes
+
+
+def _unreadable(path: str, e: OSError) -> str:
+    if e.errno == errno.ELOOP:
+        return "a symlink loop: point it at an image or remove it"
+    if e.errno == errno.ENOENT and os.path.islink(path):
+        return f"a broken symlink (to {os.readlink(path)}): point it at an image or remove it"
+    return f"{type(e).__name__}: {e.strerror}"
+
+
+def _walk(
+    folder: str, rel: str, seen: dict[str, str], files: list[tuple[str, os.stat_result]], rejected: list[Rejected]
+) -> None:
+    """The files below a class folder, subfolders included (as ImageFolder reads them);
+    a folder reached twice (a symlink loop, or a link to a class folder) is read once."""
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        where = f"{rel}/{entry.name}"
+        try:
+            st = os.stat(entry.path)
+        except OSError as e:
+            rejected.append({"path": where, "reason": _unreadable(entry.path, e)})
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            real = os.path.realpath(entry.path)
+            if real in seen:
+                reason = f"a link to the folder {seen[real]}: its files are read there, not twice"
+                rejected.append({"path": where, "reason": reason})
+                continue
+            seen[real] = where
+            _walk(entry.path, where, seen, files, rejected)
+        elif stat.S_ISREG(st.st_mode):
+            files.append((where, st))
+        else:
+            rejected.append({"path": where, "reason": "not a regular file (a pipe, socket or device)"})
+
+
+def read_split(
+    src: Path, split: str, classes: list[str], seen: dict[str, str]
+) -> tuple[list[tuple[str, int, os.stat_result]], list[Rejected]]:
+    """(path, class index, stat) of every file of a split, and what was rejected before reading.
+    ``seen`` maps the real path of each folder read so far (across splits) to its name under SRC."""
+    root = src / split
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} not found: create it or leave {split!r} out of --splits")
+    index = {wnid: i for i, wnid in enumerate(classes)}
+    files: list[tuple[str, int, os.stat_result]] = []
+    rejected: list[Rejected] = []
+    for above in (src, root):  # a link up to one of them from a class folder would read its strays
+        seen.setdefault(os.path.realpath(above), str(above.relative_to(src)))
+    entries = sorted(root.iterdir())
+    folders = [p for p in entries if p.is_dir()]
+    if not folders and entries:
+        raise ValueError(
+            f"{root} holds {len(entries)} files and no class folders (the raw ILSVRC2012 val layout?): "
+            f"arrange them as {split}/<wnid>/<file> (e.g. with ILSVRC2012's valprep.sh), "
+            f"or leave {split!r} out of --splits"
+        )
+    for stray in (p for p in entries if p not in folders):
+        try:
+            stray.stat()
+            reason = f"not in a class folder: move it into {split}/<wnid>/"
+        except OSError as e:
+            reason = _unreadable(str(stray), e)
+        rejected.append({"path": f"{split}/{stray.name}", "reason": reason})
+    for folder in folders:  # all of them first, so that a link below one to another is seen as such
+        if folder.name not in index:
+            raise ValueError(f"{folder}: class {folder.name!r} is not among the train classes")
+        real = os.path.realpath(folder)
+        if real in seen:
+            raise ValueError(
+                f"{folder} is the same folder as {src / seen[real]} (a symlink): its images would be read "
+                "twice, under two labels or in two splits; make it a folder of its own (nothing was changed)"
+            )
+        seen[real] = f"{split}/{folder.name}"
+    for folder in folders:
+        found: list[tuple[str, os.stat_result]] = []
+        _walk(str(folder), f"{split}/{folder.name}", seen, found, rejected)
+        files.extend((path, index[folder.name], st) for path, st in found)
+    return files, rejected
+
+
+def plan_split(
+    src: Path, split: str, classes: list[str], seed: int, maxcount: int, maxsize: int, seen: dict[str, str]
+) -> tuple[list[ShardPlan], list[Rejected]]:
+    files, rejected = read_split(src, split, classes, seen)
+    random.Random(f"{seed}:{split}").shuffle(files)
+    plans: list[ShardPlan] = []
+    used: set[str] = set()
+    items: list[Input] = []
+    size = 0
+    for rel, cls, st in files:
+        if items and (len(items) >= maxcount or size + st.st_size + TAR_OVERHEAD > maxsize):
+            plans.append(ShardPlan(shard_name(split, len(plans)), items))
+            items, size = [], 0
+        items.append(Input(rel, unique_key(rel, used), cls, st.st_size, st.st_mtime_ns))
+        size += st.st_size + TAR_OVERHEAD
+    if items:
+        plans.append(ShardPlan(shard_name(split, len(plans)), items))
+    return plans, rejected
+
+
+def check_counts(split: str, classes: list[str], labels: Iterable[int]) -> None:
+    """A split, or a class within it, with no samples is an error: training would silently
+    skip validation or never see the class."""
+    counts = Counter(labels)
+    hint = "or pass --allow-empty to convert without them"
+    if not counts:
+        raise ValueError(f"{split} has no samples: add images to {split}/<wnid>/, {hint}")
+    if empty := [wnid for i, wnid in enumerate(classes) if not counts[i]]:
+        more = f" and {len(empty) - 1} more classes" if len(empty) > 1 else ""
+        raise ValueError(
+            f"{split}/{empty[0]}{more} has no samples (the folder is missing or empty, or every file in it "
+            f"was rejected): add images, {hint}"
+        )
+
+
+def unique_key(rel: str, used: set[str]) -> str:
+    """A member-safe key: no '/', '..' or '.' (webdataset splits keys at the first dot)."""
+    base = re.sub(r"[^A-Za-z0-9_-]", "_", Path(rel).name.split(".")[0]) or "sample"
+    key, n = base, 1
+    while key in used:
+        key, n = f"{base}_{n}", n + 1
+    used.add(key)
+    return key
