@@ -103,6 +103,12 @@ def parse_workers(value: str) -> int | None:
     type=click.IntRange(min=1),
     help="samples each rank mixes, split among its workers (each at least one batch)",
 )
+@click.option(
+    "--max-bad",
+    default=0.01,
+    type=click.FloatRange(0, 1),
+    help="fraction of an epoch's samples that may be skipped or padded (damaged data) before the run stops",
+)
 @click.option("--log-every", default=20, type=click.IntRange(min=1), help="steps per metrics record")
 @click.option("--log-keys", is_flag=True, help="write every training key per epoch and rank under OUTPUT/keys/")
 @click.option("--upload", help="also upload checkpoints, metrics and log here (gs://, ais:// or a directory)")
@@ -114,7 +120,8 @@ def main(compile_: bool, **options: object) -> None:
     """Train with fixed-length epochs, DDP, validation and checkpoints every epoch.
 
     Exit status: 0 done (or --max-steps reached); 1 bad input; 3 some upload never made it
-    (local copies kept); 75 stopped by SIGTERM/SIGUSR1 after saving: continue with --resume auto.
+    (local copies kept); 4 an epoch's data was damaged beyond --max-bad (checkpoint saved);
+    75 stopped by SIGTERM/SIGUSR1 after saving: continue with --resume auto.
     """
     cfg = TrainConfig(compile=compile_, **options)  # type: ignore[arg-type]
     try:

@@ -27,7 +27,6 @@ import math
 import multiprocessing as mp
 import random
 import signal
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,13 +166,15 @@ class StreamSpec:
     decode: str = "cpu"  # or "gpu": workers hand over JPEG bytes, the device decodes
     cache: ShardCache | None = None  # remote shards kept on local disk
     shuffle: int = 0  # samples each worker mixes before batching (0: stored order)
+    classes: int = 0  # labels must be below this (0: not checked)
 
 
 class ShardStream(IterableDataset):
     """The samples of this rank for the current epoch, split among DataLoader workers.
 
     ``epoch`` and the skip counters live in shared memory so that persistent workers see
-    the epoch the main process set and the main process sees what workers skipped.
+    the epoch the main process set and the main process sees what workers skipped; what was
+    wrong goes to the main process through ``problems``, once per shard and worker.
     """
 
     def __init__(self, spec: StreamSpec, mode: str):
@@ -185,7 +186,9 @@ class ShardStream(IterableDataset):
         self.epoch = mp.Value("q", 0)
         self.size = mp.Value("q", spec.image_size)  # output side; changes between epochs (--progressive)
         self.skipped = mp.Value("q", 0)  # samples that failed to decode
-        self.read_errors = mp.Value("q", 0)  # shards that failed part-way
+        self.read_errors = mp.Value("q", 0)  # shards that failed part-way or held fewer samples than listed
+        self.problems: mp.Queue = mp.Queue()  # "where: what" lines, for the training process to name
+        self._told: set[str] = set()  # (per worker) shards already reported
         # (epoch, {shard: sample indices}) already trained on before a restart; set before the
         # workers start, so even persistent workers see it
         self.skip: tuple[int, dict[int, set[int]]] = (-1, {})
@@ -208,30 +211,40 @@ class ShardStream(IterableDataset):
         with counter.get_lock():
             counter.value += 1
 
-    def _read_error(self, exn: Exception) -> bool:
-        print(f"warning: shard read failed, skipping the rest of it: {exn!r}", file=sys.stderr)
-        self._count(self.read_errors)
-        return True
+    def report(self, where: str, problem: str, counter: mp.Value) -> None:
+        # the line goes first, so that the training process has it once it sees the count
+        if where not in self._told:
+            self._told.add(where)
+            self.problems.put(f"{where}: {problem}")
+        self._count(counter)
 
     def _samples(self, piece: Piece) -> Iterator[tuple[int, dict]]:
         name = self.spec.names[piece.shard]
+        where = f"{self.spec.location}/{name}"
+        errors: list[Exception] = []
         try:
             stream = (self.spec.cache or _store(self.spec.location)).open(name)
         except Exception as e:  # after the storage client's own retries
-            self._read_error(e)
+            self.report(where, f"could not be read, skipped ({e})", self.read_errors)
             return
+        end = piece.start  # one past the last sample seen
         with stream:
+            # a handler returning None stops reading the shard: past a broken member, nothing is trusted
             files = tar_file_expander(
-                [{"url": f"{self.spec.location}/{name}", "stream": stream}],
-                handler=self._read_error,
-                select_files=_wanted_member,
+                [{"url": where, "stream": stream}], handler=errors.append, select_files=_wanted_member
             )
             skip_epoch, skip = self.skip
             done = skip.get(piece.shard, set()) if skip_epoch == self.epoch.value else set()
-            samples = itertools.islice(
-                enumerate(group_by_keys(files, handler=self._read_error)), piece.start, piece.stop
-            )
-            yield from ((i, sample) for i, sample in samples if i not in done)
+            samples = itertools.islice(enumerate(group_by_keys(files, handler=errors.append)), piece.start, piece.stop)
+            for i, sample in samples:
+                end = i + 1
+                if i not in done:
+                    yield i, sample
+        if errors:
+            self.report(where, f"read failed at sample {end}, the rest skipped ({errors[0]})", self.read_errors)
+        elif end < piece.stop:
+            listed = self.spec.counts[piece.shard]
+            self.report(where, f"ends after {end} samples, the manifest lists {listed}", self.read_errors)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
         info = get_worker_info()
@@ -247,16 +260,22 @@ class ShardStream(IterableDataset):
         for piece in pieces:
             for index, sample in self._samples(piece):
                 try:
-                    data = next(sample[e] for e in IMAGE_EXTS if e in sample)
-                    label = int(sample["cls"])
-                    if self.spec.decode == "gpu":
-                        image = encode_for_device(data, train)
-                    else:
-                        image = decode_on_cpu(data, size, train)
-                except (StopIteration, KeyError, ValueError, OSError, SyntaxError, Image.DecompressionBombError):
-                    self._count(self.skipped)
+                    image, label = self._decode(sample, train, size)
+                except (StopIteration, KeyError, ValueError, OSError, SyntaxError, Image.DecompressionBombError) as e:
+                    what = "no image member" if isinstance(e, StopIteration) else f"{type(e).__name__}: {e}"
+                    where = f"{self.spec.location}/{self.spec.names[piece.shard]}"
+                    self.report(where, f"sample {sample['__key__']!r} skipped ({what})", self.skipped)
                     continue
                 yield image, label, sample["__key__"], piece.shard, index
+
+    def _decode(self, sample: dict, train: bool, size: int) -> tuple[torch.Tensor | tuple, int]:
+        data = next(sample[e] for e in IMAGE_EXTS if e in sample)
+        label = int(sample["cls"])
+        if self.spec.classes and not 0 <= label < self.spec.classes:
+            raise ValueError(f"label {label} is not among the manifest's {self.spec.classes} classes")
+        if self.spec.decode == "gpu":
+            return encode_for_device(data, train), label
+        return decode_on_cpu(data, size, train), label
 
 
 @atexit.register
@@ -357,8 +376,9 @@ class _OnDevice:
         if isinstance(batch.images, Encoded):
             x, rows = decode_on_device(batch.images, self.dataset.size.value, self.device, self.channels_last)
             if rows:  # samples that failed to decode, replaced by others of the batch
-                with self.dataset.skipped.get_lock():
-                    self.dataset.skipped.value += sum(r != i for i, r in enumerate(rows))
+                for i in (i for i, r in enumerate(rows) if r != i):
+                    problem = f"could not be decoded on {self.device}, replaced by another of its batch"
+                    self.dataset.report(f"sample {keys[i]!r}", problem, self.dataset.skipped)
                 labels, keys = labels[rows], [keys[r] for r in rows]
         else:
             x = normalize(batch.images, self.device, self.channels_last)

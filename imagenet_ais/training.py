@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from imagenet_ais import checkpoint, decentralized, distributed, upload
 from imagenet_ais.data import CacheSpec, TrainLoader, ValLoader
+from imagenet_ais.data_health import DataHealth
 from imagenet_ais.manifest import load_manifest
 from imagenet_ais.metrics import METRICS, MetricsLog, gpu_sample
 from imagenet_ais.storage import open_store
@@ -61,6 +62,7 @@ class TrainConfig:
     synthetic: bool = False
     epoch_mode: str = "resampled"
     shuffle_buffer: int = 2000
+    max_bad: float = 0.01  # of an epoch's samples, skipped or padded, before the run stops
     log_every: int = 20
     log_keys: bool = False
     upload: str | None = None  # gs://, ais:// or a directory: checkpoints, metrics and log go here too
@@ -73,6 +75,7 @@ class TrainConfig:
 
 
 EXIT_UPLOAD_FAILED = 3  # trained (or stopped cleanly), but some upload never made it: see stderr
+EXIT_BAD_DATA = 4  # an epoch skipped or padded more than --max-bad of its samples (checkpoint saved)
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after saving (and uploading): resume with --resume auto
 LOG = "train.log"
 
@@ -269,6 +272,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
             "image_size": sizes[0],
             "decode": decode,
             "cache": CacheSpec(cfg.cache_dir, cfg.cache_size) if cfg.cache_dir else None,
+            "classes": len(classes),
         }
         train_loader = TrainLoader(
             manifest.split("train"), cfg.data, cfg.epoch_mode, spec, workers, cfg.shuffle_buffer, d.device, cl
@@ -277,6 +281,8 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         if val_split and val_split.samples:
             val_spec = {**spec, "image_size": val_size}
             val_loader = ValLoader(val_split, cfg.data, val_spec, workers, d.device, cl)
+    loaders = [loader for loader in (train_loader, val_loader) if isinstance(loader, TrainLoader | ValLoader)]
+    health = DataHealth([loader.dataset.problems for loader in loaders], say, cfg.max_bad)
 
     raw_model = build_model(cfg.arch, len(classes)).to(d.device)
     if cl:
@@ -414,6 +420,8 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
 
     def finish(outcome: dict[str, Any]) -> dict[str, Any]:
         stop.restore()
+        if loaders:
+            say(health.summary())
         log.close()
         if uploader:
             say(f"waiting up to {cfg.flush_timeout:.0f}s for uploads to {cfg.upload}")
@@ -490,6 +498,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
                     **{k: int(v) for k, v in zip(counters, totals, strict=True)},
                 }
                 log.write(**record)
+                health.poll({k: record[k] for k in counters})
                 bar.set_postfix(loss=f"{record['loss']:.3f}", img_s=f"{record['img_per_s']:.0f}")
                 losses, waited, window_steps = [], 0.0, 0
                 window_start = time.perf_counter()
@@ -521,6 +530,9 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
             if last_val["top1"] > best_top1:
                 best_top1, improved = last_val["top1"], True
         save(epoch + 1, 0, best=improved)
+        if damaged := health.end_epoch(epoch, steps_per_epoch * global_batch):
+            say(f"ERROR: {damaged}", err=True)
+            return finish({"step": global_step, "val": last_val, "complete": False, "exit_code": EXIT_BAD_DATA})
 
     if last_val:
         say(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli, torchrun, wait_until, write_shards
+import webdataset as wds
+from conftest import ROOT, run_cli, tiny_jpeg, torchrun, wait_until, write_shards
 
 from imagenet_ais import synth
 
@@ -443,3 +445,45 @@ def test_a_damaged_checkpoint_is_never_trained_on(tmp_path: Path) -> None:
     proc = run_cli("train.py", *args, "--epochs", "3", "--resume", foreign, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "weights_only" not in proc.stderr
     assert f"{foreign}: not a checkpoint this tool can load" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_damaged_shards_are_named_once_counted_and_bounded(tmp_path: Path) -> None:
+    data = tmp_path / "shards"
+    manifest = write_shards(data, {"train": UNEVEN, "val": [5]}, corrupt={"train-1-4"})
+    shards = manifest.splits["train"].shards
+    (data / shards[0].name).unlink()  # listed, missing
+    cut = data / shards[3].name
+    cut.write_bytes(cut.read_bytes()[:6000])  # cut mid-member
+    shards[4].samples += 3  # the manifest claims more than the shard holds
+    with wds.TarWriter(str(data / shards[2].name)) as tar:  # a label outside the 4 classes
+        for i in range(shards[2].samples):
+            tar.write(
+                {"__key__": f"train-2-{i}", "jpg": tiny_jpeg(random.Random(i), 1), "cls": b"99" if i == 0 else b"1"}
+            )
+    (data / "manifest.json").write_text(manifest.to_json())
+    named = {
+        shards[0].name: "could not be read",
+        shards[1].name: "sample 'train-1-4' skipped",
+        shards[2].name: "label 99 is not among the manifest's 4 classes",
+        shards[3].name: "read failed at sample",
+        shards[4].name: f"ends after 8 samples, the manifest lists {shards[4].samples}",
+    }
+    common = ["--data", data, *TINY, "--epochs", "2", "--workers", "2", "--epoch-mode", "exact", "--log-every", "2"]
+
+    out = torchrun(2, *common, "--output", tmp_path / "tolerant", "--max-bad", "1")
+    log = (tmp_path / "tolerant" / "train.log").read_text()
+    for name, problem in named.items():
+        lines = [line for line in log.splitlines() if name in line]
+        assert len(lines) == 1 and problem in lines[0], (name, lines)  # once, though read in both epochs
+        assert sum(name in line for line in out.stderr.splitlines()) == 1
+    # counted every time they are read: both epochs, and by both ranks where a shard is split
+    last = [r for r in metrics(tmp_path / "tolerant") if r["kind"] == "train"][-1]
+    assert last["read_errors"] >= 6 and last["skipped"] >= 2 and last["padded"] > 0
+    summary = f"data: {last['skipped']} samples skipped, {last['padded']} padded with repeats, "
+    assert summary + f"{last['read_errors']} shard read errors over the run" in log
+
+    out = torchrun(2, *common, "--output", tmp_path / "strict", check=False)
+    assert out.returncode != 0
+    assert "ERROR: epoch 1: " in out.stderr and "over --max-bad 0.01" in out.stderr
+    assert (tmp_path / "strict" / "last.pt").exists(), "the epoch's checkpoint is saved before stopping"
+    assert not any(r["epoch"] == 1 for r in metrics(tmp_path / "strict")), "the run stopped after epoch 1"

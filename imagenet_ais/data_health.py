@@ -1,0 +1,79 @@
+"""What the loaders could not read as the manifest lists it: each bad shard (or sample) named
+once on the console and in train.log, the counts summed over ranks, and a bound per epoch.
+
+A missing shard, one cut short or holding fewer samples than listed, and samples that fail to
+decode or carry a label outside the manifest's classes still leave every rank with its steps
+(skipped, then padded with repeats): this is where the user hears of them.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from imagenet_ais import distributed
+
+COUNTERS = ("skipped", "read_errors", "padded")
+
+
+def drain(problems: queue.Queue) -> list[str]:
+    """The lines waiting in a loader's problem queue."""
+    lines = []
+    while True:
+        try:
+            lines.append(problems.get_nowait())
+        except queue.Empty:
+            return lines
+
+
+@dataclass
+class DataHealth:
+    """Call ``poll`` at every metrics record and ``end_epoch`` after each epoch, on every rank
+    (both may gather from all ranks); ``say`` is rank 0's voice."""
+
+    queues: Iterable[queue.Queue]  # the loaders' problem queues, filled by their workers
+    say: Callable[..., None]
+    max_bad: float  # the fraction of an epoch's samples that may be skipped or padded
+    totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    named: set[str] = field(default_factory=set)
+    _epoch_start: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+
+    def poll(self, totals: dict[str, int], always: bool = False) -> None:
+        """``totals``: the counters summed over ranks (the same on every rank, so every rank
+        decides alike whether to gather). Names what is new."""
+        changed, self.totals = totals != self.totals, dict(totals)
+        if not (changed or always):
+            return
+        lines = [line for q in self.queues for line in drain(q)]
+        for rank_lines in distributed.gather_objects(lines):
+            for line in rank_lines:
+                where = line.partition(": ")[0]
+                if where not in self.named:
+                    self.named.add(where)
+                    self.say(f"warning: {line}", err=True)
+
+    def end_epoch(self, epoch: int, samples: int) -> str | None:
+        """After epoch ``epoch`` of ``samples`` samples: the line to stop with, if it was too damaged."""
+        self.poll(self.totals, always=True)  # validation's lines, and any that came late
+        delta = {k: self.totals[k] - self._epoch_start[k] for k in COUNTERS}
+        self._epoch_start = dict(self.totals)
+        # in exact mode each skipped sample is also padded: the larger count is the damage
+        bad = max(delta["skipped"], delta["padded"])
+        if bad <= self.max_bad * samples:
+            return None
+        return (
+            f"epoch {epoch + 1}: {bad} of its {samples} samples could not be read as the manifest lists them "
+            f"({delta['skipped']} skipped, {delta['padded']} padded, {delta['read_errors']} shard read errors; "
+            f"named above), over --max-bad {self.max_bad:g}: repair the shards (imagenet_shards.py verify) and "
+            "continue with --resume auto, or allow more with --max-bad"
+        )
+
+    def summary(self) -> str:
+        if not any(self.totals.values()):
+            return "data: every sample was read as the manifest lists it"
+        t = self.totals
+        return (
+            f"data: {t['skipped']} samples skipped, {t['padded']} padded with repeats, "
+            f"{t['read_errors']} shard read errors over the run (named above and in metrics.jsonl)"
+        )
