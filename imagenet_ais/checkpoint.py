@@ -52,6 +52,24 @@ def digest(obj: Any, h: Any = None) -> str:
     return h.hexdigest()
 
 
+class _Writer:
+    """The file ``torch.save`` writes through, keeping the OSError a write raised: torch turns it
+    into "unexpected pos N vs M", which never says that the disk is full."""
+
+    def __init__(self, f: Any):
+        self.f, self.error = f, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def name_for(step: int) -> str:
     return f"ckpt-{step:08d}.pt"
 
@@ -62,8 +80,20 @@ def save(state: dict[str, Any], output: Path, step: int, keep_last: int) -> Path
     name = name_for(step)
     tmp = store.scratch_file(name)
     try:
-        torch.save({**state, DIGEST: digest(state)}, tmp)
+        with tmp.open("wb") as f:
+            writer = _Writer(f)
+            try:
+                torch.save({**state, DIGEST: digest(state)}, writer)
+            except RuntimeError:
+                if writer.error is None:
+                    raise
+                raise writer.error from None
         store.put_file(tmp, name)
+    except OSError as e:
+        raise OSError(
+            f"{output / name}: not written ({e.strerror or e}): free some space, or lift the file-size "
+            "limit, then continue with --resume auto (the checkpoints already there are intact)"
+        ) from None
     finally:
         tmp.unlink(missing_ok=True)
     path = output / name

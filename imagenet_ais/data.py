@@ -40,6 +40,7 @@ from webdataset.filters import shuffle
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from imagenet_ais.cache import ShardCache
+from imagenet_ais.children import exit_with_parent
 from imagenet_ais.feed import DeviceFeed, close_all
 from imagenet_ais.manifest import SplitInfo
 from imagenet_ais.storage import LocalStore, Store, open_store
@@ -296,6 +297,7 @@ def _worker_init(_: int) -> None:
     # dying of one first would only turn that into a DataLoader error.
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+    exit_with_parent()  # ignoring SIGTERM, a worker must still end with a training killed outright
 
 
 def _collate_in_worker(samples: list[tuple]) -> tuple:

@@ -438,7 +438,8 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         keys_out = None
         if cfg.log_keys:
             (output / "keys").mkdir(exist_ok=True)
-            keys_out = (output / "keys" / f"epoch{epoch:03d}-rank{d.rank}.txt").open("a")
+            # a line-buffered file writes each step's keys at once: a killed run keeps them
+            keys_out = (output / "keys" / f"epoch{epoch:03d}-rank{d.rank}.txt").open("a", buffering=1)
         bar = tqdm(
             total=steps_per_epoch,
             initial=first_step,

@@ -6,9 +6,12 @@ import json
 import math
 import os
 import random
+import resource
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -487,3 +490,69 @@ def test_damaged_shards_are_named_once_counted_and_bounded(tmp_path: Path) -> No
     assert "ERROR: epoch 1: " in out.stderr and "over --max-bad 0.01" in out.stderr
     assert (tmp_path / "strict" / "last.pt").exists(), "the epoch's checkpoint is saved before stopping"
     assert not any(r["epoch"] == 1 for r in metrics(tmp_path / "strict")), "the run stopped after epoch 1"
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name: state, ppid, ... ([] once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def _children(pid: int) -> set[int]:
+    return {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _stat(int(p.name))[1:2] == [str(pid)]}
+
+
+def test_a_run_killed_outright_leaves_no_workers_and_keeps_its_keys(tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [200] * 4})
+    args = ["--data", data, "--output", output, *TINY, "--epochs", "50", "--workers", "3", "--log-keys"]
+    proc = subprocess.Popen(
+        [sys.executable, ROOT / "train.py", *map(str, args), "--log-every", "2"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    records = output / "metrics.jsonl"
+    wait_until(proc, lambda: records.exists() and records.read_text().count("\n") >= 2, "two metrics records")
+    workers = _children(proc.pid)
+    assert len(workers) >= 3
+    proc.kill()  # SIGKILL: nothing in the training process runs again
+    proc.wait()
+    logged = max(r["step"] for r in metrics(output))
+    deadline = time.monotonic() + 3  # the DataLoader's own check would take 5 s at best
+    while (alive := {w for w in workers if _stat(w)[:1] not in ([], ["Z"])}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive, f"workers {sorted(alive)} outlived their training process"
+    keys = (output / "keys" / "epoch000-rank0.txt").read_text().split()
+    assert len(keys) >= logged * 4, "every step's keys written before the kill are kept"
+
+
+@pytest.mark.parametrize("full", ["file-size limit", "full disk"])
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_nothing(full: str, tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [8]})
+    train = [sys.executable, ROOT / "train.py", "--data", data, "--output", output, *TINY, "--workers", "0"]
+    if full == "file-size limit":
+
+        def limited() -> None:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+            resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, 8 << 20))
+
+        proc = subprocess.run(train, cwd=ROOT, capture_output=True, text=True, preexec_fn=limited)
+        reason = "File too large"
+    else:
+        if not shutil.which("unshare") or run_cli("unshare", "-rm", "true", check=False).returncode:
+            pytest.skip("no unshare, or user namespaces are not allowed here")
+        output.mkdir()
+        mount = 'mount -t tmpfs -o size=8m tmpfs "$0" && exec "$@"'
+        proc = run_cli("unshare", "-rm", "sh", "-c", mount, output, *train, check=False)
+        reason = "No space left on device"
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"Error: {output}/ckpt-00000002.pt: not written ({reason}): free some space, or lift the file-size limit, "
+        "then continue with --resume auto (the checkpoints already there are intact)"
+    )
+    if full == "file-size limit":  # (the tmpfs went with its namespace)
+        assert not list(output.glob("*.pt")) and not list(output.glob(".*"))

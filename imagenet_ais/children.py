@@ -1,0 +1,29 @@
+"""Worker processes that never outlive the process that started them.
+
+A parent killed with SIGKILL cannot stop its children. DataLoader and convert workers check on
+it only between items, and a worker whose queue writes block (its siblings keep the pipe open)
+never gets there: they lived on for minutes holding hundreds of MB each. The kernel's
+parent-death signal does not fit, as it follows the parent *thread* that forked (the
+DataLoader's workers are started from a feed thread that ends every epoch). So each worker
+watches its parent id from a thread of its own and exits as soon as it changes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+POLL_S = 0.25
+
+
+def exit_with_parent() -> None:
+    """Call first thing in a worker: it exits (without cleanup) once its parent is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(POLL_S)
+        os._exit(1)  # nothing to save: the parent, who wanted the work, is gone
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
