@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -133,7 +134,9 @@ def find(resume: str | None, output: Path) -> Path | None:
 def load(path: Path) -> dict[str, Any]:
     """A checkpoint's state, checked against its checksum (older checkpoints have none)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's notes on foreign pickles: the line below says it all
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for a damaged or foreign file
         # the type only: torch's messages advise loading with weights_only=False, i.e. running
         # whatever code the file holds, which must never be the advice to a user

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import random
 import resource
 import shutil
@@ -20,7 +21,7 @@ import torch
 import webdataset as wds
 from conftest import ROOT, run_cli, tiny_jpeg, torchrun, wait_until, write_shards
 
-from imagenet_ais import synth
+from imagenet_ais import checkpoint, synth
 
 TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--lr", "0.1", "--warmup-epochs", "0"]
 UNEVEN = [3, 11, 7, 19, 8]  # 48 training samples in 5 unequal shards: 6 steps at 2 ranks × 4
@@ -556,3 +557,26 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_nothing(full
     )
     if full == "file-size limit":  # (the tmpfs went with its namespace)
         assert not list(output.glob("*.pt")) and not list(output.glob(".*"))
+
+
+@pytest.mark.parametrize("kind", ["tar", "foreign .pt", "damaged header", "pickle with code"])
+def test_resume_of_what_is_not_our_checkpoint_is_one_line(kind: str, tmp_path: Path) -> None:
+    path = tmp_path / "x.pt"
+    if kind == "tar":
+        with wds.TarWriter(str(path)) as tar:
+            tar.write({"__key__": "a", "cls": b"1"})
+        expected = "not a checkpoint this tool can load"
+    elif kind == "foreign .pt":
+        torch.save({"state_dict": {"w": torch.zeros(2)}}, path)
+        expected = "not a checkpoint written by train.py (no model state in it)"
+    elif kind == "damaged header":
+        torch.save({"model": {"w": torch.zeros(2)}}, path)
+        path.write_bytes(b"\0" * 64 + path.read_bytes()[64:])
+        expected = "not a checkpoint this tool can load"
+    else:
+        path.write_bytes(pickle.dumps(Path("/")))  # loading it would call code: weights_only refuses
+        expected = "not a checkpoint this tool can load"
+    with pytest.raises(checkpoint.DamagedCheckpoint) as raised:
+        checkpoint.load(path)
+    message = str(raised.value)
+    assert message.startswith(f"{path}: {expected}") and "\n" not in message and "weights_only" not in message
