@@ -133,14 +133,9 @@ def _refuse_foreign(store: Store, known: dict[str, Record]) -> None:
         )
 
 
-def _known_records(store: Store, manifests: list[Manifest]) -> dict[str, Record]:
-    """Shards earlier runs finished: from their manifests and from the journal."""
-    known: dict[str, Record] = {}
-    for manifest in manifests:
-        for split in manifest.splits.values():
-            for shard in split.shards:
-                mine = [r for r in split.rejected if r.get("shard") == shard.name]
-                known[shard.name] = (shard, mine)
+def _journal(store: Store) -> dict[str, Record]:
+    """The shards runs built since the last manifest went up, by name (a record goes up before its shard)."""
+    records: dict[str, Record] = {}
     for name in store.list(f"{JOURNAL}/"):
         if name == SET_ASIDE:
             continue
@@ -149,8 +144,29 @@ def _known_records(store: Store, manifests: list[Manifest]) -> dict[str, Record]
             info = ShardInfo(**record["shard"])
         except (ValueError, KeyError, TypeError):
             continue  # a record cut short by a kill: the shard is simply rebuilt
-        known[info.name] = (info, record["rejected"])
-    return known
+        records[info.name] = (info, record["rejected"])
+    return records
+
+
+def _known_records(manifests: list[Manifest], journal: dict[str, Record]) -> dict[str, Record]:
+    """Shards earlier runs finished: from their manifests and from the journal (newer)."""
+    known: dict[str, Record] = {}
+    for manifest in manifests:
+        for split in manifest.splits.values():
+            for shard in split.shards:
+                mine = [r for r in split.rejected if r.get("shard") == shard.name]
+                known[shard.name] = (shard, mine)
+    return {**known, **journal}
+
+
+def _refuse_rewritten(kept: dict[str, SplitInfo], journal: dict[str, Record], converting: list[str]) -> None:
+    """A split kept from the manifest of a run that stopped may have had shards rewritten since."""
+    for split, info in kept.items():
+        if any(journal.get(s.name, (s,))[0] != s for s in info.shards):
+            raise ValueError(
+                f"{split} was being rewritten when a run stopped: add it to --splits "
+                f"(--splits {','.join([*converting, split])}; nothing was changed)"
+            )
 
 
 def _tidy(store: Store, manifest: Manifest, known: dict[str, Record]) -> None:
@@ -165,21 +181,32 @@ def _tidy(store: Store, manifest: Manifest, known: dict[str, Record]) -> None:
     store.delete(SET_ASIDE)  # last: until here it names shards that may still be there
 
 
+def _size_problem(store: Store, info: ShardInfo) -> str | None:
+    """None when the shard is there at its size; else what is wrong (cheap: no reading)."""
+    if not store.exists(info.name):
+        return "missing"
+    if (size := store.size(info.name)) != info.bytes:
+        return f"size {size} != manifest {info.bytes}"
+    return None
+
+
 def _still_good(store: Store, info: ShardInfo) -> bool:
-    if not store.exists(info.name) or store.size(info.name) != info.bytes:
-        return False
-    return stream_sha256(store.open(info.name)) == info.sha256
+    return not _size_problem(store, info) and stream_sha256(store.open(info.name)) == info.sha256
 
 
 def _check_published(store: Store, manifest: Manifest) -> None:
-    """Every shard the manifest names is there at its size, just before the manifest goes up."""
-    for split in manifest.splits.values():
-        for shard in split.shards:
-            if not store.exists(shard.name) or store.size(shard.name) != shard.bytes:
-                raise OSError(
-                    f"{store.url}/{shard.name} is missing or not {shard.bytes} bytes at the end of the run "
-                    "(changed by something else meanwhile?): no manifest was written; run convert again"
-                )
+    """Just before the manifest goes up: every shard it names is there at its size, and is the
+    one its journal record (if any: the last one put under that name) describes."""
+    journal = _journal(store)
+    for shard in (s for split in manifest.splits.values() for s in split.shards):
+        problem = _size_problem(store, shard)
+        if not problem and shard.name in journal and journal[shard.name][0] != shard:
+            problem = "its journal record describes another shard"
+        if problem:
+            raise OSError(
+                f"{store.url}/{shard.name}: {problem} at the end of the run (changed by something else "
+                "meanwhile?): no manifest was written; run convert again"
+            )
 
 
 def _labels(plans: list[ShardPlan], results: dict[str, Record] | None = None) -> Iterator[int]:
@@ -234,7 +261,8 @@ def _convert_locked(
     refresh: Callable[[], None],
 ) -> Manifest:
     published, set_aside = _read_manifests(store)
-    known = _known_records(store, [m for m in (set_aside, published) if m])
+    journal = _journal(store)
+    known = _known_records([m for m in (set_aside, published) if m], journal)
     _refuse_foreign(store, known)
     old = published or set_aside
     # splits of an earlier run that this one does not convert stay as they are
@@ -245,6 +273,7 @@ def _convert_locked(
             f"convert those splits too (--splits {','.join([*kept, *plans])}) or use another DEST "
             "(nothing was changed)"
         )
+    _refuse_rewritten(kept, journal, list(plans))
     if published:
         _tidy(store, published, known)  # a run killed while tidying up: finish that first
         # Readers must not see a manifest naming shards this run may rewrite; the journal keeps
@@ -310,10 +339,8 @@ def iter_members(stream: io.BufferedIOBase) -> Iterator[tuple[str, bytes]]:
 def check_shard(dest_url: str, info: ShardInfo, num_classes: int) -> str | None:
     """None when the shard matches its manifest entry and every image decodes; else the problem."""
     store = open_store(dest_url)
-    if not store.exists(info.name):
-        return "missing"
-    if (size := store.size(info.name)) != info.bytes:
-        return f"size {size} != manifest {info.bytes}"
+    if problem := _size_problem(store, info):
+        return problem
     if (digest := stream_sha256(store.open(info.name))) != info.sha256:
         return f"sha256 {digest[:12]}… != manifest {info.sha256[:12]}…"
     samples: dict[str, set[str]] = {}

@@ -286,6 +286,25 @@ def test_a_failed_run_publishes_no_manifest_and_the_next_keeps_the_other_splits(
     run_cli("imagenet_shards.py", "verify", dest)
 
 
+def test_a_split_being_rewritten_when_a_run_stopped_is_not_kept(tree: Path, tmp_path: Path) -> None:
+    """Killed while rewriting val (maxcount 20 → 1), a run converting train alone must not keep
+    val from the set-aside manifest: some of its shards are already the new ones."""
+    dest = tmp_path / "shards"
+    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20")
+    killed = start_convert(tree, dest, "--splits", "val", "--maxcount", "1", "--workers", "1")
+    record = dest / "_progress" / "imagenet-val-000003.tar.json"  # so val 0..2 are rewritten
+    wait_until(killed, record.exists, "4 val shards begun", poll=0.002)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+
+    assert refused(tree, dest, "--splits", "train", "--maxcount", "20") == (
+        "Error: val was being rewritten when a run stopped: add it to --splits "
+        "(--splits train,val; nothing was changed)"
+    )
+    run_cli("imagenet_shards.py", "convert", tree, dest, "--splits", "train,val", "--maxcount", "20")
+    run_cli("imagenet_shards.py", "verify", dest)
+
+
 @pytest.mark.parametrize("holder", ["alive", "dead"])
 def test_an_object_store_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(
     holder: str, gcs, tmp_path: Path
