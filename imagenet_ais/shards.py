@@ -169,8 +169,9 @@ def _refuse_rewritten(kept: dict[str, SplitInfo], journal: dict[str, Record], co
             )
 
 
-def _tidy(store: Store, manifest: Manifest, known: dict[str, Record]) -> None:
+def _tidy(store: Store, manifest: Manifest, known: dict[str, Record], check_lock: Callable[[], None]) -> None:
     """After ``manifest`` is published: drop shards of ours it does not name, then the journal."""
+    check_lock()
     wanted = {s.name for split in manifest.splits.values() for s in split.shards}
     for name in store.list("imagenet-"):
         if name in known and name not in wanted:  # ours (refused otherwise), named by no manifest now
@@ -243,7 +244,7 @@ def convert(
     source = {"seed": seed, "maxcount": maxcount, "maxsize": maxsize}
     try:
         with lock_dest(store) as lock:
-            return _convert_locked(store, src, classes, plans, source, workers, allow_empty, lock.refresh)
+            return _convert_locked(store, src, classes, plans, source, workers, allow_empty, lock.check)
     except OSError as e:  # the journal, the manifest: small files, but a full disk is a full disk
         if e.errno in DISK_FULL:
             raise _disk_full(e, store.url, store) from None
@@ -258,7 +259,7 @@ def _convert_locked(
     source: dict[str, object],
     workers: int,
     allow_empty: bool,
-    refresh: Callable[[], None],
+    check_lock: Callable[[], None],
 ) -> Manifest:
     published, set_aside = _read_manifests(store)
     journal = _journal(store)
@@ -275,12 +276,12 @@ def _convert_locked(
         )
     _refuse_rewritten(kept, journal, list(plans))
     if published:
-        _tidy(store, published, known)  # a run killed while tidying up: finish that first
+        _tidy(store, published, known, check_lock)  # a run killed while tidying up: finish that first
         # Readers must not see a manifest naming shards this run may rewrite; the journal keeps
         # it (a run that fails still knows the shards, and the splits it keeps, next time).
         store.write_bytes(SET_ASIDE, store.read_bytes(MANIFEST))
         store.delete(MANIFEST)
-    results = _build(store, src, [p for ps, _ in plans.values() for p in ps], known, workers, refresh)
+    results = _build(store, src, [p for ps, _ in plans.values() for p in ps], known, workers)
 
     manifest = Manifest(classes, dict(kept), source)
     for split, (split_plans, unread) in plans.items():
@@ -293,13 +294,14 @@ def _convert_locked(
             info.rejected.extend({**r, "shard": plan.name} for r in rejected)
         manifest.splits[split] = info
     _check_published(store, manifest)
+    check_lock()
     store.write_bytes(MANIFEST, manifest.to_json().encode())
-    _tidy(store, manifest, known)
+    _tidy(store, manifest, known, check_lock)
     return manifest
 
 
 def _build(
-    store: Store, src: Path, plans: list[ShardPlan], known: dict[str, Record], workers: int, refresh: Callable[[], None]
+    store: Store, src: Path, plans: list[ShardPlan], known: dict[str, Record], workers: int
 ) -> dict[str, Record]:
     """Every planned shard: kept when a verified copy built from the same inputs is there, else built."""
     results: dict[str, Record] = {}
@@ -310,7 +312,6 @@ def _build(
             results[plan.name] = record
         else:
             todo.append(plan)
-        refresh()
     total = sum(len(p.items) for p in todo)
     with (
         tqdm(total=total, unit="img", desc=f"convert → {store.url}", disable=total == 0) as bar,
@@ -321,7 +322,6 @@ def _build(
             for future in as_completed(futures):
                 results[futures[future].name] = future.result()
                 bar.update(len(futures[future].items))
-                refresh()
         except BaseException:
             for future in futures:  # fail now, not after building every shard still queued
                 future.cancel()

@@ -239,6 +239,8 @@ def start_convert(src: Path, dest: str | Path, *args: str) -> subprocess.Popen:
 
 def test_a_second_convert_into_the_same_dest_is_refused(tree: Path, tmp_path: Path) -> None:
     dest = tmp_path / "shards"
+    dest.mkdir()
+    (dest / "_convert.lock").write_text("x" * 1000)  # left by a holder killed before it deleted it
     args = ["--maxcount", "1", "--workers", "1"]
     first = start_convert(tree, dest, *args)
     wait_until(first, lambda: len(list(dest.glob("imagenet-*.tar"))) >= 2, "2 shards written", poll=0.002)
@@ -305,10 +307,18 @@ def test_a_split_being_rewritten_when_a_run_stopped_is_not_kept(tree: Path, tmp_
     run_cli("imagenet_shards.py", "verify", dest)
 
 
-@pytest.mark.parametrize("holder", ["alive", "dead"])
+def this_machine() -> dict:
+    """Host, boot and pid namespace: where a lock's pid can be checked."""
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return {"host": socket.gethostname(), "boot": boot, "pidns": os.stat("/proc/self/ns/pid").st_ino}
+
+
+@pytest.mark.parametrize("holder", ["alive", "dead", "dead in another pid namespace", "malformed"])
 def test_an_object_store_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(
     holder: str, gcs, tmp_path: Path
 ) -> None:
+    """A dead pid counts only on the same host, boot and pid namespace: containers often share a
+    hostname, and a pid of another namespace tells nothing here. A malformed lock names no one."""
     from imagenet_ais.storage import GCSStore
 
     src = tmp_path / "src"
@@ -317,11 +327,15 @@ def test_an_object_store_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(
     store = GCSStore(url)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = os.getpid() if holder == "alive" else int(gone.stdout)
-    lock = {"pid": pid, "host": socket.gethostname(), "time": time.time(), "token": "theirs"}
+    lock = {"pid": pid, **this_machine(), "time": time.time(), "token": "theirs"}
+    if holder == "dead in another pid namespace":
+        lock["pidns"] += 1
+    if holder == "malformed":
+        lock["time"] = "yesterday"
     store.write_bytes("_convert.lock", json.dumps(lock).encode())
 
     proc = run_cli("imagenet_shards.py", "convert", src, url, "--workers", "1", check=False)
-    if holder == "alive":
+    if holder in ("alive", "dead in another pid namespace"):
         assert proc.returncode == 1
         assert proc.stderr.strip().splitlines()[-1] == (
             f"Error: {url} is being converted by PID {pid} on {socket.gethostname()}: "
@@ -330,8 +344,85 @@ def test_an_object_store_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(
         assert store.list() == ["_convert.lock"]
     else:
         assert proc.returncode == 0, proc.stderr
-        assert f"_convert.lock of PID {pid} on {socket.gethostname()} is stale" in proc.stderr
+        who = "another process" if holder == "malformed" else f"PID {pid} on {socket.gethostname()}"
+        assert f"_convert.lock of {who} is stale" in proc.stderr and "Traceback" not in proc.stderr
         assert "_convert.lock" not in store.list() and store.exists("manifest.json")
+
+
+def test_an_object_lock_is_refreshed_by_a_heartbeat_and_knows_when_it_is_lost(
+    gcs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from google.api_core.exceptions import NotFound
+
+    from imagenet_ais import destlock
+    from imagenet_ais.storage import GCSStore
+
+    store = GCSStore(f"gs://{gcs.make_bucket()}/shards")
+
+    def lock_time() -> float:
+        while True:
+            try:
+                return json.loads(store.read_bytes("_convert.lock"))["time"]
+            except NotFound:  # read while the heartbeat replaced it
+                time.sleep(0.01)
+
+    monkeypatch.setattr(destlock, "REFRESH_S", 0.05)
+    with destlock.lock_dest(store) as lock:
+        first, deadline = lock_time(), time.monotonic() + 30
+        while lock_time() == first:  # no work done, no call made: the heartbeat alone
+            assert time.monotonic() < deadline, "the lock was never refreshed"
+            time.sleep(0.05)
+        lock.check()
+
+    monkeypatch.setattr(destlock, "REFRESH_S", 3600)  # no heartbeat to race with the takeover below
+    with destlock.lock_dest(store) as lock:
+        theirs = {"pid": 1, "host": "elsewhere", "time": time.time(), "token": "theirs"}
+        store.write_bytes("_convert.lock", json.dumps(theirs).encode())  # taken over, as if stale
+        with pytest.raises(ValueError, match=r"_convert.lock is no longer this run's \(PID 1 on elsewhere holds it"):
+            lock.check()
+    assert json.loads(store.read_bytes("_convert.lock")) == theirs, "their lock was deleted on the way out"
+
+
+def test_a_stale_lock_is_deleted_only_while_it_is_the_one_seen(gcs) -> None:
+    from imagenet_ais.storage import GCSStore
+
+    store = GCSStore(f"gs://{gcs.make_bucket()}/shards")
+    store.write_bytes("_convert.lock", b"stale")
+    store.write_bytes("_convert.lock", b"new holder")  # taken over by a third run meanwhile
+    assert not store.delete_if("_convert.lock", b"stale")
+    assert store.read_bytes("_convert.lock") == b"new holder"
+    assert store.delete_if("_convert.lock", b"new holder") and not store.exists("_convert.lock")
+    assert not store.delete_if("_convert.lock", b"new holder")
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_a_run_that_lost_its_lock_publishes_and_deletes_nothing(
+    where: str, tree: Path, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock is taken from under the run after its last shard: no manifest goes up, and the
+    shards of the manifest it started from (which it would tidy away) stay."""
+    from imagenet_ais import shards
+    from imagenet_ais.storage import open_store
+
+    dest = str(tmp_path / "shards") if where == "local" else f"gs://{request.getfixturevalue('gcs').make_bucket()}/s"
+    shards.convert(tree, dest, ["train", "val"], 20, int(1e9), 1, 0)
+    store = open_store(dest)
+    before = store.list()
+    checked = shards._check_published
+
+    theirs = {"pid": 1, "host": "elsewhere", "time": 0, "token": "x"}
+
+    def and_lock_lost(store, manifest) -> None:
+        checked(store, manifest)
+        store.delete("_convert.lock")  # another run, seeing it stale, takes it over
+        store.write_bytes("_convert.lock", json.dumps(theirs).encode())
+
+    monkeypatch.setattr(shards, "_check_published", and_lock_lost)
+    lost = r"_convert.lock is no longer this run's \((PID 1 on elsewhere|another process)"
+    with pytest.raises(ValueError, match=lost):
+        shards.convert(tree, dest, ["train", "val"], 10, int(1e9), 1, 0)  # other shards: the old ones go
+    assert not store.exists("manifest.json")
+    assert set(before) - {"manifest.json"} <= set(store.list()), "shards deleted"
 
 
 def test_a_rerun_rereads_inputs_that_changed(tree: Path, tmp_path: Path) -> None:
