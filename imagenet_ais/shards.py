@@ -23,7 +23,7 @@ from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from imagenet_ais.destlock import LOCK, lock_dest
-from imagenet_ais.inputs import ShardPlan, check_counts, list_classes, plan_split
+from imagenet_ais.inputs import Seen, ShardPlan, check_counts, list_classes, plan_split
 from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, load_manifest
 from imagenet_ais.storage import LocalStore, Store, open_store, stream_sha256
 
@@ -236,7 +236,7 @@ def convert(
             "choose a DEST outside SRC (nothing was changed)"
         )
     classes = list_classes(src)
-    seen: dict[str, str] = {}  # folders read, across splits: a link to one is not read twice
+    seen = Seen(src)  # across splits: nothing is read twice
     plans = {split: plan_split(src, split, classes, seed, maxcount, maxsize, seen) for split in splits}
     for split, (split_plans, _) in plans.items():
         if not allow_empty:

@@ -492,9 +492,9 @@ def test_every_input_file_is_in_a_shard_or_listed_with_a_reason(tmp_path: Path) 
     assert stored["b.cls"] == b"0" and stored["c.cls"] == b"1"
     reasons = {r["path"]: r["reason"] for r in train["rejected"]}
     assert reasons == {
-        "train/n1/loop": "a link to the folder train/n1: its files are read there, not twice",
-        "train/n1/up": "a link to the folder .: its files are read there, not twice",
-        "train/n1/sub/again": "a link to the folder train/n2: its files are read there, not twice",
+        "train/n1/loop": "a link to the folder train/n1 inside SRC: links within SRC are not followed",
+        "train/n1/up": "a link to the folder . inside SRC: links within SRC are not followed",
+        "train/n1/sub/again": "a link to the folder train/n2 inside SRC: links within SRC are not followed",
         "train/n1/dangling.JPEG": "a broken symlink (to nowhere.JPEG): point it at an image or remove it",
         "train/n1/self.JPEG": "a symlink loop: point it at an image or remove it",
         "train/stray.JPEG": "not in a class folder: move it into train/<wnid>/",
@@ -502,6 +502,52 @@ def test_every_input_file_is_in_a_shard_or_listed_with_a_reason(tmp_path: Path) 
     for path, reason in reasons.items():
         assert f"rejected {path}: {reason}" in out
     assert "train: 3 samples in 1 shards, 6 rejected" in out and "val: 2 samples" in out
+
+
+def test_an_image_reached_twice_is_stored_once_under_the_class_it_is_in(tmp_path: Path) -> None:
+    """Links (and hard links) must not put an image under another label, in two splits, or twice:
+    a folder link within SRC is not followed, and a file met twice is stored where it really is."""
+    src = small_tree(
+        tmp_path / "src",
+        {
+            "train/n1/a.JPEG": "jpeg",
+            "train/n1/x": "-> ../n2/x",  # would give n2's subfolder the label n1
+            "train/n1/c.JPEG": "-> ../n2/c.JPEG",  # a file link across classes, met first
+            "train/n2/x/y.JPEG": "jpeg",
+            "train/n2/c.JPEG": "jpeg",
+            "val/n1/v.JPEG": "jpeg",
+            "val/n2/w.JPEG": "jpeg",
+        },
+    )
+    os.link(src / "train/n1/a.JPEG", src / "val/n1/a.JPEG")  # the same image in train and val
+    dest = tmp_path / "shards"
+    run_cli("imagenet_shards.py", "convert", src, dest, "--workers", "1")
+    manifest = json.loads((dest / "manifest.json").read_text())
+    train = members(dest / "imagenet-train-000000.tar")
+    assert {n: v for n, v in train.items() if n.endswith(".cls")} == {"a.cls": b"0", "y.cls": b"1", "c.cls": b"1"}
+    assert sorted(n for n in members(dest / "imagenet-val-000000.tar") if n.endswith(".cls")) == ["v.cls", "w.cls"]
+    reasons = {r["path"]: r["reason"] for split in manifest["splits"].values() for r in split["rejected"]}
+    assert reasons == {
+        "train/n1/x": "a link to the folder train/n2/x inside SRC: links within SRC are not followed",
+        "train/n1/c.JPEG": "the same file as train/n2/c.JPEG (a link): stored once, there",
+        "val/n1/a.JPEG": "the same file as train/n1/a.JPEG (a link): stored once, there",
+    }
+
+
+def test_an_unreadable_subfolder_is_listed_as_rejected(tmp_path: Path) -> None:
+    """Owned by a user outside the user namespace convert runs in, so not even root can read it."""
+    if not shutil.which("unshare") or run_cli("unshare", "-r", "true", check=False).returncode:
+        pytest.skip("no unshare, or user namespaces are not allowed here")
+    src = small_tree(tmp_path / "src", {**CLASSES, "train/n1/locked/z.JPEG": "jpeg"})
+    os.chown(src / "train/n1/locked", 12345, 12345)
+    os.chmod(src / "train/n1/locked", 0o700)
+    dest = tmp_path / "shards"
+    convert = [sys.executable, ROOT / "imagenet_shards.py", "convert", src, dest, "--workers", "1"]
+    proc = run_cli("unshare", "-r", *convert, check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    train = json.loads((dest / "manifest.json").read_text())["splits"]["train"]
+    assert train["rejected"] == [{"path": "train/n1/locked", "reason": "PermissionError: Permission denied"}]
+    assert train["samples"] == 2
 
 
 def refused(src: Path, dest: Path, *args: str) -> str:
@@ -551,12 +597,13 @@ def test_the_raw_flat_val_layout_is_refused_with_how_to_arrange_it(tmp_path: Pat
     )
 
 
-@pytest.mark.parametrize("link", ["train/n3", "val/n2"])
-def test_a_class_folder_linked_to_another_is_refused(link: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("link", "splits"), [("train/n3", "train,val"), ("val/n2", "train,val"), ("val/n2", "val")])
+def test_a_class_folder_linked_to_another_is_refused(link: str, splits: str, tmp_path: Path) -> None:
+    """Refused even when the folder linked to is in a split not converted now (--splits val)."""
     src = small_tree(tmp_path / "src", {**CLASSES, "train/n3/e.JPEG": "jpeg", "val/n3/f.JPEG": "jpeg"})
     shutil.rmtree(src / link)
     (src / link).symlink_to(src / "train" / "n1")
-    assert refused(src, tmp_path / "shards") == (
+    assert refused(src, tmp_path / "shards", "--splits", splits) == (
         f"Error: {src / link} is the same folder as {src / 'train' / 'n1'} (a symlink): its images would be "
         "read twice, under two labels or in two splits; make it a folder of its own (nothing was changed)"
     )
