@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import errno
 import io
-import json
-import re
 import tarfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +21,11 @@ from tqdm import tqdm
 
 from imagenet_ais.destlock import LOCK, lock_dest
 from imagenet_ais.inputs import Seen, ShardPlan, check_counts, list_classes, plan_split
-from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, load_manifest
+from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, load_manifest, parse_record, record_json
 from imagenet_ais.storage import LocalStore, Store, open_store, stream_sha256
 
-JOURNAL = "_progress"  # per-shard records of a conversion in flight; removed once the manifest is written
-SET_ASIDE = f"{JOURNAL}/{MANIFEST}"  # the manifest a run started from, kept out of readers' sight meanwhile
-OURS = re.compile(rf"{JOURNAL}/(imagenet-\w+-\d{{6}}\.tar\.json|{re.escape(MANIFEST)})")  # records too, cut short
+JOURNAL = "_progress/"  # all ours: per-shard records of a conversion in flight, gone once the manifest is up
+SET_ASIDE = f"{JOURNAL}{MANIFEST}"  # the manifest a run started from, kept out of readers' sight meanwhile
 
 Record = tuple[ShardInfo, list[dict[str, str]]]  # a shard built, and the inputs it rejected
 DISK_FULL = (errno.ENOSPC, errno.EFBIG)
@@ -94,8 +90,7 @@ def write_shard(src: Path, dest_url: str, plan: ShardPlan) -> Record:
         info = ShardInfo(plan.name, count, tmp.stat().st_size, file_sha256(tmp), plan.digest)
         # The record goes first: a shard under its final name always has one, so a re-run
         # can verify it instead of rebuilding it (a record without its shard is just ignored).
-        record = {"shard": asdict(info), "rejected": rejected}
-        store.write_bytes(f"{JOURNAL}/{plan.name}.json", json.dumps(record).encode())
+        store.write_bytes(f"{JOURNAL}{plan.name}.json", record_json(info, rejected))
         store.put_file(tmp, plan.name)
     except OSError as e:
         if e.errno in DISK_FULL:
@@ -124,7 +119,7 @@ def _read_manifests(store: Store) -> tuple[Manifest | None, Manifest | None]:
 
 def _refuse_foreign(store: Store, known: dict[str, Record]) -> None:
     """Files in DEST that no manifest or journal of ours names are someone else's: refuse."""
-    foreign = [n for n in store.list() if n not in (MANIFEST, LOCK) and n not in known and not OURS.fullmatch(n)]
+    foreign = [n for n in store.list() if n not in (MANIFEST, LOCK) and n not in known and not n.startswith(JOURNAL)]
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise ValueError(
@@ -136,15 +131,10 @@ def _refuse_foreign(store: Store, known: dict[str, Record]) -> None:
 def _journal(store: Store) -> dict[str, Record]:
     """The shards runs built since the last manifest went up, by name (a record goes up before its shard)."""
     records: dict[str, Record] = {}
-    for name in store.list(f"{JOURNAL}/"):
-        if name == SET_ASIDE:
-            continue
-        try:
-            record = json.loads(store.read_bytes(name))
-            info = ShardInfo(**record["shard"])
-        except (ValueError, KeyError, TypeError):
-            continue  # a record cut short by a kill: the shard is simply rebuilt
-        records[info.name] = (info, record["rejected"])
+    for name in store.list(JOURNAL):
+        if name != SET_ASIDE:  # records go up whole (a rename, a PUT): a malformed one is no kill's doing
+            info, rejected = parse_record(store.read_bytes(name), f"{store.url}/{name}")
+            records[info.name] = (info, rejected)
     return records
 
 
@@ -176,7 +166,7 @@ def _tidy(store: Store, manifest: Manifest, known: dict[str, Record], check_lock
     for name in store.list("imagenet-"):
         if name in known and name not in wanted:  # ours (refused otherwise), named by no manifest now
             store.delete(name)
-    for name in store.list(f"{JOURNAL}/"):
+    for name in store.list(JOURNAL):
         if name != SET_ASIDE:
             store.delete(name)
     store.delete(SET_ASIDE)  # last: until here it names shards that may still be there
@@ -229,6 +219,8 @@ def convert(
 ) -> Manifest:
     if not splits:
         raise ValueError("--splits names no split: give the split folders of SRC, e.g. --splits train,val")
+    if twice := sorted({s for s in splits if splits.count(s) > 1}):
+        raise ValueError(f"--splits names {', '.join(twice)} more than once: name each split once")
     store = open_store(dest_url)
     if isinstance(store, LocalStore) and store.root.resolve().is_relative_to(src.resolve()):
         raise ValueError(

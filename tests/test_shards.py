@@ -189,7 +189,6 @@ def test_converting_one_split_keeps_the_others(tree: Path, tmp_path: Path) -> No
         ({"manifest.json": b'{"hello": "world"}'}, "manifest.json is not a manifest written by imagenet_shards.py"),
         ({"notes.txt": b"mine"}, "holds files imagenet_shards.py did not write (notes.txt)"),
         ({"imagenet-train-000042.tar": b"not ours"}, "did not write (imagenet-train-000042.tar)"),
-        ({"_progress/todo.txt": b"mine"}, "did not write (_progress/todo.txt)"),
     ],
 )
 def test_a_dest_with_files_not_ours_is_refused_untouched(
@@ -626,12 +625,19 @@ def test_a_class_folder_linked_to_another_is_refused(link: str, splits: str, tmp
             lambda m: m["splits"]["train"].update(rejected="none"),
             '"rejected" of \'train\' is "none", not a list of objects',
         ),
+        (lambda m: ["a"], 'the file is ["a"], not an object'),
+        (lambda m: m.update(splits=[]), '"splits" is [], not an object'),
+        (lambda m: m["splits"].update(train=5), "split 'train' is 5, not an object"),
+        (lambda m: m["splits"]["train"].update(shards={}), "\"shards\" of 'train' is {}, not a list"),
+        (lambda m: m["splits"]["train"]["shards"].__setitem__(1, "x"), "shard 1 of 'train' is \"x\", not an object"),
+        (lambda m: m["splits"]["train"]["shards"][0].__delitem__("plan"), "shard 0 of 'train': no 'plan'"),
+        (lambda m: m["splits"]["train"]["shards"][0].update(extra=1), "shard 0 of 'train': unknown field 'extra'"),
     ],
 )
 def test_a_manifest_field_of_the_wrong_type_is_one_line(edit, says: str, tmp_path: Path) -> None:
     write_shards(tmp_path, {"train": [3, 3]})
     doc = json.loads((tmp_path / "manifest.json").read_text())
-    edit(doc)
+    doc = edit(doc) or doc  # (an edit returns a whole new document, or changes this one)
     (tmp_path / "manifest.json").write_text(json.dumps(doc))
     for verb in ("summary", "verify"):
         proc = run_cli("imagenet_shards.py", verb, tmp_path, check=False)
@@ -678,6 +684,53 @@ def test_verify_names_what_is_wrong_inside_a_shard(names: list[str], samples: in
     proc = run_cli("imagenet_shards.py", "verify", tmp_path, check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == f"BAD {tmp_path}/imagenet-train-000000.tar: {says}"
+
+
+@pytest.mark.parametrize(
+    ("record", "says"),
+    [
+        ('{"shard": SHARD, "rejected": 5}', '"rejected" is 5, not a list of objects'),
+        ('{"rejected": []}', '"shard" is null, not an object'),
+        ('{"shard": SHARD, "rejected": [], "x": 1', "Expecting ',' delimiter: line 1 column"),
+        ("[]", "the file is [], not an object"),
+    ],
+)
+def test_a_malformed_journal_record_is_one_line(record: str, says: str, tree: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "shards"
+    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20")
+    shard = json.loads((dest / "manifest.json").read_text())["splits"]["train"]["shards"][0]
+    path = dest / "_progress" / "imagenet-train-000000.tar.json"
+    path.parent.mkdir()
+    path.write_text(record.replace("SHARD", json.dumps(shard)))
+    before = {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    proc = run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"Error: {path}: unreadable journal record ({says}")
+    assert line.endswith("): remove it and the shard it names, then run convert again")
+    assert {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before
+
+
+def test_a_split_named_with_a_dash_resumes_after_a_kill(tree: Path, tmp_path: Path) -> None:
+    """Everything under _progress/ is the converter's own, whatever the split's name."""
+    src, dest = tmp_path / "src", tmp_path / "shards"
+    shutil.copytree(tree, src)
+    shutil.copytree(src / "val", src / "mini-val")
+    args = ["--splits", "mini-val", "--maxcount", "1", "--workers", "1"]
+    killed = start_convert(src, dest, *args)
+    record = dest / "_progress" / "imagenet-mini-val-000003.tar.json"
+    wait_until(killed, record.exists, "4 shards begun", poll=0.002)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    run_cli("imagenet_shards.py", "convert", src, dest, *args)
+    assert len(json.loads((dest / "manifest.json").read_text())["splits"]["mini-val"]["shards"]) == 24
+    run_cli("imagenet_shards.py", "verify", dest)
+
+
+def test_a_split_named_twice_is_refused(tree: Path, tmp_path: Path) -> None:
+    assert refused(tree, tmp_path / "shards", "--splits", "train,val,train") == (
+        "Error: --splits names train more than once: name each split once"
+    )
 
 
 def test_a_file_size_limit_is_one_line_and_publishes_nothing(tree: Path, tmp_path: Path) -> None:
