@@ -27,6 +27,7 @@ from imagenet_ais.storage import LocalStore, Store, open_store, stream_sha256
 JOURNAL = "_progress/"  # all ours: per-shard records of a conversion in flight, gone once the manifest is up
 SET_ASIDE = f"{JOURNAL}{MANIFEST}"  # the manifest a run started from, kept out of readers' sight meanwhile
 
+SCRATCH = (".imagenet-*.partial", f".{MANIFEST}.*.partial")  # LocalStore.scratch_file's names for ours
 Record = tuple[ShardInfo, list[dict[str, str]]]  # a shard built, and the inputs it rejected
 DISK_FULL = (errno.ENOSPC, errno.EFBIG)
 
@@ -267,6 +268,10 @@ def _convert_locked(
             "(nothing was changed)"
         )
     _refuse_rewritten(kept, journal, list(plans))
+    if isinstance(store, LocalStore):  # scratch files of killed runs (object stores' are in the temp dir)
+        for pattern in SCRATCH:
+            for left in store.root.glob(pattern):
+                left.unlink(missing_ok=True)
     if published:
         _tidy(store, published, known, check_lock)  # a run killed while tidying up: finish that first
         # Readers must not see a manifest naming shards this run may rewrite; the journal keeps

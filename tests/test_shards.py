@@ -89,6 +89,18 @@ def test_verify_names_the_shard_with_a_flipped_byte(tree: Path, tmp_path: Path) 
     assert proc.stderr.count("BAD") == 1
 
 
+def test_verify_of_an_unreadable_manifest_is_one_line(tmp_path: Path) -> None:
+    """Owned by a user outside the user namespace verify runs in, so not even root can read it."""
+    if not shutil.which("unshare") or run_cli("unshare", "-r", "true", check=False).returncode:
+        pytest.skip("no unshare, or user namespaces are not allowed here")
+    write_shards(tmp_path, {"train": [1]})
+    os.chown(tmp_path / "manifest.json", 12345, 12345)
+    os.chmod(tmp_path / "manifest.json", 0o600)
+    proc = run_cli("unshare", "-r", sys.executable, ROOT / "imagenet_shards.py", "verify", tmp_path, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"Error: [Errno 13] Permission denied: '{tmp_path / 'manifest.json'}'"]
+
+
 def test_verify_and_summary_refuse_a_missing_manifest(tmp_path: Path) -> None:
     for verb in ("verify", "summary"):
         proc = run_cli("imagenet_shards.py", verb, tmp_path, check=False)
@@ -119,12 +131,13 @@ def test_killed_conversion_leaves_no_partial_shard_and_resumes(tree: Path, tmp_p
     for shard in finished:  # whatever has a final name is complete
         assert shard.read_bytes() == (reference / shard.name).read_bytes(), shard.name
     before = {p.name: p.stat().st_mtime_ns for p in finished}
+    (dest / ".imagenet-train-000000.tar.x1y2z3.partial").write_bytes(b"half a shard")  # as a kill leaves it
 
     run_cli("imagenet_shards.py", "convert", tree, dest, *args)
     assert {p.name: p.stat().st_mtime_ns for p in finished} == before, "finished shards were rewritten"
     assert (dest / "manifest.json").read_text() == (reference / "manifest.json").read_text()
     assert sorted(p.name for p in dest.glob("imagenet-*.tar")) == sorted(p.name for p in reference.glob("*.tar"))
-    assert not (dest / "_progress").exists()
+    assert not (dest / "_progress").exists() and not list(dest.glob(".*.partial"))
     run_cli("imagenet_shards.py", "verify", dest)
 
 
