@@ -43,8 +43,8 @@ def _busy(url: str, holder: dict) -> ValueError:
 
 def _lost(url: str, holder: dict) -> ValueError:
     return ValueError(
-        f"{url}/{LOCK} is no longer this run's ({_who(holder)} holds it, or nobody): stopped before "
-        "publishing or deleting anything; run convert again"
+        f"{url}/{LOCK} is no longer this run's ({_who(holder)} holds it, or nobody): stopped rather than "
+        "write or delete what another run may be using; run convert again"
     )
 
 
