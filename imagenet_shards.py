@@ -88,7 +88,7 @@ def verify_cmd(dest: str, workers: int) -> None:
     """Re-read every shard at DEST against its manifest; exit 1 naming each bad shard."""
     try:
         problems = shards.verify(dest, workers)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # OSError: DEST or a file in it could not be read
         raise click.ClickException(str(e)) from e
     for name, problem in sorted(problems.items()):
         click.echo(f"BAD {dest}/{name}: {problem}", err=True)

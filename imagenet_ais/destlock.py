@@ -7,7 +7,9 @@ Object stores (``ais://``, ``gs://``) have no such thing, so the lock is an obje
 AIStore has no create-if-absent, so two runs starting within the same moment may both write it;
 reading it back after the write narrows that window, it does not close it (GCS's precondition
 does). A holder that dies leaves it behind: it is taken over, with a warning, once it is STALE_S
-old (the holder refreshes it every REFRESH_S) or when its holder is a dead pid on this host.
+old (a thread of the holder refreshes it every REFRESH_S) or when its holder is a dead pid of
+this host, boot and pid namespace. Either way the holder checks the lock is still its own right
+before it publishes or deletes anything.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
+from pathlib import Path
 from types import TracebackType
 
 from imagenet_ais.storage import LocalStore, Store
@@ -26,36 +30,58 @@ from imagenet_ais.storage import LocalStore, Store
 LOCK = "_convert.lock"
 STALE_S = 15 * 60  # generous against clock skew between hosts: a live holder refreshes far more often
 REFRESH_S = 60
+FIELDS = {"pid": int, "host": str, "time": (int, float), "token": str}  # what a readable lock names
+
+
+def _who(holder: dict) -> str:
+    return f"PID {holder['pid']} on {holder['host']}" if holder else "another process"
 
 
 def _busy(url: str, holder: dict) -> ValueError:
-    who = f"PID {holder.get('pid', '?')} on {holder.get('host', '?')}" if holder else "another process"
-    return ValueError(f"{url} is being converted by {who}: wait for it to finish (nothing was changed)")
+    return ValueError(f"{url} is being converted by {_who(holder)}: wait for it to finish (nothing was changed)")
+
+
+def _lost(url: str, holder: dict) -> ValueError:
+    return ValueError(
+        f"{url}/{LOCK} is no longer this run's ({_who(holder)} holds it, or nobody): stopped rather than "
+        "write or delete what another run may be using; run convert again"
+    )
+
+
+def _where() -> dict:
+    """What makes a pid comparable: the host, its boot, and the pid namespace (containers often
+    share a hostname, not their pids)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # not Linux: no way to tell, so no dead-pid shortcut
+        boot, pidns = "", 0
+    return {"host": socket.gethostname(), "boot": boot, "pidns": pidns}
 
 
 def _me() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "token": uuid.uuid4().hex}
+    return {"pid": os.getpid(), **_where(), "time": time.time(), "token": uuid.uuid4().hex}
 
 
 def _parse(data: bytes) -> dict:
+    """The holder a lock names; {} when it names none readably (empty: being written; malformed)."""
     try:
         holder = json.loads(data)
     except ValueError:
         return {}
-    return holder if isinstance(holder, dict) else {}
+    if not isinstance(holder, dict) or not all(isinstance(holder.get(k), t) for k, t in FIELDS.items()):
+        return {}
+    return holder
 
 
 def lock_dest(store: Store) -> _FileLock | _ObjectLock:
-    """``with lock_dest(store) as lock:`` ... ``lock.refresh()`` now and then while working."""
+    """``with lock_dest(store) as lock:`` ... ``lock.check()`` before publishing or deleting."""
     return _FileLock(store) if isinstance(store, LocalStore) else _ObjectLock(store)
 
 
 class _FileLock:
     def __init__(self, store: LocalStore):
         self.store = store
-
-    def refresh(self) -> None:
-        """Nothing to do: an flock lasts as long as its holder."""
 
     def __enter__(self) -> _FileLock:
         self.store.root.mkdir(parents=True, exist_ok=True)
@@ -68,59 +94,100 @@ class _FileLock:
                 holder = _parse(os.read(fd, 4096))
                 os.close(fd)
                 raise _busy(self.store.url, holder) from None
-            try:
-                # The last holder deletes the file on its way out: locking that orphan inode
-                # would lock nothing, so only a lock on the file still at the path counts.
-                if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
+            self.fd, self.path = fd, path
+            if self._at_path():
+                break
             os.close(fd)
+        os.ftruncate(fd, 0)  # a holder killed before it could delete the file left its text in it
         os.write(fd, json.dumps(_me()).encode())
-        self.fd, self.path = fd, path
         return self
 
+    def _at_path(self) -> bool:
+        """The last holder deletes the file on its way out: locking that orphan inode would lock
+        nothing, so only a lock on the file still at the path counts."""
+        try:
+            return os.fstat(self.fd).st_ino == os.stat(self.path).st_ino
+        except FileNotFoundError:
+            return False
+
+    def check(self) -> None:
+        """An flock lasts as long as its holder, unless someone deletes the file under it."""
+        if not self._at_path():
+            raise _lost(self.store.url, {})
+
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.path.unlink(missing_ok=True)  # while still held: whoever opens it next makes a new one
+        if self._at_path():
+            self.path.unlink()  # while still held: whoever opens it next makes a new one
         os.close(self.fd)
 
 
 class _ObjectLock:
     def __init__(self, store: Store):
         self.store, self.me = store, _me()
+        self.stopping = threading.Event()
+        self.turn = threading.Lock()  # a check reads the lock while the heartbeat may be replacing it
+        self.lost: Exception | None = None  # why the heartbeat stopped early
 
     def __enter__(self) -> _ObjectLock:
         try:
             self._put(once=True)
         except FileExistsError:
-            holder = self._holder()
-            if not self._stale(holder):
-                raise _busy(self.store.url, holder) from None
-            print(
-                f"warning: {self.store.url}/{LOCK} of PID {holder.get('pid', '?')} on {holder.get('host', '?')} "
-                "is stale (its holder is gone): taking it over",
-                file=sys.stderr,
-            )
-            self.store.delete(LOCK)
+            data = self._read()
+            if data is not None:  # (else gone meanwhile: just try again)
+                holder = _parse(data)
+                if not self._stale(holder):
+                    raise _busy(self.store.url, holder) from None
+                print(
+                    f"warning: {self.store.url}/{LOCK} of {_who(holder)} is stale (its holder is gone): taking it over",
+                    file=sys.stderr,
+                )
+                if not self.store.delete_if(LOCK, data):  # only the lock seen, not a newer one of a third run
+                    raise _busy(self.store.url, self._holder()) from None
             try:
                 self._put(once=True)
             except FileExistsError:
                 raise _busy(self.store.url, self._holder()) from None
-        self._check_mine()
-        self.refreshed = time.monotonic()
+        self.check()
+        self.beat = threading.Thread(target=self._heartbeat, name="convert-lock", daemon=True)
+        self.beat.start()
         return self
 
-    def refresh(self) -> None:
-        if time.monotonic() - self.refreshed < REFRESH_S:
-            return
-        self._check_mine()
-        self.me["time"] = time.time()
-        self._put(once=False)
-        self.refreshed = time.monotonic()
+    def _heartbeat(self) -> None:
+        """Refresh the lock's time every REFRESH_S; stop for good once it is not ours or cannot be
+        written (check() then says so: a run must not go on believing it holds the lock)."""
+        while not self.stopping.wait(REFRESH_S):
+            try:
+                with self.turn:
+                    self._check()
+                    # Another run taking over between that check and this write loses its lock to
+                    # us: AIStore has no conditional write; the staleness margin makes that unlikely.
+                    self.me["time"] = time.time()
+                    self._put(once=False)
+            except Exception as e:  # any failure: report it in the main thread, stop refreshing
+                self.lost = e
+                return
+
+    def check(self) -> None:
+        """Raise unless the lock is still this run's: called right before publishing or deleting."""
+        with self.turn:
+            self._check()
+
+    def _check(self) -> None:
+        if self.lost:
+            raise ValueError(f"{self.store.url}/{LOCK} could not be kept ({self.lost}): run convert again")
+        holder = self._holder()
+        if holder.get("token") != self.me["token"]:
+            raise _lost(self.store.url, holder)
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if self._holder().get("token") == self.me["token"]:
-            self.store.delete(LOCK)
+        self.stopping.set()
+        self.beat.join()
+        try:
+            self.store.delete_if(LOCK, json.dumps(self.me).encode())  # ours only, as last written
+        except Exception as e:  # never hide the error the run stopped with; it goes stale anyway
+            if exc is None:
+                raise
+            print(f"warning: could not remove {self.store.url}/{LOCK}: {e}", file=sys.stderr)
 
     def _put(self, once: bool) -> None:
         tmp = self.store.scratch_file(LOCK)
@@ -130,21 +197,24 @@ class _ObjectLock:
         finally:
             tmp.unlink(missing_ok=True)  # put_file consumes it, unless it failed first (http: read-only)
 
-    def _holder(self) -> dict:
-        return _parse(self.store.read_bytes(LOCK)) if self.store.exists(LOCK) else {}
+    def _read(self) -> bytes | None:
+        try:
+            return self.store.read_bytes(LOCK) if self.store.exists(LOCK) else None
+        except FileNotFoundError:  # deleted between the two
+            return None
 
-    def _check_mine(self) -> None:
-        """Someone else's lock under the name now (a race, or ours taken over as stale): stop."""
-        holder = self._holder()
-        if holder.get("token") != self.me["token"]:
-            raise _busy(self.store.url, holder)
+    def _holder(self) -> dict:
+        data = self._read()
+        return _parse(data) if data is not None else {}
 
     def _stale(self, holder: dict) -> bool:
-        if not holder:  # unreadable or gone meanwhile: no holder to wait for
+        if not holder:  # unreadable: no holder to wait for
             return True
-        if time.time() - float(holder.get("time", 0)) > STALE_S:
+        if time.time() - holder["time"] > STALE_S:
             return True
-        return holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", 0)))
+        # a pid means this process only on the same host, boot and pid namespace
+        where = _where()
+        return bool(where["boot"]) and all(holder.get(k) == v for k, v in where.items()) and not _alive(holder["pid"])
 
 
 def _alive(pid: int) -> bool:

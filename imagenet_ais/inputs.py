@@ -64,45 +64,72 @@ def _unreadable(path: str, e: OSError) -> str:
     return f"{type(e).__name__}: {e.strerror}"
 
 
-def _walk(
-    folder: str, rel: str, seen: dict[str, str], files: list[tuple[str, os.stat_result]], rejected: list[Rejected]
-) -> None:
-    """The files below a class folder, subfolders included (as ImageFolder reads them);
-    a folder reached twice (a symlink loop, or a link to a class folder) is read once."""
-    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+class Seen:
+    """What convert has met so far, across splits, so that nothing is read twice: a link to a
+    folder inside SRC is not followed, and a folder or file reached twice (a link from outside
+    SRC, a hard link) is read once."""
+
+    def __init__(self, src: Path):
+        self.src = Path(os.path.realpath(src))
+        self.ids: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) → where it was met, under SRC
+
+    def link_inside(self, path: str | Path) -> str | None:
+        """Where the symlink ``path`` points under SRC; None when it is no link or points outside."""
+        if not os.path.islink(path):
+            return None
+        real = Path(os.path.realpath(path))
+        return str(real.relative_to(self.src)) if real.is_relative_to(self.src) else None
+
+    def first(self, st: os.stat_result, where: str) -> str | None:
+        """None the first time a file or folder is met (noting it as ``where``); else where that was."""
+        key = (st.st_dev, st.st_ino)
+        if key in self.ids:
+            return self.ids[key]
+        self.ids[key] = where
+        return None
+
+
+Found = tuple[str, os.stat_result, bool]  # a file's path under SRC, its stat, whether it is a symlink
+
+
+def _walk(folder: str, rel: str, seen: Seen, files: list[Found], rejected: list[Rejected]) -> None:
+    """The files below a class folder, subfolders included (as ImageFolder reads them)."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError as e:
+        rejected.append({"path": rel, "reason": _unreadable(folder, e)})
+        return
+    for entry in entries:
         where = f"{rel}/{entry.name}"
         try:
             st = os.stat(entry.path)
         except OSError as e:
             rejected.append({"path": where, "reason": _unreadable(entry.path, e)})
             continue
-        if stat.S_ISDIR(st.st_mode):
-            real = os.path.realpath(entry.path)
-            if real in seen:
-                reason = f"a link to the folder {seen[real]}: its files are read there, not twice"
-                rejected.append({"path": where, "reason": reason})
-                continue
-            seen[real] = where
-            _walk(entry.path, where, seen, files, rejected)
-        elif stat.S_ISREG(st.st_mode):
-            files.append((where, st))
+        if not stat.S_ISDIR(st.st_mode):
+            if stat.S_ISREG(st.st_mode):
+                files.append((where, st, entry.is_symlink()))
+            else:
+                rejected.append({"path": where, "reason": "not a regular file (a pipe, socket or device)"})
+        elif (target := seen.link_inside(entry.path)) is not None:
+            reason = f"a link to the folder {target} inside SRC: links within SRC are not followed"
+            rejected.append({"path": where, "reason": reason})
+        elif first := seen.first(st, where):
+            reason = f"a link to the folder {first}: its files are read there, not twice"
+            rejected.append({"path": where, "reason": reason})
         else:
-            rejected.append({"path": where, "reason": "not a regular file (a pipe, socket or device)"})
+            _walk(entry.path, where, seen, files, rejected)
 
 
 def read_split(
-    src: Path, split: str, classes: list[str], seen: dict[str, str]
+    src: Path, split: str, classes: list[str], seen: Seen
 ) -> tuple[list[tuple[str, int, os.stat_result]], list[Rejected]]:
-    """(path, class index, stat) of every file of a split, and what was rejected before reading.
-    ``seen`` maps the real path of each folder read so far (across splits) to its name under SRC."""
+    """(path, class index, stat) of every file of a split, and what was rejected before reading."""
     root = src / split
     if not root.is_dir():
         raise FileNotFoundError(f"{root} not found: create it or leave {split!r} out of --splits")
     index = {wnid: i for i, wnid in enumerate(classes)}
-    files: list[tuple[str, int, os.stat_result]] = []
     rejected: list[Rejected] = []
-    for above in (src, root):  # a link up to one of them from a class folder would read its strays
-        seen.setdefault(os.path.realpath(above), str(above.relative_to(src)))
     entries = sorted(root.iterdir())
     folders = [p for p in entries if p.is_dir()]
     if not folders and entries:
@@ -121,22 +148,30 @@ def read_split(
     for folder in folders:  # all of them first, so that a link below one to another is seen as such
         if folder.name not in index:
             raise ValueError(f"{folder}: class {folder.name!r} is not among the train classes")
-        real = os.path.realpath(folder)
-        if real in seen:
+        same = seen.link_inside(folder) or seen.first(folder.stat(), f"{split}/{folder.name}")
+        if same:
             raise ValueError(
-                f"{folder} is the same folder as {src / seen[real]} (a symlink): its images would be read "
+                f"{folder} is the same folder as {src / same} (a symlink): its images would be read "
                 "twice, under two labels or in two splits; make it a folder of its own (nothing was changed)"
             )
-        seen[real] = f"{split}/{folder.name}"
+    found: list[tuple[int, Found]] = []
     for folder in folders:
-        found: list[tuple[str, os.stat_result]] = []
-        _walk(str(folder), f"{split}/{folder.name}", seen, found, rejected)
-        files.extend((path, index[folder.name], st) for path, st in found)
+        below: list[Found] = []
+        _walk(str(folder), f"{split}/{folder.name}", seen, below, rejected)
+        found.extend((index[folder.name], f) for f in below)
+    files: list[tuple[str, int, os.stat_result]] = []
+    # One image, one sample: a file met twice (a symlink, a hard link) is stored once, preferably
+    # where it really is (its folder tells its class), and the other path is rejected.
+    for cls, (path, st, _) in sorted(found, key=lambda f: f[1][2]):  # real files first, else in order
+        if first := seen.first(st, path):
+            rejected.append({"path": path, "reason": f"the same file as {first} (a link): stored once, there"})
+        else:
+            files.append((path, cls, st))
     return files, rejected
 
 
 def plan_split(
-    src: Path, split: str, classes: list[str], seed: int, maxcount: int, maxsize: int, seen: dict[str, str]
+    src: Path, split: str, classes: list[str], seed: int, maxcount: int, maxsize: int, seen: Seen
 ) -> tuple[list[ShardPlan], list[Rejected]]:
     files, rejected = read_split(src, split, classes, seen)
     random.Random(f"{seed}:{split}").shuffle(files)

@@ -58,7 +58,7 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str, where: str = MANIFEST) -> Manifest:
         try:
-            doc = json.loads(text)
+            doc = _object(json.loads(text), "the file")
             if doc.get("format") != FORMAT:
                 raise ValueError(f"not a {FORMAT} manifest")
             if doc.get("version") != VERSION:
@@ -66,14 +66,17 @@ class Manifest:
             classes = doc["classes"]
             if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
                 raise ValueError(f'"classes" is {_short(classes)}, not a list of class names')
-            splits = {
-                name: SplitInfo(
-                    [_shard(s, f"shard {i} of {name!r}") for i, s in enumerate(split["shards"])],
-                    _rejected(split["rejected"], name),
+            splits = {}
+            for name, split in _object(doc["splits"], '"splits"').items():
+                split = _object(split, f"split {name!r}")
+                shards = split["shards"]
+                if not isinstance(shards, list):
+                    raise ValueError(f'"shards" of {name!r} is {_short(shards)}, not a list')
+                splits[name] = SplitInfo(
+                    [_shard(s, f"shard {i} of {name!r}") for i, s in enumerate(shards)],
+                    _rejected(split["rejected"], f'"rejected" of {name!r}'),
                 )
-                for name, split in doc["splits"].items()
-            }
-            return cls(classes, splits, dict(doc.get("source", {})))
+            return cls(classes, splits, _object(doc.get("source", {}), '"source"'))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{where}: unreadable manifest ({e}); re-run `imagenet_shards.py convert`") from e
 
@@ -88,19 +91,43 @@ def _short(value: object) -> str:
     return text if len(text) <= 40 else f"{text[:37]}..."
 
 
-def _shard(fields: dict, where: str) -> ShardInfo:
-    """A ShardInfo once each field has its declared type (bool is no int here)."""
-    for name, want in get_type_hints(ShardInfo).items():
-        value = fields.get(name)
-        if name in fields and (not isinstance(value, want) or (want is int and isinstance(value, bool))):
-            raise ValueError(f"{where}: {name!r} is {_short(value)}, not {want.__name__}")
+def _object(value: object, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} is {_short(value)}, not an object")
+    return value
+
+
+def _shard(fields: object, where: str) -> ShardInfo:
+    """A ShardInfo once each field is there with its declared type (bool is no int here)."""
+    fields, hints = _object(fields, where), get_type_hints(ShardInfo)
+    for name in [*hints, *fields]:
+        if name not in hints or name not in fields:
+            raise ValueError(f"{where}: {'no' if name in hints else 'unknown field'} {name!r}")
+        if not isinstance(value := fields[name], hints[name]) or (hints[name] is int and isinstance(value, bool)):
+            raise ValueError(f"{where}: {name!r} is {_short(value)}, not {hints[name].__name__}")
     return ShardInfo(**fields)
 
 
-def _rejected(entries: object, split: str) -> list[dict[str, str]]:
+def _rejected(entries: object, what: str) -> list[dict[str, str]]:
     if not isinstance(entries, list) or not all(isinstance(r, dict) for r in entries):
-        raise ValueError(f'"rejected" of {split!r} is {_short(entries)}, not a list of objects')
+        raise ValueError(f"{what} is {_short(entries)}, not a list of objects")
     return entries
+
+
+def record_json(info: ShardInfo, rejected: list[dict[str, str]]) -> bytes:
+    """A journal record: a shard built, and the inputs it rejected (see shards.py)."""
+    return json.dumps({"shard": asdict(info), "rejected": rejected}).encode()
+
+
+def parse_record(data: bytes, where: str) -> tuple[ShardInfo, list[dict[str, str]]]:
+    """A journal record, checked field by field as the manifest's shard entries are."""
+    try:
+        doc = _object(json.loads(data), "the file")
+        return _shard(doc.get("shard"), '"shard"'), _rejected(doc.get("rejected"), '"rejected"')
+    except ValueError as e:  # (JSON errors are ValueErrors too)
+        raise ValueError(
+            f"{where}: unreadable journal record ({e}): remove it and the shard it names, then run convert again"
+        ) from e
 
 
 def load_manifest(store: Store) -> Manifest:

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import errno
 import io
-import json
-import re
 import tarfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -23,14 +20,14 @@ from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from imagenet_ais.destlock import LOCK, lock_dest
-from imagenet_ais.inputs import ShardPlan, check_counts, list_classes, plan_split
-from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, load_manifest
+from imagenet_ais.inputs import Seen, ShardPlan, check_counts, list_classes, plan_split
+from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, load_manifest, parse_record, record_json
 from imagenet_ais.storage import LocalStore, Store, open_store, stream_sha256
 
-JOURNAL = "_progress"  # per-shard records of a conversion in flight; removed once the manifest is written
-SET_ASIDE = f"{JOURNAL}/{MANIFEST}"  # the manifest a run started from, kept out of readers' sight meanwhile
-OURS = re.compile(rf"{JOURNAL}/(imagenet-\w+-\d{{6}}\.tar\.json|{re.escape(MANIFEST)})")  # records too, cut short
+JOURNAL = "_progress/"  # all ours: per-shard records of a conversion in flight, gone once the manifest is up
+SET_ASIDE = f"{JOURNAL}{MANIFEST}"  # the manifest a run started from, kept out of readers' sight meanwhile
 
+SCRATCH = (".imagenet-*.partial", f".{MANIFEST}.*.partial")  # LocalStore.scratch_file's names for ours
 Record = tuple[ShardInfo, list[dict[str, str]]]  # a shard built, and the inputs it rejected
 DISK_FULL = (errno.ENOSPC, errno.EFBIG)
 
@@ -94,8 +91,7 @@ def write_shard(src: Path, dest_url: str, plan: ShardPlan) -> Record:
         info = ShardInfo(plan.name, count, tmp.stat().st_size, file_sha256(tmp), plan.digest)
         # The record goes first: a shard under its final name always has one, so a re-run
         # can verify it instead of rebuilding it (a record without its shard is just ignored).
-        record = {"shard": asdict(info), "rejected": rejected}
-        store.write_bytes(f"{JOURNAL}/{plan.name}.json", json.dumps(record).encode())
+        store.write_bytes(f"{JOURNAL}{plan.name}.json", record_json(info, rejected))
         store.put_file(tmp, plan.name)
     except OSError as e:
         if e.errno in DISK_FULL:
@@ -124,7 +120,7 @@ def _read_manifests(store: Store) -> tuple[Manifest | None, Manifest | None]:
 
 def _refuse_foreign(store: Store, known: dict[str, Record]) -> None:
     """Files in DEST that no manifest or journal of ours names are someone else's: refuse."""
-    foreign = [n for n in store.list() if n not in (MANIFEST, LOCK) and n not in known and not OURS.fullmatch(n)]
+    foreign = [n for n in store.list() if n not in (MANIFEST, LOCK) and n not in known and not n.startswith(JOURNAL)]
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise ValueError(
@@ -133,53 +129,76 @@ def _refuse_foreign(store: Store, known: dict[str, Record]) -> None:
         )
 
 
-def _known_records(store: Store, manifests: list[Manifest]) -> dict[str, Record]:
-    """Shards earlier runs finished: from their manifests and from the journal."""
+def _journal(store: Store) -> dict[str, Record]:
+    """The shards runs built since the last manifest went up, by name (a record goes up before its shard)."""
+    records: dict[str, Record] = {}
+    for name in store.list(JOURNAL):
+        if name != SET_ASIDE:  # records go up whole (a rename, a PUT): a malformed one is no kill's doing
+            info, rejected = parse_record(store.read_bytes(name), f"{store.url}/{name}")
+            records[info.name] = (info, rejected)
+    return records
+
+
+def _known_records(manifests: list[Manifest], journal: dict[str, Record]) -> dict[str, Record]:
+    """Shards earlier runs finished: from their manifests and from the journal (newer)."""
     known: dict[str, Record] = {}
     for manifest in manifests:
         for split in manifest.splits.values():
             for shard in split.shards:
                 mine = [r for r in split.rejected if r.get("shard") == shard.name]
                 known[shard.name] = (shard, mine)
-    for name in store.list(f"{JOURNAL}/"):
-        if name == SET_ASIDE:
-            continue
-        try:
-            record = json.loads(store.read_bytes(name))
-            info = ShardInfo(**record["shard"])
-        except (ValueError, KeyError, TypeError):
-            continue  # a record cut short by a kill: the shard is simply rebuilt
-        known[info.name] = (info, record["rejected"])
-    return known
+    return {**known, **journal}
 
 
-def _tidy(store: Store, manifest: Manifest, known: dict[str, Record]) -> None:
+def _refuse_rewritten(kept: dict[str, SplitInfo], journal: dict[str, Record], converting: list[str]) -> None:
+    """A split kept from the manifest of a run that stopped may have had shards rewritten since."""
+    for split, info in kept.items():
+        if any(journal.get(s.name, (s,))[0] != s for s in info.shards):
+            raise ValueError(
+                f"{split} was being rewritten when a run stopped: add it to --splits "
+                f"(--splits {','.join([*converting, split])}; nothing was changed)"
+            )
+
+
+def _tidy(store: Store, manifest: Manifest, known: dict[str, Record], check_lock: Callable[[], None]) -> None:
     """After ``manifest`` is published: drop shards of ours it does not name, then the journal."""
+    check_lock()
     wanted = {s.name for split in manifest.splits.values() for s in split.shards}
     for name in store.list("imagenet-"):
         if name in known and name not in wanted:  # ours (refused otherwise), named by no manifest now
             store.delete(name)
-    for name in store.list(f"{JOURNAL}/"):
+    for name in store.list(JOURNAL):
         if name != SET_ASIDE:
             store.delete(name)
     store.delete(SET_ASIDE)  # last: until here it names shards that may still be there
 
 
+def _size_problem(store: Store, info: ShardInfo) -> str | None:
+    """None when the shard is there at its size; else what is wrong (cheap: no reading)."""
+    if not store.exists(info.name):
+        return "missing"
+    if (size := store.size(info.name)) != info.bytes:
+        return f"size {size} != manifest {info.bytes}"
+    return None
+
+
 def _still_good(store: Store, info: ShardInfo) -> bool:
-    if not store.exists(info.name) or store.size(info.name) != info.bytes:
-        return False
-    return stream_sha256(store.open(info.name)) == info.sha256
+    return not _size_problem(store, info) and stream_sha256(store.open(info.name)) == info.sha256
 
 
 def _check_published(store: Store, manifest: Manifest) -> None:
-    """Every shard the manifest names is there at its size, just before the manifest goes up."""
-    for split in manifest.splits.values():
-        for shard in split.shards:
-            if not store.exists(shard.name) or store.size(shard.name) != shard.bytes:
-                raise OSError(
-                    f"{store.url}/{shard.name} is missing or not {shard.bytes} bytes at the end of the run "
-                    "(changed by something else meanwhile?): no manifest was written; run convert again"
-                )
+    """Just before the manifest goes up: every shard it names is there at its size, and is the
+    one its journal record (if any: the last one put under that name) describes."""
+    journal = _journal(store)
+    for shard in (s for split in manifest.splits.values() for s in split.shards):
+        problem = _size_problem(store, shard)
+        if not problem and shard.name in journal and journal[shard.name][0] != shard:
+            problem = "its journal record describes another shard"
+        if problem:
+            raise OSError(
+                f"{store.url}/{shard.name}: {problem} at the end of the run (changed by something else "
+                "meanwhile?): no manifest was written; run convert again"
+            )
 
 
 def _labels(plans: list[ShardPlan], results: dict[str, Record] | None = None) -> Iterator[int]:
@@ -201,6 +220,8 @@ def convert(
 ) -> Manifest:
     if not splits:
         raise ValueError("--splits names no split: give the split folders of SRC, e.g. --splits train,val")
+    if twice := sorted({s for s in splits if splits.count(s) > 1}):
+        raise ValueError(f"--splits names {', '.join(twice)} more than once: name each split once")
     store = open_store(dest_url)
     if isinstance(store, LocalStore) and store.root.resolve().is_relative_to(src.resolve()):
         raise ValueError(
@@ -208,7 +229,7 @@ def convert(
             "choose a DEST outside SRC (nothing was changed)"
         )
     classes = list_classes(src)
-    seen: dict[str, str] = {}  # folders read, across splits: a link to one is not read twice
+    seen = Seen(src)  # across splits: nothing is read twice
     plans = {split: plan_split(src, split, classes, seed, maxcount, maxsize, seen) for split in splits}
     for split, (split_plans, _) in plans.items():
         if not allow_empty:
@@ -216,7 +237,7 @@ def convert(
     source = {"seed": seed, "maxcount": maxcount, "maxsize": maxsize}
     try:
         with lock_dest(store) as lock:
-            return _convert_locked(store, src, classes, plans, source, workers, allow_empty, lock.refresh)
+            return _convert_locked(store, src, classes, plans, source, workers, allow_empty, lock.check)
     except OSError as e:  # the journal, the manifest: small files, but a full disk is a full disk
         if e.errno in DISK_FULL:
             raise _disk_full(e, store.url, store) from None
@@ -231,10 +252,11 @@ def _convert_locked(
     source: dict[str, object],
     workers: int,
     allow_empty: bool,
-    refresh: Callable[[], None],
+    check_lock: Callable[[], None],
 ) -> Manifest:
     published, set_aside = _read_manifests(store)
-    known = _known_records(store, [m for m in (set_aside, published) if m])
+    journal = _journal(store)
+    known = _known_records([m for m in (set_aside, published) if m], journal)
     _refuse_foreign(store, known)
     old = published or set_aside
     # splits of an earlier run that this one does not convert stay as they are
@@ -245,13 +267,18 @@ def _convert_locked(
             f"convert those splits too (--splits {','.join([*kept, *plans])}) or use another DEST "
             "(nothing was changed)"
         )
+    _refuse_rewritten(kept, journal, list(plans))
+    if isinstance(store, LocalStore):  # scratch files of killed runs (object stores' are in the temp dir)
+        for pattern in SCRATCH:
+            for left in store.root.glob(pattern):
+                left.unlink(missing_ok=True)
     if published:
-        _tidy(store, published, known)  # a run killed while tidying up: finish that first
+        _tidy(store, published, known, check_lock)  # a run killed while tidying up: finish that first
         # Readers must not see a manifest naming shards this run may rewrite; the journal keeps
         # it (a run that fails still knows the shards, and the splits it keeps, next time).
         store.write_bytes(SET_ASIDE, store.read_bytes(MANIFEST))
         store.delete(MANIFEST)
-    results = _build(store, src, [p for ps, _ in plans.values() for p in ps], known, workers, refresh)
+    results = _build(store, src, [p for ps, _ in plans.values() for p in ps], known, workers)
 
     manifest = Manifest(classes, dict(kept), source)
     for split, (split_plans, unread) in plans.items():
@@ -264,13 +291,14 @@ def _convert_locked(
             info.rejected.extend({**r, "shard": plan.name} for r in rejected)
         manifest.splits[split] = info
     _check_published(store, manifest)
+    check_lock()
     store.write_bytes(MANIFEST, manifest.to_json().encode())
-    _tidy(store, manifest, known)
+    _tidy(store, manifest, known, check_lock)
     return manifest
 
 
 def _build(
-    store: Store, src: Path, plans: list[ShardPlan], known: dict[str, Record], workers: int, refresh: Callable[[], None]
+    store: Store, src: Path, plans: list[ShardPlan], known: dict[str, Record], workers: int
 ) -> dict[str, Record]:
     """Every planned shard: kept when a verified copy built from the same inputs is there, else built."""
     results: dict[str, Record] = {}
@@ -281,7 +309,6 @@ def _build(
             results[plan.name] = record
         else:
             todo.append(plan)
-        refresh()
     total = sum(len(p.items) for p in todo)
     with (
         tqdm(total=total, unit="img", desc=f"convert → {store.url}", disable=total == 0) as bar,
@@ -292,7 +319,6 @@ def _build(
             for future in as_completed(futures):
                 results[futures[future].name] = future.result()
                 bar.update(len(futures[future].items))
-                refresh()
         except BaseException:
             for future in futures:  # fail now, not after building every shard still queued
                 future.cancel()
@@ -310,10 +336,8 @@ def iter_members(stream: io.BufferedIOBase) -> Iterator[tuple[str, bytes]]:
 def check_shard(dest_url: str, info: ShardInfo, num_classes: int) -> str | None:
     """None when the shard matches its manifest entry and every image decodes; else the problem."""
     store = open_store(dest_url)
-    if not store.exists(info.name):
-        return "missing"
-    if (size := store.size(info.name)) != info.bytes:
-        return f"size {size} != manifest {info.bytes}"
+    if problem := _size_problem(store, info):
+        return problem
     if (digest := stream_sha256(store.open(info.name))) != info.sha256:
         return f"sha256 {digest[:12]}… != manifest {info.sha256[:12]}…"
     samples: dict[str, set[str]] = {}

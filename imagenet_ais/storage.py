@@ -27,6 +27,7 @@ class Store(Protocol):
     def size(self, name: str) -> int: ...
     def list(self, prefix: str = "") -> list[str]: ...
     def delete(self, name: str) -> None: ...
+    def delete_if(self, name: str, data: bytes) -> bool: ...  # delete only while it holds data
     def open(self, name: str) -> BinaryIO: ...
     def read_bytes(self, name: str) -> bytes: ...
     def write_bytes(self, name: str, data: bytes) -> None: ...
@@ -83,6 +84,14 @@ class _StoreBase:
 
     def matches(self, name: str, path: Path) -> bool:
         return _same_bytes(self, name, path)
+
+    def delete_if(self, name: str, data: bytes) -> bool:
+        """Delete ``name`` if it still holds ``data``; False if not. A read, then a delete: an
+        object written between the two is deleted all the same (GCS's override closes that)."""
+        if not self.exists(name) or self.read_bytes(name) != data:
+            return False
+        self.delete(name)
+        return True
 
 
 class LocalStore(_StoreBase):
@@ -348,6 +357,19 @@ class GCSStore(_StoreBase):
 
         with contextlib.suppress(NotFound):
             self._blob(name).delete(retry=self.retry)
+
+    def delete_if(self, name: str, data: bytes) -> bool:
+        """Delete ``name`` if it still holds ``data``: the delete is conditional on the generation read."""
+        from google.api_core.exceptions import NotFound, PreconditionFailed
+
+        blob = self.bucket.get_blob(self.prefix + _checked(name, self.url), retry=self.retry)
+        try:
+            if blob is None or blob.download_as_bytes(if_generation_match=blob.generation, retry=self.retry) != data:
+                return False
+            blob.delete(if_generation_match=blob.generation, retry=self.retry)
+        except (NotFound, PreconditionFailed):  # replaced or gone meanwhile
+            return False
+        return True
 
     def open(self, name: str) -> BinaryIO:
         return self._blob(name).open("rb", retry=self.retry)

@@ -89,6 +89,18 @@ def test_verify_names_the_shard_with_a_flipped_byte(tree: Path, tmp_path: Path) 
     assert proc.stderr.count("BAD") == 1
 
 
+def test_verify_of_an_unreadable_manifest_is_one_line(tmp_path: Path) -> None:
+    """Owned by a user outside the user namespace verify runs in, so not even root can read it."""
+    if not shutil.which("unshare") or run_cli("unshare", "-r", "true", check=False).returncode:
+        pytest.skip("no unshare, or user namespaces are not allowed here")
+    write_shards(tmp_path, {"train": [1]})
+    os.chown(tmp_path / "manifest.json", 12345, 12345)
+    os.chmod(tmp_path / "manifest.json", 0o600)
+    proc = run_cli("unshare", "-r", sys.executable, ROOT / "imagenet_shards.py", "verify", tmp_path, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"Error: [Errno 13] Permission denied: '{tmp_path / 'manifest.json'}'"]
+
+
 def test_verify_and_summary_refuse_a_missing_manifest(tmp_path: Path) -> None:
     for verb in ("verify", "summary"):
         proc = run_cli("imagenet_shards.py", verb, tmp_path, check=False)
@@ -119,12 +131,13 @@ def test_killed_conversion_leaves_no_partial_shard_and_resumes(tree: Path, tmp_p
     for shard in finished:  # whatever has a final name is complete
         assert shard.read_bytes() == (reference / shard.name).read_bytes(), shard.name
     before = {p.name: p.stat().st_mtime_ns for p in finished}
+    (dest / ".imagenet-train-000000.tar.x1y2z3.partial").write_bytes(b"half a shard")  # as a kill leaves it
 
     run_cli("imagenet_shards.py", "convert", tree, dest, *args)
     assert {p.name: p.stat().st_mtime_ns for p in finished} == before, "finished shards were rewritten"
     assert (dest / "manifest.json").read_text() == (reference / "manifest.json").read_text()
     assert sorted(p.name for p in dest.glob("imagenet-*.tar")) == sorted(p.name for p in reference.glob("*.tar"))
-    assert not (dest / "_progress").exists()
+    assert not (dest / "_progress").exists() and not list(dest.glob(".*.partial"))
     run_cli("imagenet_shards.py", "verify", dest)
 
 
@@ -189,7 +202,6 @@ def test_converting_one_split_keeps_the_others(tree: Path, tmp_path: Path) -> No
         ({"manifest.json": b'{"hello": "world"}'}, "manifest.json is not a manifest written by imagenet_shards.py"),
         ({"notes.txt": b"mine"}, "holds files imagenet_shards.py did not write (notes.txt)"),
         ({"imagenet-train-000042.tar": b"not ours"}, "did not write (imagenet-train-000042.tar)"),
-        ({"_progress/todo.txt": b"mine"}, "did not write (_progress/todo.txt)"),
     ],
 )
 def test_a_dest_with_files_not_ours_is_refused_untouched(
@@ -239,6 +251,8 @@ def start_convert(src: Path, dest: str | Path, *args: str) -> subprocess.Popen:
 
 def test_a_second_convert_into_the_same_dest_is_refused(tree: Path, tmp_path: Path) -> None:
     dest = tmp_path / "shards"
+    dest.mkdir()
+    (dest / "_convert.lock").write_text("x" * 1000)  # left by a holder killed before it deleted it
     args = ["--maxcount", "1", "--workers", "1"]
     first = start_convert(tree, dest, *args)
     wait_until(first, lambda: len(list(dest.glob("imagenet-*.tar"))) >= 2, "2 shards written", poll=0.002)
@@ -286,10 +300,37 @@ def test_a_failed_run_publishes_no_manifest_and_the_next_keeps_the_other_splits(
     run_cli("imagenet_shards.py", "verify", dest)
 
 
-@pytest.mark.parametrize("holder", ["alive", "dead"])
+def test_a_split_being_rewritten_when_a_run_stopped_is_not_kept(tree: Path, tmp_path: Path) -> None:
+    """Killed while rewriting val (maxcount 20 → 1), a run converting train alone must not keep
+    val from the set-aside manifest: some of its shards are already the new ones."""
+    dest = tmp_path / "shards"
+    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20")
+    killed = start_convert(tree, dest, "--splits", "val", "--maxcount", "1", "--workers", "1")
+    record = dest / "_progress" / "imagenet-val-000003.tar.json"  # so val 0..2 are rewritten
+    wait_until(killed, record.exists, "4 val shards begun", poll=0.002)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+
+    assert refused(tree, dest, "--splits", "train", "--maxcount", "20") == (
+        "Error: val was being rewritten when a run stopped: add it to --splits "
+        "(--splits train,val; nothing was changed)"
+    )
+    run_cli("imagenet_shards.py", "convert", tree, dest, "--splits", "train,val", "--maxcount", "20")
+    run_cli("imagenet_shards.py", "verify", dest)
+
+
+def this_machine() -> dict:
+    """Host, boot and pid namespace: where a lock's pid can be checked."""
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return {"host": socket.gethostname(), "boot": boot, "pidns": os.stat("/proc/self/ns/pid").st_ino}
+
+
+@pytest.mark.parametrize("holder", ["alive", "dead", "dead in another pid namespace", "malformed"])
 def test_an_object_store_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(
     holder: str, gcs, tmp_path: Path
 ) -> None:
+    """A dead pid counts only on the same host, boot and pid namespace: containers often share a
+    hostname, and a pid of another namespace tells nothing here. A malformed lock names no one."""
     from imagenet_ais.storage import GCSStore
 
     src = tmp_path / "src"
@@ -298,11 +339,15 @@ def test_an_object_store_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(
     store = GCSStore(url)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = os.getpid() if holder == "alive" else int(gone.stdout)
-    lock = {"pid": pid, "host": socket.gethostname(), "time": time.time(), "token": "theirs"}
+    lock = {"pid": pid, **this_machine(), "time": time.time(), "token": "theirs"}
+    if holder == "dead in another pid namespace":
+        lock["pidns"] += 1
+    if holder == "malformed":
+        lock["time"] = "yesterday"
     store.write_bytes("_convert.lock", json.dumps(lock).encode())
 
     proc = run_cli("imagenet_shards.py", "convert", src, url, "--workers", "1", check=False)
-    if holder == "alive":
+    if holder in ("alive", "dead in another pid namespace"):
         assert proc.returncode == 1
         assert proc.stderr.strip().splitlines()[-1] == (
             f"Error: {url} is being converted by PID {pid} on {socket.gethostname()}: "
@@ -311,8 +356,85 @@ def test_an_object_store_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(
         assert store.list() == ["_convert.lock"]
     else:
         assert proc.returncode == 0, proc.stderr
-        assert f"_convert.lock of PID {pid} on {socket.gethostname()} is stale" in proc.stderr
+        who = "another process" if holder == "malformed" else f"PID {pid} on {socket.gethostname()}"
+        assert f"_convert.lock of {who} is stale" in proc.stderr and "Traceback" not in proc.stderr
         assert "_convert.lock" not in store.list() and store.exists("manifest.json")
+
+
+def test_an_object_lock_is_refreshed_by_a_heartbeat_and_knows_when_it_is_lost(
+    gcs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from google.api_core.exceptions import NotFound
+
+    from imagenet_ais import destlock
+    from imagenet_ais.storage import GCSStore
+
+    store = GCSStore(f"gs://{gcs.make_bucket()}/shards")
+
+    def lock_time() -> float:
+        while True:
+            try:
+                return json.loads(store.read_bytes("_convert.lock"))["time"]
+            except NotFound:  # read while the heartbeat replaced it
+                time.sleep(0.01)
+
+    monkeypatch.setattr(destlock, "REFRESH_S", 0.05)
+    with destlock.lock_dest(store) as lock:
+        first, deadline = lock_time(), time.monotonic() + 30
+        while lock_time() == first:  # no work done, no call made: the heartbeat alone
+            assert time.monotonic() < deadline, "the lock was never refreshed"
+            time.sleep(0.05)
+        lock.check()
+
+    monkeypatch.setattr(destlock, "REFRESH_S", 3600)  # no heartbeat to race with the takeover below
+    with destlock.lock_dest(store) as lock:
+        theirs = {"pid": 1, "host": "elsewhere", "time": time.time(), "token": "theirs"}
+        store.write_bytes("_convert.lock", json.dumps(theirs).encode())  # taken over, as if stale
+        with pytest.raises(ValueError, match=r"_convert.lock is no longer this run's \(PID 1 on elsewhere holds it"):
+            lock.check()
+    assert json.loads(store.read_bytes("_convert.lock")) == theirs, "their lock was deleted on the way out"
+
+
+def test_a_stale_lock_is_deleted_only_while_it_is_the_one_seen(gcs) -> None:
+    from imagenet_ais.storage import GCSStore
+
+    store = GCSStore(f"gs://{gcs.make_bucket()}/shards")
+    store.write_bytes("_convert.lock", b"stale")
+    store.write_bytes("_convert.lock", b"new holder")  # taken over by a third run meanwhile
+    assert not store.delete_if("_convert.lock", b"stale")
+    assert store.read_bytes("_convert.lock") == b"new holder"
+    assert store.delete_if("_convert.lock", b"new holder") and not store.exists("_convert.lock")
+    assert not store.delete_if("_convert.lock", b"new holder")
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_a_run_that_lost_its_lock_publishes_and_deletes_nothing(
+    where: str, tree: Path, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock is taken from under the run after its last shard: no manifest goes up, and the
+    shards of the manifest it started from (which it would tidy away) stay."""
+    from imagenet_ais import shards
+    from imagenet_ais.storage import open_store
+
+    dest = str(tmp_path / "shards") if where == "local" else f"gs://{request.getfixturevalue('gcs').make_bucket()}/s"
+    shards.convert(tree, dest, ["train", "val"], 20, int(1e9), 1, 0)
+    store = open_store(dest)
+    before = store.list()
+    checked = shards._check_published
+
+    theirs = {"pid": 1, "host": "elsewhere", "time": 0, "token": "x"}
+
+    def and_lock_lost(store, manifest) -> None:
+        checked(store, manifest)
+        store.delete("_convert.lock")  # another run, seeing it stale, takes it over
+        store.write_bytes("_convert.lock", json.dumps(theirs).encode())
+
+    monkeypatch.setattr(shards, "_check_published", and_lock_lost)
+    lost = r"_convert.lock is no longer this run's \((PID 1 on elsewhere|another process)"
+    with pytest.raises(ValueError, match=lost):
+        shards.convert(tree, dest, ["train", "val"], 10, int(1e9), 1, 0)  # other shards: the old ones go
+    assert not store.exists("manifest.json")
+    assert set(before) - {"manifest.json"} <= set(store.list()), "shards deleted"
 
 
 def test_a_rerun_rereads_inputs_that_changed(tree: Path, tmp_path: Path) -> None:
@@ -382,9 +504,9 @@ def test_every_input_file_is_in_a_shard_or_listed_with_a_reason(tmp_path: Path) 
     assert stored["b.cls"] == b"0" and stored["c.cls"] == b"1"
     reasons = {r["path"]: r["reason"] for r in train["rejected"]}
     assert reasons == {
-        "train/n1/loop": "a link to the folder train/n1: its files are read there, not twice",
-        "train/n1/up": "a link to the folder .: its files are read there, not twice",
-        "train/n1/sub/again": "a link to the folder train/n2: its files are read there, not twice",
+        "train/n1/loop": "a link to the folder train/n1 inside SRC: links within SRC are not followed",
+        "train/n1/up": "a link to the folder . inside SRC: links within SRC are not followed",
+        "train/n1/sub/again": "a link to the folder train/n2 inside SRC: links within SRC are not followed",
         "train/n1/dangling.JPEG": "a broken symlink (to nowhere.JPEG): point it at an image or remove it",
         "train/n1/self.JPEG": "a symlink loop: point it at an image or remove it",
         "train/stray.JPEG": "not in a class folder: move it into train/<wnid>/",
@@ -392,6 +514,52 @@ def test_every_input_file_is_in_a_shard_or_listed_with_a_reason(tmp_path: Path) 
     for path, reason in reasons.items():
         assert f"rejected {path}: {reason}" in out
     assert "train: 3 samples in 1 shards, 6 rejected" in out and "val: 2 samples" in out
+
+
+def test_an_image_reached_twice_is_stored_once_under_the_class_it_is_in(tmp_path: Path) -> None:
+    """Links (and hard links) must not put an image under another label, in two splits, or twice:
+    a folder link within SRC is not followed, and a file met twice is stored where it really is."""
+    src = small_tree(
+        tmp_path / "src",
+        {
+            "train/n1/a.JPEG": "jpeg",
+            "train/n1/x": "-> ../n2/x",  # would give n2's subfolder the label n1
+            "train/n1/c.JPEG": "-> ../n2/c.JPEG",  # a file link across classes, met first
+            "train/n2/x/y.JPEG": "jpeg",
+            "train/n2/c.JPEG": "jpeg",
+            "val/n1/v.JPEG": "jpeg",
+            "val/n2/w.JPEG": "jpeg",
+        },
+    )
+    os.link(src / "train/n1/a.JPEG", src / "val/n1/a.JPEG")  # the same image in train and val
+    dest = tmp_path / "shards"
+    run_cli("imagenet_shards.py", "convert", src, dest, "--workers", "1")
+    manifest = json.loads((dest / "manifest.json").read_text())
+    train = members(dest / "imagenet-train-000000.tar")
+    assert {n: v for n, v in train.items() if n.endswith(".cls")} == {"a.cls": b"0", "y.cls": b"1", "c.cls": b"1"}
+    assert sorted(n for n in members(dest / "imagenet-val-000000.tar") if n.endswith(".cls")) == ["v.cls", "w.cls"]
+    reasons = {r["path"]: r["reason"] for split in manifest["splits"].values() for r in split["rejected"]}
+    assert reasons == {
+        "train/n1/x": "a link to the folder train/n2/x inside SRC: links within SRC are not followed",
+        "train/n1/c.JPEG": "the same file as train/n2/c.JPEG (a link): stored once, there",
+        "val/n1/a.JPEG": "the same file as train/n1/a.JPEG (a link): stored once, there",
+    }
+
+
+def test_an_unreadable_subfolder_is_listed_as_rejected(tmp_path: Path) -> None:
+    """Owned by a user outside the user namespace convert runs in, so not even root can read it."""
+    if not shutil.which("unshare") or run_cli("unshare", "-r", "true", check=False).returncode:
+        pytest.skip("no unshare, or user namespaces are not allowed here")
+    src = small_tree(tmp_path / "src", {**CLASSES, "train/n1/locked/z.JPEG": "jpeg"})
+    os.chown(src / "train/n1/locked", 12345, 12345)
+    os.chmod(src / "train/n1/locked", 0o700)
+    dest = tmp_path / "shards"
+    convert = [sys.executable, ROOT / "imagenet_shards.py", "convert", src, dest, "--workers", "1"]
+    proc = run_cli("unshare", "-r", *convert, check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    train = json.loads((dest / "manifest.json").read_text())["splits"]["train"]
+    assert train["rejected"] == [{"path": "train/n1/locked", "reason": "PermissionError: Permission denied"}]
+    assert train["samples"] == 2
 
 
 def refused(src: Path, dest: Path, *args: str) -> str:
@@ -441,12 +609,13 @@ def test_the_raw_flat_val_layout_is_refused_with_how_to_arrange_it(tmp_path: Pat
     )
 
 
-@pytest.mark.parametrize("link", ["train/n3", "val/n2"])
-def test_a_class_folder_linked_to_another_is_refused(link: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("link", "splits"), [("train/n3", "train,val"), ("val/n2", "train,val"), ("val/n2", "val")])
+def test_a_class_folder_linked_to_another_is_refused(link: str, splits: str, tmp_path: Path) -> None:
+    """Refused even when the folder linked to is in a split not converted now (--splits val)."""
     src = small_tree(tmp_path / "src", {**CLASSES, "train/n3/e.JPEG": "jpeg", "val/n3/f.JPEG": "jpeg"})
     shutil.rmtree(src / link)
     (src / link).symlink_to(src / "train" / "n1")
-    assert refused(src, tmp_path / "shards") == (
+    assert refused(src, tmp_path / "shards", "--splits", splits) == (
         f"Error: {src / link} is the same folder as {src / 'train' / 'n1'} (a symlink): its images would be "
         "read twice, under two labels or in two splits; make it a folder of its own (nothing was changed)"
     )
@@ -469,12 +638,19 @@ def test_a_class_folder_linked_to_another_is_refused(link: str, tmp_path: Path) 
             lambda m: m["splits"]["train"].update(rejected="none"),
             '"rejected" of \'train\' is "none", not a list of objects',
         ),
+        (lambda m: ["a"], 'the file is ["a"], not an object'),
+        (lambda m: m.update(splits=[]), '"splits" is [], not an object'),
+        (lambda m: m["splits"].update(train=5), "split 'train' is 5, not an object"),
+        (lambda m: m["splits"]["train"].update(shards={}), "\"shards\" of 'train' is {}, not a list"),
+        (lambda m: m["splits"]["train"]["shards"].__setitem__(1, "x"), "shard 1 of 'train' is \"x\", not an object"),
+        (lambda m: m["splits"]["train"]["shards"][0].__delitem__("plan"), "shard 0 of 'train': no 'plan'"),
+        (lambda m: m["splits"]["train"]["shards"][0].update(extra=1), "shard 0 of 'train': unknown field 'extra'"),
     ],
 )
 def test_a_manifest_field_of_the_wrong_type_is_one_line(edit, says: str, tmp_path: Path) -> None:
     write_shards(tmp_path, {"train": [3, 3]})
     doc = json.loads((tmp_path / "manifest.json").read_text())
-    edit(doc)
+    doc = edit(doc) or doc  # (an edit returns a whole new document, or changes this one)
     (tmp_path / "manifest.json").write_text(json.dumps(doc))
     for verb in ("summary", "verify"):
         proc = run_cli("imagenet_shards.py", verb, tmp_path, check=False)
@@ -521,6 +697,53 @@ def test_verify_names_what_is_wrong_inside_a_shard(names: list[str], samples: in
     proc = run_cli("imagenet_shards.py", "verify", tmp_path, check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == f"BAD {tmp_path}/imagenet-train-000000.tar: {says}"
+
+
+@pytest.mark.parametrize(
+    ("record", "says"),
+    [
+        ('{"shard": SHARD, "rejected": 5}', '"rejected" is 5, not a list of objects'),
+        ('{"rejected": []}', '"shard" is null, not an object'),
+        ('{"shard": SHARD, "rejected": [], "x": 1', "Expecting ',' delimiter: line 1 column"),
+        ("[]", "the file is [], not an object"),
+    ],
+)
+def test_a_malformed_journal_record_is_one_line(record: str, says: str, tree: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "shards"
+    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20")
+    shard = json.loads((dest / "manifest.json").read_text())["splits"]["train"]["shards"][0]
+    path = dest / "_progress" / "imagenet-train-000000.tar.json"
+    path.parent.mkdir()
+    path.write_text(record.replace("SHARD", json.dumps(shard)))
+    before = {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    proc = run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"Error: {path}: unreadable journal record ({says}")
+    assert line.endswith("): remove it and the shard it names, then run convert again")
+    assert {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before
+
+
+def test_a_split_named_with_a_dash_resumes_after_a_kill(tree: Path, tmp_path: Path) -> None:
+    """Everything under _progress/ is the converter's own, whatever the split's name."""
+    src, dest = tmp_path / "src", tmp_path / "shards"
+    shutil.copytree(tree, src)
+    shutil.copytree(src / "val", src / "mini-val")
+    args = ["--splits", "mini-val", "--maxcount", "1", "--workers", "1"]
+    killed = start_convert(src, dest, *args)
+    record = dest / "_progress" / "imagenet-mini-val-000003.tar.json"
+    wait_until(killed, record.exists, "4 shards begun", poll=0.002)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    run_cli("imagenet_shards.py", "convert", src, dest, *args)
+    assert len(json.loads((dest / "manifest.json").read_text())["splits"]["mini-val"]["shards"]) == 24
+    run_cli("imagenet_shards.py", "verify", dest)
+
+
+def test_a_split_named_twice_is_refused(tree: Path, tmp_path: Path) -> None:
+    assert refused(tree, tmp_path / "shards", "--splits", "train,val,train") == (
+        "Error: --splits names train more than once: name each split once"
+    )
 
 
 def test_a_file_size_limit_is_one_line_and_publishes_nothing(tree: Path, tmp_path: Path) -> None:
