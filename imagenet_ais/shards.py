@@ -19,8 +19,9 @@ import webdataset as wds
 from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
-from imagenet_ais.destlock import LOCK, lock_dest
+from imagenet_ais.children import exit_with_parent
 from imagenet_ais.inputs import Seen, ShardPlan, check_counts, list_classes, plan_split
+from imagenet_ais.locks import LOCK, lock_dest
 from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, load_manifest, parse_record, record_json
 from imagenet_ais.storage import LocalStore, Store, open_store, stream_sha256
 
@@ -312,7 +313,7 @@ def _build(
     total = sum(len(p.items) for p in todo)
     with (
         tqdm(total=total, unit="img", desc=f"convert → {store.url}", disable=total == 0) as bar,
-        ProcessPoolExecutor(max_workers=max(1, workers)) as pool,
+        ProcessPoolExecutor(max_workers=max(1, workers), initializer=exit_with_parent) as pool,
     ):
         futures = {pool.submit(write_shard, src, store.url, plan): plan for plan in todo}
         try:
@@ -380,7 +381,7 @@ def verify(dest_url: str, workers: int) -> dict[str, str]:
     manifest = load_manifest(store)
     shards = [s for split in manifest.splits.values() for s in split.shards]
     problems: dict[str, str] = {}
-    with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
+    with ProcessPoolExecutor(max_workers=max(1, workers), initializer=exit_with_parent) as pool:
         futures = {pool.submit(check_shard, dest_url, s, len(manifest.classes)): s for s in shards}
         for future in tqdm(as_completed(futures), total=len(futures), unit="shard", desc=f"verify {dest_url}"):
             if problem := future.result():

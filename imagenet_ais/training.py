@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from imagenet_ais import checkpoint, decentralized, distributed, upload
+from imagenet_ais import checkpoint, decentralized, distributed, locks, upload
 from imagenet_ais.data import CacheSpec, TrainLoader, ValLoader
 from imagenet_ais.data_health import DataHealth
 from imagenet_ais.manifest import load_manifest
@@ -217,7 +217,9 @@ def train(cfg: TrainConfig, report: Callable[[dict], None] | None = None) -> dic
     """Train as ``cfg`` says; ``report`` also gets every metrics record, on every rank."""
     d = distributed.setup()
     try:
-        return _train(cfg, d, report)
+        # rank 0 writes the output: a second run into it would mix checkpoints and event files
+        with locks.lock_output(Path(cfg.output)) if d.main else nullcontext():
+            return _train(cfg, d, report)
     finally:
         distributed.teardown()
 

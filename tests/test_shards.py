@@ -366,7 +366,7 @@ def test_an_object_lock_is_refreshed_by_a_heartbeat_and_knows_when_it_is_lost(
 ) -> None:
     from google.api_core.exceptions import NotFound
 
-    from imagenet_ais import destlock
+    from imagenet_ais import locks
     from imagenet_ais.storage import GCSStore
 
     store = GCSStore(f"gs://{gcs.make_bucket()}/shards")
@@ -378,16 +378,16 @@ def test_an_object_lock_is_refreshed_by_a_heartbeat_and_knows_when_it_is_lost(
             except NotFound:  # read while the heartbeat replaced it
                 time.sleep(0.01)
 
-    monkeypatch.setattr(destlock, "REFRESH_S", 0.05)
-    with destlock.lock_dest(store) as lock:
+    monkeypatch.setattr(locks, "REFRESH_S", 0.05)
+    with locks.lock_dest(store) as lock:
         first, deadline = lock_time(), time.monotonic() + 30
         while lock_time() == first:  # no work done, no call made: the heartbeat alone
             assert time.monotonic() < deadline, "the lock was never refreshed"
             time.sleep(0.05)
         lock.check()
 
-    monkeypatch.setattr(destlock, "REFRESH_S", 3600)  # no heartbeat to race with the takeover below
-    with destlock.lock_dest(store) as lock:
+    monkeypatch.setattr(locks, "REFRESH_S", 3600)  # no heartbeat to race with the takeover below
+    with locks.lock_dest(store) as lock:
         theirs = {"pid": 1, "host": "elsewhere", "time": time.time(), "token": "theirs"}
         store.write_bytes("_convert.lock", json.dumps(theirs).encode())  # taken over, as if stale
         with pytest.raises(ValueError, match=r"_convert.lock is no longer this run's \(PID 1 on elsewhere holds it"):

@@ -10,6 +10,7 @@ import random
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -580,3 +581,29 @@ def test_resume_of_what_is_not_our_checkpoint_is_one_line(kind: str, tmp_path: P
         checkpoint.load(path)
     message = str(raised.value)
     assert message.startswith(f"{path}: {expected}") and "\n" not in message and "weights_only" not in message
+
+
+def test_a_second_training_into_one_output_is_refused(tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [200] * 2})
+    args = ["--data", data, "--output", output, *TINY, "--epochs", "50", "--workers", "1"]
+    first = subprocess.Popen(
+        [sys.executable, ROOT / "train.py", *map(str, args)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(first, (output / "train.lock").exists, "the first run's lock")
+        second = run_cli("train.py", *args, "--log-every", "1", check=False)
+        assert second.returncode == 1 and "Traceback" not in second.stderr
+        assert second.stderr.strip().splitlines()[-1] == (
+            f"Error: {output} is being trained into by PID {first.pid} on {socket.gethostname()}: "
+            "wait for it to finish (nothing was changed)"
+        )
+        assert first.poll() is None, "the first run goes on"
+    finally:
+        first.kill()
+        first.wait()
+    again = run_cli("train.py", *args, "--max-steps", "2")
+    assert again.returncode == 0, "a killed holder's lock is free"

@@ -1,4 +1,6 @@
-"""One conversion at a time per DEST: a lock taken before DEST is read, dropped after the manifest.
+"""One conversion at a time per DEST, one training at a time per --output.
+
+convert's lock is taken before DEST is read and dropped after the manifest.
 
 A local directory is locked with an flock on ``DEST/_convert.lock``: the kernel drops it when the
 holder dies, however it dies (on NFS it holds only where the server supports locks).
@@ -10,6 +12,9 @@ does). A holder that dies leaves it behind: it is taken over, with a warning, on
 old (a thread of the holder refreshes it every REFRESH_S) or when its holder is a dead pid of
 this host, boot and pid namespace. Either way the holder checks the lock is still its own right
 before it publishes or deletes anything.
+
+A training holds ``OUTPUT/train.lock`` (an flock, as above) for as long as it runs: two runs
+writing one output would mix their checkpoints, metrics and event files.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from types import TracebackType
 from imagenet_ais.storage import LocalStore, Store
 
 LOCK = "_convert.lock"
+TRAIN_LOCK = "train.lock"
 STALE_S = 15 * 60  # generous against clock skew between hosts: a live holder refreshes far more often
 REFRESH_S = 60
 FIELDS = {"pid": int, "host": str, "time": (int, float), "token": str}  # what a readable lock names
@@ -37,13 +43,13 @@ def _who(holder: dict) -> str:
     return f"PID {holder['pid']} on {holder['host']}" if holder else "another process"
 
 
-def _busy(url: str, holder: dict) -> ValueError:
-    return ValueError(f"{url} is being converted by {_who(holder)}: wait for it to finish (nothing was changed)")
+def _busy(url: str, holder: dict, doing: str = "converted") -> ValueError:
+    return ValueError(f"{url} is being {doing} by {_who(holder)}: wait for it to finish (nothing was changed)")
 
 
-def _lost(url: str, holder: dict) -> ValueError:
+def _lost(url: str, holder: dict, name: str = LOCK) -> ValueError:
     return ValueError(
-        f"{url}/{LOCK} is no longer this run's ({_who(holder)} holds it, or nobody): stopped rather than "
+        f"{url}/{name} is no longer this run's ({_who(holder)} holds it, or nobody): stopped rather than "
         "write or delete what another run may be using; run convert again"
     )
 
@@ -79,13 +85,20 @@ def lock_dest(store: Store) -> _FileLock | _ObjectLock:
     return _FileLock(store) if isinstance(store, LocalStore) else _ObjectLock(store)
 
 
+def lock_output(output: Path) -> _FileLock:
+    """``with lock_output(output):`` train into it. Waits a little for a holder on its way out
+    (a run restarted at once, e.g. by Ray after a lost worker)."""
+    return _FileLock(LocalStore(output), TRAIN_LOCK, "trained into", wait_s=15)
+
+
 class _FileLock:
-    def __init__(self, store: LocalStore):
-        self.store = store
+    def __init__(self, store: LocalStore, name: str = LOCK, doing: str = "converted", wait_s: float = 0):
+        self.store, self.name, self.doing, self.wait_s = store, name, doing, wait_s
 
     def __enter__(self) -> _FileLock:
         self.store.root.mkdir(parents=True, exist_ok=True)
-        path = self.store.root / LOCK
+        path = self.store.root / self.name
+        deadline = time.monotonic() + self.wait_s
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -93,7 +106,10 @@ class _FileLock:
             except BlockingIOError:
                 holder = _parse(os.read(fd, 4096))
                 os.close(fd)
-                raise _busy(self.store.url, holder) from None
+                if time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    continue
+                raise _busy(self.store.url, holder, self.doing) from None
             self.fd, self.path = fd, path
             if self._at_path():
                 break
@@ -113,7 +129,7 @@ class _FileLock:
     def check(self) -> None:
         """An flock lasts as long as its holder, unless someone deletes the file under it."""
         if not self._at_path():
-            raise _lost(self.store.url, {})
+            raise _lost(self.store.url, {}, self.name)
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if self._at_path():
