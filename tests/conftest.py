@@ -101,6 +101,26 @@ def serve(tmp_path: Path):
         server.stop()
 
 
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name: state, ppid, ... ([] once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def child_pids(pid: int) -> set[int]:
+    return {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _stat(int(p.name))[1:2] == [str(pid)]}
+
+
+def outliving(pids: set[int], seconds: float) -> set[int]:
+    """Those of ``pids`` still running (not zombies) after up to ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while (alive := {p for p in pids if _stat(p)[:1] not in ([], ["Z"])}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
 def wait_until(proc: subprocess.Popen, ready, what: str, timeout: float = 300, poll: float = 0.02) -> None:
     """Poll ``ready()`` while ``proc`` runs; fail with ``what`` if it ends first or time runs out."""
     deadline = time.monotonic() + timeout

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_cli, tiny_jpeg, wait_until, write_shards
+from conftest import ROOT, child_pids, outliving, run_cli, tiny_jpeg, wait_until, write_shards
 from PIL import Image
 
 from imagenet_ais import synth
@@ -247,6 +247,17 @@ def start_convert(src: Path, dest: str | Path, *args: str) -> subprocess.Popen:
         text=True,
         start_new_session=True,
     )
+
+
+def test_a_convert_killed_outright_leaves_no_pool_workers(tree: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "shards"
+    proc = start_convert(tree, dest, "--maxcount", "1", "--workers", "2")
+    wait_until(proc, lambda: len(list(dest.glob("imagenet-*.tar"))) >= 4, "4 shards written", poll=0.002)
+    workers = child_pids(proc.pid)
+    assert len(workers) >= 2
+    proc.kill()  # the parent alone, as the OOM killer would
+    proc.wait()
+    assert not (alive := outliving(workers, 3)), f"pool workers {sorted(alive)} outlived their convert"
 
 
 def test_a_second_convert_into_the_same_dest_is_refused(tree: Path, tmp_path: Path) -> None:

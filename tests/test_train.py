@@ -13,14 +13,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 import webdataset as wds
-from conftest import ROOT, run_cli, tiny_jpeg, torchrun, wait_until, write_shards
+from conftest import ROOT, child_pids, outliving, run_cli, tiny_jpeg, torchrun, wait_until, write_shards
 
 from imagenet_ais import checkpoint, synth
 
@@ -494,18 +493,6 @@ def test_damaged_shards_are_named_once_counted_and_bounded(tmp_path: Path) -> No
     assert not any(r["epoch"] == 1 for r in metrics(tmp_path / "strict")), "the run stopped after epoch 1"
 
 
-def _stat(pid: int) -> list[str]:
-    """/proc/PID/stat's fields after the command name: state, ppid, ... ([] once it is gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return []
-
-
-def _children(pid: int) -> set[int]:
-    return {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _stat(int(p.name))[1:2] == [str(pid)]}
-
-
 def test_a_run_killed_outright_leaves_no_workers_and_keeps_its_keys(tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [200] * 4})
@@ -518,15 +505,13 @@ def test_a_run_killed_outright_leaves_no_workers_and_keeps_its_keys(tmp_path: Pa
     )
     records = output / "metrics.jsonl"
     wait_until(proc, lambda: records.exists() and records.read_text().count("\n") >= 2, "two metrics records")
-    workers = _children(proc.pid)
+    workers = child_pids(proc.pid)
     assert len(workers) >= 3
     proc.kill()  # SIGKILL: nothing in the training process runs again
     proc.wait()
     logged = max(r["step"] for r in metrics(output))
-    deadline = time.monotonic() + 3  # the DataLoader's own check would take 5 s at best
-    while (alive := {w for w in workers if _stat(w)[:1] not in ([], ["Z"])}) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive, f"workers {sorted(alive)} outlived their training process"
+    # the DataLoader's own check would take 5 s at best
+    assert not (alive := outliving(workers, 3)), f"workers {sorted(alive)} outlived their training process"
     keys = (output / "keys" / "epoch000-rank0.txt").read_text().split()
     assert len(keys) >= logged * 4, "every step's keys written before the kill are kept"
 
