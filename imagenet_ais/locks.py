@@ -94,6 +94,7 @@ def lock_output(output: Path) -> _FileLock:
 class _FileLock:
     def __init__(self, store: LocalStore, name: str = LOCK, doing: str = "converted", wait_s: float = 0):
         self.store, self.name, self.doing, self.wait_s = store, name, doing, wait_s
+        self.fd: int | None = None
 
     def __enter__(self) -> _FileLock:
         self.store.root.mkdir(parents=True, exist_ok=True)
@@ -110,6 +111,16 @@ class _FileLock:
                     time.sleep(0.2)
                     continue
                 raise _busy(self.store.url, holder, self.doing) from None
+            except OSError as e:  # a file system without locks (some NFS and FUSE mounts)
+                os.close(fd)
+                path.unlink(missing_ok=True)
+                print(
+                    f"warning: {path}: this file system cannot lock ({e.strerror}): nothing stops a second "
+                    f"run from using {self.store.url} at the same time",
+                    file=sys.stderr,
+                )
+                self.fd = None
+                return self
             self.fd, self.path = fd, path
             if self._at_path():
                 break
@@ -121,6 +132,8 @@ class _FileLock:
     def _at_path(self) -> bool:
         """The last holder deletes the file on its way out: locking that orphan inode would lock
         nothing, so only a lock on the file still at the path counts."""
+        if self.fd is None:  # no lock to be had here: nothing to tell
+            return True
         try:
             return os.fstat(self.fd).st_ino == os.stat(self.path).st_ino
         except FileNotFoundError:
@@ -132,6 +145,8 @@ class _FileLock:
             raise _lost(self.store.url, {}, self.name)
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self.fd is None:
+            return
         if self._at_path():
             self.path.unlink()  # while still held: whoever opens it next makes a new one
         os.close(self.fd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -21,7 +22,7 @@ import torch
 import webdataset as wds
 from conftest import ROOT, child_pids, outliving, run_cli, tiny_jpeg, torchrun, wait_until, write_shards
 
-from imagenet_ais import checkpoint, synth
+from imagenet_ais import checkpoint, locks, synth
 
 TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--lr", "0.1", "--warmup-epochs", "0"]
 UNEVEN = [3, 11, 7, 19, 8]  # 48 training samples in 5 unequal shards: 6 steps at 2 ranks × 4
@@ -592,3 +593,19 @@ def test_a_second_training_into_one_output_is_refused(tmp_path: Path) -> None:
         first.wait()
     again = run_cli("train.py", *args, "--max-steps", "2")
     assert again.returncode == 0, "a killed holder's lock is free"
+
+
+def test_an_output_on_a_file_system_without_locks_trains_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(locks.fcntl, "flock", no_locks)
+    with locks.lock_output(tmp_path) as lock:
+        lock.check()
+    assert capsys.readouterr().err == (
+        f"warning: {tmp_path}/train.lock: this file system cannot lock (No locks available): nothing stops "
+        f"a second run from using {tmp_path} at the same time\n"
+    )
+    assert not list(tmp_path.iterdir())
