@@ -459,6 +459,7 @@ class TrainLoader(_ShardLoader):
         self.epoch = 0
         self.padded = 0  # samples repeated to fill the epoch's last batches when decodes failed
         self.delivered: list[torch.Tensor] = []  # this epoch's (shard, index) handed to training
+        self.first_step = 0  # of this epoch's iteration (> 0 when resumed mid-epoch)
 
     def __len__(self) -> int:
         return self.steps
@@ -488,14 +489,16 @@ class TrainLoader(_ShardLoader):
         self.delivered = [torch.tensor(pairs, dtype=torch.int64).view(-1, 2)]
 
     def __iter__(self) -> Iterator[Batch]:
-        """This epoch's batches on the device; a batch counts as delivered once handed out."""
+        """The rest of this epoch's batches on the device; a batch counts as delivered once handed out."""
+        # resumed mid-epoch: the steps trained before the restart are not made again (nor padded)
+        self.first_step = sum(len(ids) for ids in self.delivered) // self.spec.batch
         for batch, ids in self._on_device(ahead=4):
             self.delivered.append(ids)
             yield batch
 
     def host_batches(self) -> Iterator[HostBatch]:
-        """This epoch's batches, still on the host (pixels, or JPEG bytes and crops)."""
-        batch, made = self.spec.batch, 0
+        """This epoch's batches from ``first_step`` on, still on the host (pixels, or JPEG bytes and crops)."""
+        batch, made = self.spec.batch, self.first_step
         pool: list[HostBatch] = []  # workers' short last batches
         previous: HostBatch | None = None
         for received in map(_received, self.loader):
