@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 
 class Store(Protocol):
@@ -190,6 +190,31 @@ def _ais_errors(method):
     return wrapper
 
 
+class _RawReader(io.RawIOBase):
+    """A file-like object's ``read`` as a raw stream, for ``io.BufferedReader``.
+
+    The SDK's object file keeps the unread rest of its last chunk as bytes and slices it again on
+    every read, so each of tarfile's small reads copied up to a chunk: measured at 0.4 of a plain
+    GET's speed. Buffered here, a chunk is copied once and small reads are served from it.
+    """
+
+    def __init__(self, f: BinaryIO):
+        self.f = f
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        data = self.f.read(len(b))
+        memoryview(b)[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.f.close()
+        super().close()
+
+
 class AISStore(_StoreBase):
     """``ais://bucket[/prefix]`` on the AIStore cluster at ``AIS_ENDPOINT`` (token: ``AIS_AUTHN_TOKEN``).
 
@@ -200,6 +225,7 @@ class AISStore(_StoreBase):
     MULTIPART_THRESHOLD = 256 << 20  # larger uploads go in parts of MULTIPART_PART
     MULTIPART_PART = 64 << 20
     MAX_RESUME = 10  # re-GETs from the last offset per stream before a read fails
+    READ_CHUNK = 1 << 20  # bytes per network read (the SDK's default is 32 KiB)
     PUT_TRIES = 5  # on top of the SDK's own retries of 429/5xx and network errors
 
     def __init__(self, url: str):
@@ -250,7 +276,8 @@ class AISStore(_StoreBase):
 
     @_ais_errors
     def open(self, name: str) -> BinaryIO:
-        return self._obj(name).get_reader().as_file(max_resume=self.MAX_RESUME)
+        sdk_file = self._obj(name).get_reader(chunk_size=self.READ_CHUNK).as_file(max_resume=self.MAX_RESUME)
+        return io.BufferedReader(_RawReader(sdk_file), buffer_size=self.READ_CHUNK)  # type: ignore[return-value]
 
     @_ais_errors
     def read_bytes(self, name: str) -> bytes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import pickle
 import random
 import subprocess
@@ -221,3 +222,18 @@ print("leaving", flush=True)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0 and "leaving" in proc.stdout, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_an_epoch_holds_no_file_descriptor_per_batch(decode: str, tmp_path: Path) -> None:
+    """What a batch leaves behind for the epoch (the ids of its samples, for resuming) must not
+    keep a shared-memory file open: an ImageNet epoch has thousands of batches."""
+    manifest = write_shards(tmp_path, {"train": [150]})
+    (loader,) = loaders(tmp_path, manifest, "exact", world=1, batch=1, workers=2, decode=decode)
+    loader.set_epoch(0)
+    batches = iter(loader)
+    next(batches)  # workers up
+    before = len(os.listdir("/proc/self/fd"))
+    assert sum(1 for _ in batches) == 149
+    assert len(os.listdir("/proc/self/fd")) - before < 30
+    assert len(loader.position()["delivered"][0]) == 150
