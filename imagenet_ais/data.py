@@ -426,8 +426,8 @@ class _ShardLoader:
     def _ready(self, batch: HostBatch) -> HostBatch:
         return _pinned(batch) if self.pin else batch
 
-    def _on_device(self, ahead: int) -> Iterator[tuple[Batch, torch.Tensor]]:
-        feed = DeviceFeed(self.host_batches(), self.to_device, self.device, ahead)
+    def _on_device(self, batches: Iterator[HostBatch], ahead: int) -> Iterator[tuple[Batch, torch.Tensor]]:
+        feed = DeviceFeed(batches, self.to_device, self.device, ahead)
         try:
             yield from feed
         finally:
@@ -467,7 +467,7 @@ class TrainLoader(_ShardLoader):
         self.epoch = 0
         self.padded = 0  # samples repeated to fill the epoch's last batches when decodes failed
         self.delivered: list[torch.Tensor] = []  # this epoch's (shard, index) handed to training
-        self.first_step = 0  # of this epoch's iteration (> 0 when resumed mid-epoch)
+        self.resumed_step = 0  # where the next iteration starts: > 0 once, after a mid-epoch restore
 
     def __len__(self) -> int:
         return self.steps
@@ -475,7 +475,7 @@ class TrainLoader(_ShardLoader):
     def set_epoch(self, epoch: int, image_size: int | None = None) -> None:
         """Start ``epoch`` (call before iterating), optionally at another image size."""
         if epoch != self.epoch or epoch != self.dataset.skip[0]:
-            self.delivered = []
+            self.delivered, self.resumed_step = [], 0
         self.epoch = epoch
         self.dataset.epoch.value = epoch
         if image_size:
@@ -495,18 +495,21 @@ class TrainLoader(_ShardLoader):
         self.epoch = position["epoch"]
         pairs = [(shard, index) for shard, indices in delivered.items() for index in indices]
         self.delivered = [torch.tensor(pairs, dtype=torch.int64).view(-1, 2)]
+        self.resumed_step = len(pairs) // self.spec.batch
 
     def __iter__(self) -> Iterator[Batch]:
         """The rest of this epoch's batches on the device; a batch counts as delivered once handed out."""
         # resumed mid-epoch: the steps trained before the restart are not made again (nor padded)
-        self.first_step = sum(len(ids) for ids in self.delivered) // self.spec.batch
-        for batch, ids in self._on_device(ahead=4):
+        first_step, self.resumed_step = self.resumed_step, 0
+        for batch, ids in self._on_device(self.host_batches(first_step), ahead=4):
             self.delivered.append(ids)
             yield batch
 
-    def host_batches(self) -> Iterator[HostBatch]:
+    def host_batches(self, first_step: int = 0) -> Iterator[HostBatch]:
         """This epoch's batches from ``first_step`` on, still on the host (pixels, or JPEG bytes and crops)."""
-        batch, made = self.spec.batch, self.first_step
+        batch, made = self.spec.batch, first_step
+        if made >= self.steps:
+            return
         pool: list[HostBatch] = []  # workers' short last batches
         previous: HostBatch | None = None
         for received in map(_received, self.loader):
@@ -553,4 +556,4 @@ class ValLoader(_ShardLoader):
         yield from (self._ready(_received(b)) for b in self.loader)
 
     def __iter__(self) -> Iterator[Batch]:
-        yield from (batch for batch, _ in self._on_device(ahead=2))
+        yield from (batch for batch, _ in self._on_device(self.host_batches(), ahead=2))
