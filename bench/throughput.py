@@ -4,8 +4,10 @@
 For each model of the preset: (a) the ceiling, ``train.py --synthetic`` (random batches
 already on the device); (b) end to end, ``train.py --data SHARDS`` with CPU and/or GPU
 decoding, same model, batch, image size and compile mode. Prints img/s, the fraction of
-step time spent waiting for data, and (b)/(a); on CUDA also where a batch's time goes
-(nvJPEG decode, crop+resize, H2D copy, PIL decode per core).
+step time spent waiting for data, (b)/(a), and how busy rank 0's feed threads were (host:
+getting batches from the workers; decode; crop: the fraction of the time each was working,
+so the one near 1 is the limit); on CUDA also per-stage rates (nvJPEG decode, crop+resize,
+H2D copy, PIL decode per core).
 
 Without --data it generates shards first: for the GPU presets ImageNet-like ones (1,000
 classes, 500×375 JPEGs of ~110 KB), for the CPU preset a small demo-like set.
@@ -140,10 +142,16 @@ def train(args: list[str], batch: int, output: Path, log: Path, gpus: int = 1) -
         if i >= 2 and r["epoch"] == prev["epoch"]
     ]
     seconds = [images / r["img_per_s"] for images, r in windows]
+
+    def mean(field: str) -> float:
+        return sum(r.get(field, 0.0) * s for (_, r), s in zip(windows, seconds, strict=True)) / sum(seconds)
+
+    busy = sorted({k for _, r in windows for k in r if k.startswith("busy_")})
     return {
         "img_per_s": sum(images for images, _ in windows) / sum(seconds),
-        "data_wait": sum(r["data_wait"] * s for (_, r), s in zip(windows, seconds, strict=True)) / sum(seconds),
+        "data_wait": mean("data_wait"),
         "seconds": sum(seconds),
+        **{k: mean(k) for k in busy},  # rank 0's feed threads, fraction of the time working
     }
 
 
@@ -266,9 +274,10 @@ def main(
                         single[f"{name} {variant}"] = r["img_per_s"]
                     one = single.get(f"{name} {variant}")
                     scaling = r["img_per_s"] / (n * one) if one else float("nan")
+                    busy = "  ".join(f"{k[5:]} {v:.2f}" for k, v in r.items() if k.startswith("busy_"))
                     click.echo(
                         f"{name:34} {n:4} {variant:12} {r['img_per_s']:8.1f} {r['data_wait']:10.3f} {ratio:6.3f} "
-                        f"{scaling:8.3f} {r['seconds']:5.0f}"
+                        f"{scaling:8.3f} {r['seconds']:5.0f}" + (f"  busy: {busy}" if busy else "")
                     )
                     results["models"].append(
                         {"model": name, "gpus": n, "variant": variant, **r, "ratio": ratio, "scaling": scaling}

@@ -14,7 +14,8 @@ Two epoch modes, both giving every rank the same number of steps so DDP never ha
 Workers mix their samples in a shuffle buffer and hand over whole batches: decoded uint8 HWC
 images (decode "cpu"), or JPEG bytes plus the crops to take (decode "gpu"). In the training
 process one feed thread receives and pins them (pooling workers' short last batches) while
-another makes them ready on the device, ahead of the step (see feed.py and transforms.py).
+others make them ready on the device (decode, then crop), ahead of the step (see feed.py and
+transforms.py).
 Only image and ``.cls`` members are read: nothing in a shard is unpickled.
 """
 
@@ -41,14 +42,16 @@ from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from imagenet_ais.cache import ShardCache
 from imagenet_ais.children import exit_with_parent
-from imagenet_ais.feed import DeviceFeed, close_all
+from imagenet_ais.feed import DeviceFeed, Stage, close_all
 from imagenet_ais.manifest import SplitInfo
 from imagenet_ais.storage import LocalStore, Store, open_store
 from imagenet_ais.transforms import (
+    Decoded,
     Encoded,
     concat_encoded,
+    crop_decoded,
+    decode_encoded,
     decode_on_cpu,
-    decode_on_device,
     encode_batch,
     encode_for_device,
     normalize,
@@ -376,23 +379,33 @@ def _loader(dataset: ShardStream, batch: int, workers: int) -> DataLoader:
 
 
 class _OnDevice:
-    """Host batch → Batch on the device (run in the feed's device thread)."""
+    """The feed's stages from host batch to Batch on the device (each runs in a thread of its own)."""
 
     def __init__(self, dataset: ShardStream, device: torch.device, channels_last: bool):
         self.dataset, self.device, self.channels_last = dataset, device, channels_last
 
-    def __call__(self, batch: HostBatch) -> tuple[Batch, torch.Tensor]:
-        labels, keys = batch.labels, batch.keys
-        if isinstance(batch.images, Encoded):
-            x, rows = decode_on_device(batch.images, self.dataset.size.value, self.device, self.channels_last)
-            if rows:  # samples that failed to decode, replaced by others of the batch
-                for i in (i for i, r in enumerate(rows) if r != i):
-                    problem = f"could not be decoded on {self.device}, replaced by another of its batch"
-                    self.dataset.report(f"sample {keys[i]!r}", problem, self.dataset.skipped)
-                labels, keys = labels[rows], [keys[r] for r in rows]
-        else:
-            x = normalize(batch.images, self.device, self.channels_last)
-        return Batch(x, labels.to(self.device, non_blocking=True), keys), batch.ids
+    def stages(self) -> list[Stage]:
+        if self.dataset.spec.decode == "gpu":
+            return [("decode", self.decode), ("crop", self.crop)]
+        return [("copy", self.copy)]
+
+    def copy(self, batch: HostBatch) -> tuple[Batch, torch.Tensor]:
+        x = normalize(batch.images, self.device, self.channels_last)  # type: ignore[arg-type]
+        return Batch(x, batch.labels.to(self.device, non_blocking=True), batch.keys), batch.ids
+
+    def decode(self, batch: HostBatch) -> tuple[Decoded, HostBatch]:
+        decoded = decode_encoded(batch.images, self.device)  # type: ignore[arg-type]
+        if rows := decoded.rows:  # samples that failed to decode, replaced by others of the batch
+            for i in (i for i, r in enumerate(rows) if r != i):
+                problem = f"could not be decoded on {self.device}, replaced by another of its batch"
+                self.dataset.report(f"sample {batch.keys[i]!r}", problem, self.dataset.skipped)
+            batch = batch._replace(labels=batch.labels[rows], keys=[batch.keys[r] for r in rows])
+        return decoded, batch
+
+    def crop(self, item: tuple[Decoded, HostBatch]) -> tuple[Batch, torch.Tensor]:
+        decoded, batch = item
+        x = crop_decoded(decoded, self.dataset.size.value, self.device, self.channels_last)
+        return Batch(x, batch.labels.to(self.device, non_blocking=True), batch.keys), batch.ids
 
 
 class _ShardLoader:
@@ -419,6 +432,11 @@ class _ShardLoader:
         self.loader = _loader(self.dataset, self.spec.batch, workers)
         self.device, self.pin = device, device.type == "cuda"
         self.to_device = _OnDevice(self.dataset, device, channels_last)
+        self.feed: DeviceFeed | None = None  # the epoch's, while it is iterated
+
+    def busy(self) -> dict[str, float]:
+        """Seconds each of the feed's threads worked since the last call (see feed.py)."""
+        return self.feed.busy() if self.feed else {}
 
     def host_batches(self) -> Iterator[HostBatch]:
         raise NotImplementedError
@@ -427,7 +445,7 @@ class _ShardLoader:
         return _pinned(batch) if self.pin else batch
 
     def _on_device(self, batches: Iterator[HostBatch], ahead: int) -> Iterator[tuple[Batch, torch.Tensor]]:
-        feed = DeviceFeed(batches, self.to_device, self.device, ahead)
+        feed = self.feed = DeviceFeed(batches, self.to_device.stages(), self.device, ahead)
         try:
             yield from feed
         finally:

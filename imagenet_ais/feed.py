@@ -1,12 +1,14 @@
 """Batches made ready on the device ahead of the step that needs them.
 
-Two threads overlap the two halves of the work while the training step runs: one pulls host
-batches (receiving from the DataLoader workers and batching: Python, holding the GIL), the
-other makes them device tensors (copy + normalise, or GPU decode: mostly waiting on nvJPEG
-or the GPU with the GIL released). Measured on the H100 (bench/RESULTS.md), one thread doing
-both spent their sum per batch, and the sum was the end-to-end limit. On CUDA the device
-work goes on a side stream, and the training stream waits on an event per batch, so the step
-waits for its own batch only.
+A pipeline of threads works while the training step runs: one pulls host batches (receiving
+from the DataLoader workers and pinning: Python, holding the GIL), and each stage after it
+(e.g. nvJPEG decode, then crop + resize + normalise) has a thread of its own, so that the
+stages' times overlap instead of adding up. Measured on the H100 (bench/RESULTS.md), one
+thread doing the work in turn spent the sum of the stages per batch, and the sum was the
+end-to-end limit. On CUDA the device work goes on a high-priority side stream.
+
+``busy()`` tells how long each thread spent working (the pulling thread: getting a batch,
+waiting on the workers included): the stage near 100% of the wall time is the limit.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -23,6 +25,8 @@ import torch
 
 _END = object()
 _live: weakref.WeakSet[DeviceFeed] = weakref.WeakSet()
+
+Stage = tuple[str, Callable[[Any], Any]]
 
 
 def tensors_in(obj: object) -> Iterator[torch.Tensor]:
@@ -41,25 +45,33 @@ def close_all(timeout: float = 10) -> None:
 
 
 class DeviceFeed:
-    """Iterate ``prepare(item)`` for each item of ``items``, computed up to ``ahead`` items early.
+    """Iterate each item of ``items`` passed through ``stages`` in turn, up to ``ahead`` items early.
 
-    ``prepare`` returns a tuple whose tensors (also in nested tuples and lists) live on
-    ``device``; anything else in it passes through. Call ``close`` (or exhaust it) so the threads end.
+    Each stage is a (name, function) pair with a thread of its own. The last stage returns a
+    tuple whose tensors (also in nested tuples and lists) live on ``device``; anything else in
+    it passes through. Call ``close`` (or exhaust it) so the threads end.
     """
 
-    def __init__(self, items: Iterator[Any], prepare: Callable[[Any], tuple], device: torch.device, ahead: int = 2):
-        self.items, self.prepare, self.device = items, prepare, device
-        self.cuda = device.type == "cuda"
-        self.pulled: queue.Queue = queue.Queue(maxsize=2)
-        self.queue: queue.Queue = queue.Queue(maxsize=ahead)
+    def __init__(self, items: Iterator[Any], stages: Sequence[Stage], device: torch.device, ahead: int = 2):
+        self.items, self.device = items, device
+        # high priority: a batch's few small kernels need not queue behind the step's
+        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        self.queues: list[queue.Queue] = [queue.Queue(maxsize=2) for _ in stages] + [queue.Queue(maxsize=ahead)]
         self.stopping = threading.Event()
-        self.threads = [
-            threading.Thread(target=self._pull, name="host-batches", daemon=True),
-            threading.Thread(target=self._run, name="device-feed", daemon=True),
+        self.seconds = {"host": 0.0, **{name: 0.0 for name, _ in stages}}
+        self.threads = [threading.Thread(target=self._pull, name="host-batches", daemon=True)]
+        self.threads += [
+            threading.Thread(target=self._stage, args=(i, name, fn), name=f"feed-{name}", daemon=True)
+            for i, (name, fn) in enumerate(stages)
         ]
         for thread in self.threads:
             thread.start()
         _live.add(self)
+
+    def busy(self) -> dict[str, float]:
+        """Seconds each thread worked since the last call."""
+        taken, self.seconds = self.seconds, dict.fromkeys(self.seconds, 0.0)
+        return taken
 
     def _put(self, q: queue.Queue, item: object) -> bool:
         while not self.stopping.is_set():
@@ -79,55 +91,58 @@ class DeviceFeed:
         return _END
 
     def _pull(self) -> None:
+        items = iter(self.items)
         try:
-            for item in self.items:
-                if not self._put(self.pulled, item):
+            while True:
+                start = time.perf_counter()
+                item = next(items, _END)
+                self.seconds["host"] += time.perf_counter() - start
+                if not self._put(self.queues[0], item) or item is _END:
                     return
-        except BaseException as e:  # passed on by the device thread, raised by the consumer
-            self._put(self.pulled, e)
-        else:
-            self._put(self.pulled, _END)
+        except BaseException as e:  # passed on by the stages, raised by the consumer
+            self._put(self.queues[0], e)
 
-    def _run(self) -> None:
-        # high priority: the batch's few small kernels need not queue behind the step's
-        stream = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
+    def _stage(self, index: int, name: str, fn: Callable[[Any], Any]) -> None:
+        source, sink = self.queues[index], self.queues[index + 1]
         try:
-            with torch.cuda.stream(stream) if stream else nullcontext():
+            with torch.cuda.stream(self.stream) if self.stream else nullcontext():
                 while True:
-                    item = self._get(self.pulled)
+                    item = self._get(source)
                     if item is _END or isinstance(item, BaseException):
-                        self._put(self.queue, item)
+                        self._put(sink, item)
                         return
-                    ready = self.prepare(item)
-                    event = None
-                    if stream:
-                        event = torch.cuda.Event()
-                        event.record(stream)
-                    if not self._put(self.queue, (ready, event)):
+                    start = time.perf_counter()
+                    out = fn(item)
+                    if self.stream:
+                        # Done on the device before the input is dropped: its memory would
+                        # otherwise go to the next allocation at once (nvJPEG writes from a
+                        # stream of its own) while this stage's kernels may still read it.
+                        self.stream.synchronize()
+                    self.seconds[name] += time.perf_counter() - start
+                    del item
+                    if not self._put(sink, out):
                         return
         except BaseException as e:
-            self._put(self.queue, e)
+            self._put(sink, e)
 
     def __iter__(self) -> Iterator[tuple]:
         return self
 
     def __next__(self) -> tuple:
-        item = self.queue.get()
+        item = self.queues[-1].get()
         if item is _END or isinstance(item, BaseException):
             self.close()
             if item is _END:
                 raise StopIteration
             raise item
-        ready, event = item
-        if event is not None:
+        if self.stream:
             current = torch.cuda.current_stream(self.device)
-            current.wait_event(event)
-            for t in (t for t in tensors_in(ready) if t.is_cuda):
+            for t in (t for t in tensors_in(item) if t.is_cuda):
                 # made on the side stream: without this, their memory would go back to that
                 # stream's pool as soon as the step drops them, and the next batch would be
                 # written into it while the step's kernels may still read it
                 t.record_stream(current)
-        return ready
+        return item
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the threads (each finishes the item in hand first); give up after ``timeout`` seconds."""

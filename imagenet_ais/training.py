@@ -101,6 +101,9 @@ class SyntheticLoader:
         for _ in range(self.steps):
             yield self.x, self.y, []
 
+    def busy(self) -> dict[str, float]:
+        return {}  # no feed threads
+
 
 class Reporter:
     """Rank 0's messages, on the console and in ``train.log``."""
@@ -498,6 +501,8 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
                     "image_size": x.shape[-1],
                     **gpu_sample(d.device),
                     "data_wait": waited / elapsed,
+                    # rank 0's feed threads: the one near 1 is what the step waits for
+                    **{f"busy_{k}": round(v / elapsed, 3) for k, v in train_loader.busy().items()},
                     **{k: int(v) for k, v in zip(counters, totals, strict=True)},
                 }
                 log.write(**record)

@@ -153,6 +153,14 @@ def pin_encoded(batch: Encoded) -> Encoded:
     return batch._replace(blob=pinned)
 
 
+class Decoded(NamedTuple):
+    """A batch decoded on the device, not yet cropped."""
+
+    images: list[torch.Tensor]  # uint8 3×H×W each
+    boxes: torch.Tensor  # the crop of each image
+    rows: list[int] | None  # None, or which sample each image is (failures replaced by others)
+
+
 def decode_on_device(
     batch: Encoded, size: int, device: torch.device, channels_last: bool
 ) -> tuple[torch.Tensor, list[int] | None]:
@@ -161,14 +169,24 @@ def decode_on_device(
     Returns float N×3×size×size on ``device``, and None, or, when some samples failed to
     decode, which sample each row holds instead (failures replaced by others of the batch).
     """
+    decoded = decode_encoded(batch, device)
+    return crop_decoded(decoded, size, device, channels_last), decoded.rows
+
+
+def decode_encoded(batch: Encoded, device: torch.device) -> Decoded:
     images, rows = _decode(list(batch.blob.split(batch.sizes)), device)
-    boxes = batch.boxes[rows] if rows else batch.boxes
-    out = _resize_crops(images, boxes, size, device)
+    return Decoded(images, batch.boxes[rows] if rows else batch.boxes, rows)
+
+
+def crop_decoded(decoded: Decoded, size: int, device: torch.device, channels_last: bool) -> torch.Tensor:
+    """Crop, resize, flip and normalise: float N×3×size×size on ``device``."""
+    boxes = decoded.boxes
+    out = _resize_crops(decoded.images, boxes, size, device)
     flip = boxes[:, 4].bool().to(device, non_blocking=True).view(-1, 1, 1, 1)
     out = torch.where(flip, out.flip(-1), out).float()
     mean, std = _mean_std(device)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    return ((out - mean) / std).contiguous(memory_format=fmt), rows
+    return ((out - mean) / std).contiguous(memory_format=fmt)
 
 
 def _resize_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: int, device: torch.device) -> torch.Tensor:

@@ -1,9 +1,10 @@
-"""The device feed: order, errors from either thread reach the consumer, and it stops cleanly."""
+"""The device feed: order, stages in threads of their own, errors reach the consumer, it stops cleanly."""
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -20,8 +21,30 @@ def as_tensor(i: int) -> tuple[torch.Tensor, int]:
 
 
 def test_items_arrive_prepared_and_in_order() -> None:
-    got = [(int(t), i) for t, i in DeviceFeed(iter(range(50)), as_tensor, CPU, ahead=3)]
+    got = [(int(t), i) for t, i in DeviceFeed(iter(range(50)), [("prepare", as_tensor)], CPU, ahead=3)]
     assert got == [(i, i) for i in range(50)]
+
+
+def test_stages_overlap_in_threads_of_their_own_and_say_how_busy_they_were() -> None:
+    spans: dict[str, list[tuple[float, float]]] = {"first": [], "second": []}
+
+    def stage(name: str):
+        def work(item: object) -> object:
+            begin = time.perf_counter()
+            time.sleep(0.02)
+            spans[name].append((begin, time.perf_counter()))
+            return (item, threading.current_thread().name) if name == "first" else (*item, name)
+
+        return work
+
+    feed = DeviceFeed(iter(range(20)), [("first", stage("first")), ("second", stage("second"))], CPU, ahead=2)
+    assert list(feed) == [(i, "feed-first", "second") for i in range(20)]
+    # the first stage works on an item while the second works on the one before
+    assert any(a < d and c < b for a, b in spans["first"] for c, d in spans["second"])
+    busy = feed.busy()
+    assert set(busy) == {"host", "first", "second"}
+    assert busy["first"] >= 20 * 0.02 and busy["second"] >= 20 * 0.02
+    assert feed.busy() == {"host": 0.0, "first": 0.0, "second": 0.0}  # reset once read
 
 
 def test_an_error_while_pulling_items_reaches_the_consumer() -> None:
@@ -29,31 +52,33 @@ def test_an_error_while_pulling_items_reaches_the_consumer() -> None:
         yield 1
         raise OSError("shard gone")
 
-    feed = DeviceFeed(items(), as_tensor, CPU)
+    feed = DeviceFeed(items(), [("prepare", as_tensor)], CPU)
     assert next(feed)[1] == 1
     with pytest.raises(OSError, match="shard gone"):
         next(feed)
     assert not any(t.is_alive() for t in feed.threads)
 
 
-def test_an_error_while_preparing_stops_both_threads() -> None:
+def test_an_error_in_a_later_stage_stops_every_thread() -> None:
     def prepare(i: int) -> tuple:
         if i == 3:
             raise RuntimeError("bad batch")
         return as_tensor(i)
 
-    feed = DeviceFeed(itertools.count(), prepare, CPU)  # the puller would go on forever
+    feed = DeviceFeed(
+        itertools.count(), [("add", lambda i: i + 1), ("prepare", prepare)], CPU
+    )  # the puller would go on forever
     with pytest.raises(RuntimeError, match="bad batch"):
         list(feed)
     assert not any(t.is_alive() for t in feed.threads)
 
 
 def test_close_stops_a_feed_that_is_ahead_of_its_consumer() -> None:
-    feed = DeviceFeed(itertools.count(), as_tensor, CPU, ahead=2)
+    feed = DeviceFeed(itertools.count(), [("prepare", as_tensor)], CPU, ahead=2)
     next(feed)
     feed.close(timeout=5)
     assert not any(t.is_alive() for t in feed.threads)
-    assert not [t for t in threading.enumerate() if t.name in ("host-batches", "device-feed")]
+    assert not [t for t in threading.enumerate() if t.name in ("host-batches", "feed-prepare")]
 
 
 def test_tensors_nested_in_the_prepared_tuple_are_all_found() -> None:
