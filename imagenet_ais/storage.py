@@ -190,42 +190,84 @@ def _ais_errors(method):
     return wrapper
 
 
-class _RawReader(io.RawIOBase):
-    """A file-like object's ``read`` as a raw stream, for ``io.BufferedReader``.
+class _ResumingGet(io.BufferedIOBase):
+    """An AIStore object's bytes, read off its GET response a chunk at a time and handed out
+    from that chunk; a GET that breaks off (a target restarted, a dropped connection, a short
+    body) is sent again for the rest, from the byte it stopped at, up to ``max_resume`` times.
 
-    The SDK's object file keeps the unread rest of its last chunk as bytes and slices it again on
-    every read, so each of tarfile's small reads copied up to a chunk: measured at 0.4 of a plain
-    GET's speed. Buffered here, a chunk is copied once and small reads are served from it.
+    The SDK's file object does the same over its chunk iterator, and ``io.BufferedReader`` over
+    urllib3's ``readinto`` copied each megabyte once more: 0.6-0.75 of a plain GET's speed
+    (bench/shard_reads.py, RESULTS.md).
     """
 
-    def __init__(self, f: BinaryIO):
-        self.f = f
+    def __init__(self, obj: Any, max_resume: int, chunk: int):
+        from http.client import IncompleteRead
+
+        from urllib3.exceptions import ProtocolError, ReadTimeoutError
+
+        self.obj, self.max_resume, self.chunk = obj, max_resume, chunk
+        self.broken = (ProtocolError, ReadTimeoutError, IncompleteRead, ConnectionError)
+        self.fetched = 0  # bytes taken off the responses so far
+        self.resumed = 0
+        self.response = obj.get_reader().raw()  # urllib3's response, streaming
+        self.data, self.view = b"", memoryview(b"")  # the chunk in hand, and its unread part
 
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b: Any) -> int:
-        data = self.f.read(len(b))
-        memoryview(b)[: len(data)] = data
-        return len(data)
+    def _fill(self) -> bool:
+        while True:
+            try:
+                data = self.response.read(self.chunk)
+            except self.broken:
+                if self.resumed == self.max_resume:
+                    raise
+                self.resumed += 1
+                self.response.close()
+                time.sleep(min(5.0, 0.5 * self.resumed))  # besides the SDK's own retries: a target restarts
+                self.response = self.obj.get_reader(byte_range=f"bytes={self.fetched}-").raw()
+                continue
+            self.fetched += len(data)
+            self.data, self.view = data, memoryview(data)
+            return bool(data)
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            parts = [bytes(self.view)]
+            while self._fill():
+                parts.append(self.data)
+            self.view = memoryview(b"")
+            return b"".join(parts)
+        if not self.view and not self._fill():
+            return b""
+        if size >= len(self.view) and len(self.view) == len(self.data):
+            out, self.view = self.data, memoryview(b"")  # the whole chunk: no copy
+        else:
+            out, self.view = bytes(self.view[:size]), self.view[size:]
+        if len(out) < size:  # the chunk ran out: the rest from the next ones
+            more = self.read(size - len(out))
+            return out + more if more else out
+        return out
+
+    read1 = read
 
     def close(self) -> None:
         if not self.closed:
-            self.f.close()
+            self.response.close()
         super().close()
 
 
 class AISStore(_StoreBase):
     """``ais://bucket[/prefix]`` on the AIStore cluster at ``AIS_ENDPOINT`` (token: ``AIS_AUTHN_TOKEN``).
 
-    Reads stream through the SDK and resume an interrupted GET where it broke off; writes are
+    Reads stream off the GET response and resume an interrupted GET where it broke off; writes are
     verified by reading the object back (size and SHA-256) before they count.
     """
 
     MULTIPART_THRESHOLD = 256 << 20  # larger uploads go in parts of MULTIPART_PART
     MULTIPART_PART = 64 << 20
     MAX_RESUME = 10  # re-GETs from the last offset per stream before a read fails
-    READ_CHUNK = 1 << 20  # bytes per network read (the SDK's default is 32 KiB)
+    READ_CHUNK = 1 << 20  # bytes per network read, at most
     PUT_TRIES = 5  # on top of the SDK's own retries of 429/5xx and network errors
 
     def __init__(self, url: str):
@@ -276,8 +318,7 @@ class AISStore(_StoreBase):
 
     @_ais_errors
     def open(self, name: str) -> BinaryIO:
-        sdk_file = self._obj(name).get_reader(chunk_size=self.READ_CHUNK).as_file(max_resume=self.MAX_RESUME)
-        return io.BufferedReader(_RawReader(sdk_file), buffer_size=self.READ_CHUNK)  # type: ignore[return-value]
+        return _ResumingGet(self._obj(name), self.MAX_RESUME, self.READ_CHUNK)  # type: ignore[return-value]
 
     @_ais_errors
     def read_bytes(self, name: str) -> bytes:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ProcessPoolExecutor
@@ -117,6 +118,25 @@ def test_training_survives_a_killed_and_restarted_target(tree: Path, ais, env: d
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["epoch"] for r in records if r["kind"] == "val"][-1] == 3
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 4 * (72 // 8)
+
+
+def test_a_read_cut_off_by_a_target_restart_resumes_where_it_broke_off(ais, env: dict, tmp_path: Path) -> None:
+    src = tmp_path / "big.bin"
+    src.write_bytes(os.urandom(64 << 20))  # more than the sockets hold: the read is under way when the target dies
+    store = AISStore(bucket_url())
+    store.put_file(src, "big.bin", keep=True)
+    target = next(n for n in ais.nodes() if n.role == "target")
+    with store.open("big.bin") as f:
+        head = f.read(1 << 20)
+        ais.stop_node(target, signal.SIGKILL)
+        restart = threading.Timer(1.0, ais.start_node, [target])  # down for a second: the reader retries
+        restart.start()
+        rest = f.read()
+        restart.join()
+        resumed = f.resumed  # type: ignore[attr-defined]
+    ais.wait_healthy()
+    assert head + rest == src.read_bytes()
+    assert resumed >= 1, "the rest came with a second, ranged GET"
 
 
 def test_killed_upload_resumes_to_exactly_the_manifest_shards(tree: Path, env: dict) -> None:
