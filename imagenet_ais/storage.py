@@ -260,8 +260,10 @@ class _ResumingGet(io.BufferedIOBase):
 class AISStore(_StoreBase):
     """``ais://bucket[/prefix]`` on the AIStore cluster at ``AIS_ENDPOINT`` (token: ``AIS_AUTHN_TOKEN``).
 
-    Reads stream off the GET response and resume an interrupted GET where it broke off; writes are
-    verified by reading the object back (size and SHA-256) before they count.
+    Reads stream off the GET response and resume an interrupted GET where it broke off. Writes
+    count once verified: the checksum the target computed of what it stored (the bucket's type,
+    xxhash2 by default, in the PUT's answer) must equal ours of the file; a multipart upload
+    (over MULTIPART_THRESHOLD), or a bucket keeping another checksum type, is read back instead.
     """
 
     MULTIPART_THRESHOLD = 256 << 20  # larger uploads go in parts of MULTIPART_PART
@@ -326,7 +328,7 @@ class AISStore(_StoreBase):
 
     @_ais_errors
     def put_file(self, src: Path, name: str, *, keep: bool = False, once: bool = False) -> None:
-        """Upload, then read back and compare size and SHA-256; a bad copy is deleted.
+        """Upload, verified by checksum (the target's, or a read-back) and size; a bad copy is deleted.
 
         A failed attempt is tried again while ``_ais_retryable`` says so.
         AIStore has no write preconditions: ``once`` is an existence check just before the PUT.
@@ -355,15 +357,19 @@ class AISStore(_StoreBase):
     def _put_verified(self, src: Path, name: str) -> None:
         obj = self._obj(name)
         size = src.stat().st_size
+        stored: tuple[str, str] | None = None  # the target's checksum of what it stored: (type, value)
         if size > self.MULTIPART_THRESHOLD:
-            self._put_multipart(obj, src)
+            self._put_multipart(obj, src)  # the parts' checksums are not the whole's
         else:
-            obj.get_writer().put_file(src)
-        want, got = stream_sha256(src.open("rb")), stream_sha256(self.open(name))
-        stored = self.size(name)
-        if (stored, got) != (size, want):
+            headers = obj.get_writer().put_file(src).headers
+            stored = (headers.get("ais-checksum-type", ""), headers.get("ais-checksum-value", ""))
+        if stored and stored[0] in _CHECKSUMS:
+            same = _file_checksum(src, stored[0]) == stored[1]  # no read-back
+        else:
+            same = stream_sha256(src.open("rb")) == stream_sha256(self.open(name))
+        if not same or self.size(name) != size:
             self.delete(name)
-            raise _VerifyFailed(f"{self.url}/{name}: stored copy differs from {src} (size or sha256); deleted")
+            raise _VerifyFailed(f"{self.url}/{name}: stored copy differs from {src} (size or checksum); deleted")
 
     def _put_multipart(self, obj, src: Path) -> None:
         upload = obj.multipart_upload().create()
@@ -687,6 +693,19 @@ def _not_found(e: Exception) -> bool:
     from aistore.sdk.errors import AISError
 
     return isinstance(e, AISError) and e.status_code == 404
+
+
+# AIStore's checksum types this client computes too; "xxhash2" is XXH64 with seed 0
+_CHECKSUMS = ("xxhash2", "sha256", "md5")
+
+
+def _file_checksum(path: Path, kind: str) -> str:
+    import xxhash
+
+    h = xxhash.xxh64(seed=0) if kind == "xxhash2" else hashlib.new(kind)
+    for block in _blocks(path.open("rb")):
+        h.update(block)
+    return h.hexdigest()
 
 
 def stream_sha256(stream: BinaryIO) -> str:

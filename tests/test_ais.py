@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import ROOT, run_cli, wait_until
 
+from imagenet_ais import storage
 from imagenet_ais.storage import AISStore
 
 TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "8", "--lr", "0.1", "--warmup-epochs", "0"]
@@ -200,6 +201,38 @@ def test_large_objects_go_up_in_parts_and_read_back(env: dict, tmp_path: Path, m
     assert store.read_bytes("big.bin") == payload
     with store.open("big.bin") as f:
         assert f.read() == payload
+
+
+def test_an_upload_is_checked_by_the_target_not_read_back(
+    env: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = AISStore(bucket_url())
+    payload = os.urandom(1 << 20)
+    src = tmp_path / "shard.tar"
+    src.write_bytes(payload)
+
+    def no_read_back(self: AISStore, name: str) -> None:
+        raise AssertionError(f"{name} was read back")
+
+    with monkeypatch.context() as m:
+        m.setattr(AISStore, "open", no_read_back)
+        store.put_file(src, "shard.tar", keep=True)
+    assert store.read_bytes("shard.tar") == payload
+
+
+def test_a_stored_copy_whose_checksum_differs_is_deleted_and_the_upload_fails(
+    env: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # as if the bytes had changed on the way: the target's checksum of them is not ours
+    monkeypatch.setattr(storage, "_file_checksum", lambda path, kind: "0" * 16)
+    monkeypatch.setattr(AISStore, "PUT_TRIES", 2)
+    store = AISStore(bucket_url())
+    src = tmp_path / "shard.tar"
+    src.write_bytes(os.urandom(100_000))
+    with pytest.raises(OSError, match="stored copy differs") as caught:
+        store.put_file(src, "shard.tar", keep=True)
+    assert "\n" not in str(caught.value)
+    assert not store.exists("shard.tar")
 
 
 def test_missing_endpoint_is_a_one_line_error(tmp_path: Path) -> None:
