@@ -363,11 +363,11 @@ class AISStore(_StoreBase):
         else:
             headers = obj.get_writer().put_file(src).headers
             stored = (headers.get("ais-checksum-type", ""), headers.get("ais-checksum-value", ""))
-        if stored and stored[0] in _CHECKSUMS:
-            same = _file_checksum(src, stored[0]) == stored[1]  # no read-back
+        if stored and stored[0] in _CHECKSUMS:  # no read-back
+            same = self.size(name) == size and _file_checksum(src, stored[0]) == stored[1]
         else:
-            same = stream_sha256(src.open("rb")) == stream_sha256(self.open(name))
-        if not same or self.size(name) != size:
+            same = _same_bytes(self, name, src)
+        if not same:
             self.delete(name)
             raise _VerifyFailed(f"{self.url}/{name}: stored copy differs from {src} (size or checksum); deleted")
 
@@ -702,15 +702,15 @@ _CHECKSUMS = ("xxhash2", "sha256", "md5")
 def _file_checksum(path: Path, kind: str) -> str:
     import xxhash
 
-    h = xxhash.xxh64(seed=0) if kind == "xxhash2" else hashlib.new(kind)
-    for block in _blocks(path.open("rb")):
-        h.update(block)
-    return h.hexdigest()
+    return _hexdigest(path.open("rb"), xxhash.xxh64(seed=0) if kind == "xxhash2" else hashlib.new(kind))
 
 
 def stream_sha256(stream: BinaryIO) -> str:
     """SHA-256 of everything left in ``stream``, which is closed afterwards."""
-    h = hashlib.sha256()
+    return _hexdigest(stream, hashlib.sha256())
+
+
+def _hexdigest(stream: BinaryIO, h: Any) -> str:
     for block in _blocks(stream):
         h.update(block)
     return h.hexdigest()
