@@ -453,15 +453,12 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
             unit="step",
             dynamic_ncols=True,
         )
-        losses: list[torch.Tensor] = []
-        waited = 0.0
-        window_start = time.perf_counter()
-        window_steps = 0
+        window = Window()
         stopped = False
         for step_in_epoch in range(first_step, steps_per_epoch):
             t0 = time.perf_counter()
             x, y, keys = next(batches)
-            waited += time.perf_counter() - t0
+            window.waited += time.perf_counter() - t0
             with autocast(cfg, d.device):
                 loss = criterion(model(x), y)
             if decent:  # the wrapper's backward hooks step, zero and mix each bucket
@@ -473,8 +470,8 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
                 scaler.update()
                 scheduler.step()
             global_step += 1
-            window_steps += 1
-            losses.append(loss.detach())
+            window.steps += 1
+            window.losses.append(loss.detach())
             if keys_out:
                 keys_out.write("".join(f"{k}\n" for k in keys))
             bar.update(1)
@@ -486,30 +483,12 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
             )
             stopped = signalled or (cfg.max_steps is not None and global_step >= cfg.max_steps)
             if global_step % cfg.log_every == 0 or last_of_epoch or stopped:
-                elapsed = time.perf_counter() - window_start
-                counters = _counters(train_loader)
-                loss_sum, *totals = distributed.all_reduce_sum(
-                    [float(torch.stack(losses).float().mean()), *counters.values()], d.device
-                )
-                record = {
-                    "kind": "train",
-                    "epoch": epoch,
-                    "step": global_step,
-                    "loss": loss_sum / d.world,
-                    "lr": model.get_lr() if decent else scheduler.get_last_lr()[0],
-                    "img_per_s": window_steps * global_batch / elapsed,
-                    "image_size": x.shape[-1],
-                    **gpu_sample(d.device),
-                    "data_wait": waited / elapsed,
-                    # rank 0's feed threads: the one near 1 is what the step waits for
-                    **{f"busy_{k}": round(v / elapsed, 3) for k, v in train_loader.busy().items()},
-                    **{k: int(v) for k, v in zip(counters, totals, strict=True)},
-                }
+                lr = model.get_lr() if decent else scheduler.get_last_lr()[0]
+                record, totals = window.record(train_loader, d, global_batch, epoch, global_step, lr, x.shape[-1])
                 log.write(**record)
-                health.poll({k: record[k] for k in counters})
+                health.poll(totals)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", img_s=f"{record['img_per_s']:.0f}")
-                losses, waited, window_steps = [], 0.0, 0
-                window_start = time.perf_counter()
+                window = Window()
             if stopped:
                 break
             if cfg.checkpoint_every and global_step % cfg.checkpoint_every == 0 and not last_of_epoch:
@@ -548,6 +527,48 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
             f"over {last_val['samples']} images; chance is {100 / len(classes):.2f}%"
         )
     return finish({"step": global_step, "val": last_val, "complete": True, "exit_code": 0})
+
+
+class Window:
+    """One metrics interval of the epoch loop: its steps, their losses, the time spent waiting for data."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.steps, self.waited = 0, 0.0
+        self.losses: list[torch.Tensor] = []
+
+    def record(
+        self,
+        loader: TrainLoader | SyntheticLoader,
+        d: distributed.Dist,
+        global_batch: int,
+        epoch: int,
+        step: int,
+        lr: float,
+        image_size: int,
+    ) -> tuple[dict[str, Any], dict[str, int]]:
+        """This window's ``kind: train`` metrics record, and the data counters in it (summed over ranks)."""
+        elapsed = time.perf_counter() - self.start
+        counters = _counters(loader)
+        loss_sum, *sums = distributed.all_reduce_sum(
+            [float(torch.stack(self.losses).float().mean()), *counters.values()], d.device
+        )
+        totals = {k: int(v) for k, v in zip(counters, sums, strict=True)}
+        record = {
+            "kind": "train",
+            "epoch": epoch,
+            "step": step,
+            "loss": loss_sum / d.world,
+            "lr": lr,
+            "img_per_s": self.steps * global_batch / elapsed,
+            "image_size": image_size,
+            **gpu_sample(d.device),
+            "data_wait": self.waited / elapsed,
+            # rank 0's feed threads: the one near 1 is what the step waits for
+            **{f"busy_{k}": round(v / elapsed, 3) for k, v in loader.busy().items()},
+            **totals,
+        }
+        return record, totals
 
 
 def _counters(loader: TrainLoader | SyntheticLoader) -> dict[str, int]:
