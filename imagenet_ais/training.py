@@ -488,7 +488,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
                 log.write(**record)
                 health.poll(totals)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", img_s=f"{record['img_per_s']:.0f}")
-                window = Window()
+                window = Window(start=window.end)  # windows tile the time: none of it goes unrecorded
             if stopped:
                 break
             if cfg.checkpoint_every and global_step % cfg.checkpoint_every == 0 and not last_of_epoch:
@@ -532,8 +532,9 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
 class Window:
     """One metrics interval of the epoch loop: its steps, their losses, the time spent waiting for data."""
 
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
+    def __init__(self, start: float | None = None) -> None:
+        self.start = time.perf_counter() if start is None else start
+        self.end = self.start
         self.steps, self.waited = 0, 0.0
         self.losses: list[torch.Tensor] = []
 
@@ -547,12 +548,16 @@ class Window:
         lr: float,
         image_size: int,
     ) -> tuple[dict[str, Any], dict[str, int]]:
-        """This window's ``kind: train`` metrics record, and the data counters in it (summed over ranks)."""
-        elapsed = time.perf_counter() - self.start
+        """This window's ``kind: train`` metrics record, and the data counters in it (summed over ranks).
+
+        The window ends once the GPU has done its steps (the loss sum waits for them): timed when
+        the CPU had only queued them, a rate would count work the GPU had yet to do."""
         counters = _counters(loader)
         loss_sum, *sums = distributed.all_reduce_sum(
             [float(torch.stack(self.losses).float().mean()), *counters.values()], d.device
         )
+        self.end = time.perf_counter()
+        elapsed = self.end - self.start
         totals = {k: int(v) for k, v in zip(counters, sums, strict=True)}
         record = {
             "kind": "train",
