@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import math
 import os
@@ -644,5 +645,5 @@ def test_each_records_img_per_s_accounts_for_all_the_time_since_the_last_record(
     training.train(cfg, report=lambda record: seen.append((time.perf_counter(), record)))
     windows = [(t, r) for t, r in seen if r["kind"] == "train"]
     assert len(windows) == 4
-    for (before, _), (at, record) in zip(windows, windows[1:]):
+    for (before, _), (at, record) in itertools.pairwise(windows):
         assert 2 * 4 / record["img_per_s"] == pytest.approx(at - before, rel=0.1)
