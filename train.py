@@ -59,9 +59,8 @@ def parse_workers(value: str) -> int | None:
 @click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile the model [default: on for GPU]")
 @click.option(
     "--compile-mode",
-    default="default",
     type=click.Choice(["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]),
-    help="torch.compile mode (reduce-overhead: CUDA graphs)",
+    help="torch.compile mode [default: reduce-overhead (CUDA graphs) on GPU, else default]",
 )
 @click.option(
     "--decode",

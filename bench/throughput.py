@@ -84,7 +84,7 @@ PRESETS = {
         40,
         (500, 375),
         95,
-        (Model("resnet50", 256, 224, "default", ("auto",), 150, 250),),
+        (Model("resnet50", 256, 224, "reduce-overhead", ("auto",), 150, 250),),
     ),
     # one H100/H200 with 16 cores, in one device call (about 9 minutes)
     "gpu": Preset(
@@ -93,7 +93,7 @@ PRESETS = {
         (500, 375),
         95,
         (
-            Model("resnet50", 256, 224, "default", ("gpu", "cpu"), 200, 400),
+            Model("resnet50", 256, 224, "reduce-overhead", ("gpu", "cpu"), 200, 400),
             Model("resnet18", 512, 224, None, ("gpu", "cpu"), 200, 250),
         ),
     ),
