@@ -63,8 +63,22 @@ def synth_cmd(
 @click.option("--workers", default=os.cpu_count() or 1, show_default=True, type=click.IntRange(min=1))
 @click.option("--seed", default=0, show_default=True, help="seed of the cross-shard shuffle")
 @click.option("--allow-empty", is_flag=True, help="convert even when a split or a class of it ends up with no samples")
+@click.option(
+    "--read-back",
+    is_flag=True,
+    help="read each uploaded shard back in full and compare its SHA-256 (by default a checksum the storage "
+    "computed of what it stored is compared: AIStore's xxhash, GCS's crc32c)",
+)
 def convert_cmd(
-    src: Path, dest: str, splits: str, maxcount: int, maxsize: int, workers: int, seed: int, allow_empty: bool
+    src: Path,
+    dest: str,
+    splits: str,
+    maxcount: int,
+    maxsize: int,
+    workers: int,
+    seed: int,
+    allow_empty: bool,
+    read_back: bool,
 ) -> None:
     """Convert the ImageFolder tree SRC into shuffled shards and a manifest at DEST.
 
@@ -72,7 +86,7 @@ def convert_cmd(
     """
     try:
         split_list = [s for s in splits.split(",") if s]
-        manifest = shards.convert(src, dest, split_list, maxcount, maxsize, workers, seed, allow_empty)
+        manifest = shards.convert(src, dest, split_list, maxcount, maxsize, workers, seed, allow_empty, read_back)
     except (OSError, ValueError) as e:  # OSError: a read or an upload failed for good
         raise click.ClickException(str(e)) from e
     for name, split in manifest.splits.items():

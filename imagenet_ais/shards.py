@@ -73,8 +73,10 @@ def _disk_full(e: OSError, path: object, store: Store) -> OSError:
     )
 
 
-def write_shard(src: Path, dest_url: str, plan: ShardPlan) -> Record:
-    """Build one shard in scratch space, then publish it under its final name."""
+def write_shard(src: Path, dest_url: str, plan: ShardPlan, read_back: bool = False) -> Record:
+    """Build one shard in scratch space, then publish it under its final name; with ``read_back``,
+    read the published copy in full and compare its SHA-256 too (stores already compare a checksum
+    the storage computed: this also covers a storage that computed one over the wrong bytes)."""
     store = open_store(dest_url)
     rejected: list[dict[str, str]] = []
     tmp = store.scratch_file(plan.name)
@@ -94,6 +96,9 @@ def write_shard(src: Path, dest_url: str, plan: ShardPlan) -> Record:
         # can verify it instead of rebuilding it (a record without its shard is just ignored).
         store.write_bytes(f"{JOURNAL}{plan.name}.json", record_json(info, rejected))
         store.put_file(tmp, plan.name)
+        if read_back and stream_sha256(store.open(plan.name)) != info.sha256:
+            store.delete(plan.name)
+            raise OSError(f"{store.url}/{plan.name}: read back, it differs from the shard written; deleted")
     except OSError as e:
         if e.errno in DISK_FULL:
             raise _disk_full(e, tmp, store) from None
@@ -218,6 +223,7 @@ def convert(
     workers: int,
     seed: int,
     allow_empty: bool = False,
+    read_back: bool = False,
 ) -> Manifest:
     if not splits:
         raise ValueError("--splits names no split: give the split folders of SRC, e.g. --splits train,val")
@@ -238,7 +244,7 @@ def convert(
     source = {"seed": seed, "maxcount": maxcount, "maxsize": maxsize}
     try:
         with lock_dest(store) as lock:
-            return _convert_locked(store, src, classes, plans, source, workers, allow_empty, lock.check)
+            return _convert_locked(store, src, classes, plans, source, workers, read_back, allow_empty, lock.check)
     except OSError as e:  # the journal, the manifest: small files, but a full disk is a full disk
         if e.errno in DISK_FULL:
             raise _disk_full(e, store.url, store) from None
@@ -252,6 +258,7 @@ def _convert_locked(
     plans: dict[str, tuple[list[ShardPlan], list[dict[str, str]]]],
     source: dict[str, object],
     workers: int,
+    read_back: bool,
     allow_empty: bool,
     check_lock: Callable[[], None],
 ) -> Manifest:
@@ -279,7 +286,7 @@ def _convert_locked(
         # it (a run that fails still knows the shards, and the splits it keeps, next time).
         store.write_bytes(SET_ASIDE, store.read_bytes(MANIFEST))
         store.delete(MANIFEST)
-    results = _build(store, src, [p for ps, _ in plans.values() for p in ps], known, workers)
+    results = _build(store, src, [p for ps, _ in plans.values() for p in ps], known, workers, read_back)
 
     manifest = Manifest(classes, dict(kept), source)
     for split, (split_plans, unread) in plans.items():
@@ -299,7 +306,7 @@ def _convert_locked(
 
 
 def _build(
-    store: Store, src: Path, plans: list[ShardPlan], known: dict[str, Record], workers: int
+    store: Store, src: Path, plans: list[ShardPlan], known: dict[str, Record], workers: int, read_back: bool
 ) -> dict[str, Record]:
     """Every planned shard: kept when a verified copy built from the same inputs is there, else built."""
     results: dict[str, Record] = {}
@@ -315,7 +322,7 @@ def _build(
         tqdm(total=total, unit="img", desc=f"convert → {store.url}", disable=total == 0) as bar,
         ProcessPoolExecutor(max_workers=max(1, workers), initializer=exit_with_parent) as pool,
     ):
-        futures = {pool.submit(write_shard, src, store.url, plan): plan for plan in todo}
+        futures = {pool.submit(write_shard, src, store.url, plan, read_back): plan for plan in todo}
         try:
             for future in as_completed(futures):
                 results[futures[future].name] = future.result()

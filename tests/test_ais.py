@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import ROOT, run_cli, wait_until
 
-from imagenet_ais import storage
+from imagenet_ais import shards, storage
 from imagenet_ais.storage import AISStore
 
 TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "8", "--lr", "0.1", "--warmup-epochs", "0"]
@@ -245,3 +245,30 @@ def test_missing_endpoint_is_a_one_line_error(tmp_path: Path) -> None:
         text=True,
     )
     assert proc.returncode == 1 and "set AIS_ENDPOINT" in proc.stderr
+
+
+def test_read_back_finds_a_stored_shard_that_its_checksum_vouched_for(
+    tree: Path, env: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bytes change before the target checksums them (as a storage that corrupts, then
+    # checksums what it holds, would do): the target's checksum agrees with the bad copy and
+    # only --read-back finds it. The converter's worker processes are forked: they get the patch.
+    put_file = AISStore.put_file
+
+    def corrupt_then_put(self: AISStore, src: Path, name: str, **kw: bool) -> None:
+        if name.endswith(".tar"):
+            data = bytearray(src.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            src.write_bytes(bytes(data))
+        put_file(self, src, name, **kw)
+
+    monkeypatch.setattr(AISStore, "put_file", corrupt_then_put)
+    blind = bucket_url()
+    shards.convert(tree, blind, ["train"], 10, int(1e9), 1, 0)
+    assert [o for o in objects(blind) if o.endswith(".tar")], "the checksum alone lets the bad copies through"
+    checked = bucket_url()
+    with pytest.raises(
+        OSError, match=r"/imagenet-train-\d+\.tar: read back, it differs from the shard written; deleted"
+    ):
+        shards.convert(tree, checked, ["train"], 10, int(1e9), 1, 0, read_back=True)
+    assert not [o for o in objects(checked) if o.endswith(".tar")]
