@@ -445,6 +445,9 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         return outcome
 
     model.train()
+    # A job log (NGC, Docker, Slurm) is no terminal: progress-bar frames there would be a line
+    # per step, so it gets one plain line per metrics record instead (tqdm draws on stderr).
+    live = sys.stderr.isatty()
     for epoch in range(start_epoch, cfg.epochs):
         train_loader.set_epoch(epoch, sizes[epoch])
         batches = iter(train_loader)
@@ -456,7 +459,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         bar = tqdm(
             total=steps_per_epoch,
             initial=first_step,
-            disable=not d.main,
+            disable=not (d.main and live),
             desc=f"epoch {epoch + 1}/{cfg.epochs}",
             unit="step",
             dynamic_ncols=True,
@@ -495,7 +498,10 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
                 record, totals = window.record(train_loader, d, global_batch, epoch, global_step, lr, x.shape[-1])
                 log.write(**record)
                 health.poll(totals)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", img_s=f"{record['img_per_s']:.0f}")
+                if live:
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", img_s=f"{record['img_per_s']:.0f}")
+                elif d.main:
+                    print(progress_line(record, cfg.epochs, step_in_epoch + 1, steps_per_epoch), flush=True)
                 window = Window(start=window.end)  # windows tile the time: none of it goes unrecorded
             if stopped:
                 break
@@ -535,6 +541,14 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
             f"over {last_val['samples']} images; chance is {100 / len(classes):.2f}%"
         )
     return finish({"step": global_step, "val": last_val, "complete": True, "exit_code": 0})
+
+
+def progress_line(record: dict[str, Any], epochs: int, step_in_epoch: int, steps_per_epoch: int) -> str:
+    """A metrics record as one line of a job log."""
+    return (
+        f"epoch {record['epoch'] + 1}/{epochs} step {step_in_epoch}/{steps_per_epoch} loss {record['loss']:.4f} "
+        f"lr {record['lr']:.4g} img/s {record['img_per_s']:,.0f} data wait {record['data_wait']:.0%}"
+    )
 
 
 class Window:

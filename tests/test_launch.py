@@ -136,6 +136,7 @@ def test_submit_tail_and_killall_against_the_ngc_stand_in(fake_ngc: dict, tmp_pa
         followed = run_cli(ROOT / "tools" / "ngc.py", "tail", "--poll", "0", env=env)
         lines = followed.stdout.splitlines()
         assert lines[:9] == [f"log line {i}" for i in range(1, 10)], "each log line once, in order"
+        assert not [line for line in lines if line.startswith("progress")], "a line still growing is held back"
         assert lines[-1] == "job 1000 ended: FINISHED_SUCCESS" and "is QUEUED; waiting" in followed.stderr
     finally:
         if saved is None:

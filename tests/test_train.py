@@ -656,3 +656,13 @@ def test_compiled_training_uses_cuda_graphs_on_a_gpu_unless_told_otherwise() -> 
     assert training.compile_mode(cfg, cuda=False) == "default"
     cfg.compile_mode = "max-autotune-no-cudagraphs"
     assert training.compile_mode(cfg, cuda=True) == "max-autotune-no-cudagraphs"
+
+
+def test_a_log_that_is_no_terminal_gets_one_plain_line_per_record_and_no_progress_bar(tmp_path: Path) -> None:
+    proc = run_cli(
+        "train.py", "--synthetic", "--output", tmp_path, *TINY, "--epochs", "1", "--max-steps", "6", "--log-every", "2"
+    )
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("epoch 1/1 step")]
+    assert [line.split(" loss ")[0] for line in steps] == [f"epoch 1/1 step {n}/100" for n in (2, 4, 6)]
+    assert all(" lr " in line and " img/s " in line and " data wait " in line for line in steps)
+    assert "\r" not in proc.stderr and "step/s" not in proc.stderr, "no progress-bar frames"

@@ -168,21 +168,26 @@ def tail(dry_run: bool, job_id: str | None, poll: float, lines: int) -> None:
                 click.echo(f"job {job_id} is {status}; waiting", err=True)
                 said = status
         else:
+            ended = status not in RUNNING
             out = call(log, False)
             if out.returncode == 0:
-                shown = print_new(shown, out.stdout.splitlines())
-            if status not in RUNNING:
+                shown = print_new(shown, out.stdout.splitlines(), ended)
+            if ended:
                 click.echo(f"job {job_id} ended: {status}")
                 sys.exit(0 if status == "FINISHED_SUCCESS" else 1)
         time.sleep(poll)
 
 
-def print_new(shown: list[str], window: list[str]) -> list[str]:
-    """Print the part of the latest log window not printed before (windows overlap)."""
-    overlap = next((k for k in range(min(len(shown), len(window)), 0, -1) if shown[-k:] == window[:k]), 0)
-    for line in window[overlap:]:
+def print_new(shown: list[str], window: list[str], ended: bool) -> list[str]:
+    """Print the lines of the latest log window not printed before (windows overlap).
+
+    While the job runs, its last line may still be growing (a line half-written, a progress
+    bar): it waits for a later window, or it would be printed again each time it grew."""
+    complete = window if ended else window[:-1]
+    overlap = next((k for k in range(min(len(shown), len(complete)), 0, -1) if shown[-k:] == complete[:k]), 0)
+    for line in complete[overlap:]:
         click.echo(line)
-    return window
+    return complete
 
 
 @cli.command()
