@@ -3,7 +3,9 @@
 
 Generates an ImageNet-like tree (500×375 JPEGs, ~110 KB), then converts it twice with the same
 workers: into a local directory (the ceiling) and into an AIStore playground on loopback
-(tools/ais_local.py), where every shard is uploaded and verified. Prints seconds and the ratio.
+(tools/ais_local.py), where every shard is uploaded and verified by the target's checksum, and
+again with ``--read-back`` (every shard also downloaded and SHA-256 compared). Prints seconds
+and the ratio.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from shard_reads import aistore
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def convert(tree: Path, dest: str, workers: int, env: dict[str, str]) -> float:
+def convert(tree: Path, dest: str, workers: int, env: dict[str, str], *extra: str) -> float:
     start = time.perf_counter()
     cmd = [sys.executable, str(ROOT / "imagenet_shards.py"), "convert", str(tree), dest, "--splits", "train"]
-    subprocess.run([*cmd, "--workers", str(workers)], check=True, env=env, stdout=subprocess.DEVNULL)
+    subprocess.run([*cmd, "--workers", str(workers), *extra], check=True, env=env, stdout=subprocess.DEVNULL)
     return time.perf_counter() - start
 
 
@@ -42,9 +44,11 @@ def main(images: int, workers: int, targets: int) -> None:
             env = {**os.environ, "AIS_ENDPOINT": endpoint}
             local = convert(tree, str(work / "shards"), workers, env)
             ais = convert(tree, "ais://bench-convert", workers, env)
+            read_back = convert(tree, "ais://bench-convert-read-back", workers, env, "--read-back")
     click.echo(f"{images} images, {workers} workers, {os.cpu_count()} cores, AIS targets {targets}")
     click.echo(f"| into a local directory: the ceiling | {local:.1f} s | 1 |")
     click.echo(f"| into AIStore (uploaded, verified) | {ais:.1f} s | {local / ais:.2f} |")
+    click.echo(f"| into AIStore with --read-back | {read_back:.1f} s | {local / read_back:.2f} |")
 
 
 if __name__ == "__main__":
