@@ -57,7 +57,8 @@
 : "${IMAGE_TAG:=latest}"
 : "${IMAGE:=$REGISTRY/${NGC_ORG:-local}/${NGC_TEAM:+$NGC_TEAM/}$IMAGE_NAME:$IMAGE_TAG}"
 : "${RESULTS:=runs/docker}"       # host directory mounted at /results by shell and docker2
-: "${DOCKER_GPUS:=all}"           # docker run --gpus
+: "${DOCKER_GPUS:=all}"           # docker run --gpus (podman: CDI devices nvidia.com/gpu=each of these)
+: "${ENGINE:=auto}"               # container engine: auto (docker if its daemon answers, else podman; buildah to build), docker, podman, buildah
 
 # NGC Base Command (./run singlenode, ais, tail, killall)
 : "${NGC_ACE:=${NGC_CLI_ACE:-}}"

@@ -73,6 +73,7 @@ def test_docker2_and_shell_mount_data_and_results(tmp_path: Path) -> None:
     env = {"DATA": str(tmp_path / "shards"), "RESULTS": "runs/t", "AIS_ENDPOINT": "http://ais:1"}
     cmd = dry("docker2", "--epochs", "1", env=env)[-1]
     assert cmd[:3] == ["docker", "run", "--rm"] and "--ipc=host" in cmd and flag(cmd, "--gpus") == ["all"]
+    assert flag(cmd, "--ulimit") == ["memlock=-1", "stack=67108864"], "NGC's limits for PyTorch"
     assert f"{tmp_path / 'shards'}:/data:ro" in flag(cmd, "-v") and f"{ROOT}/runs/t:/results" in flag(cmd, "-v")
     i = cmd.index("torch.distributed.run")
     assert cmd[i + 1 : i + 4] == ["--standalone", "--nproc-per-node", "2"]
@@ -115,7 +116,10 @@ def test_missing_tools_get_one_line_each(tmp_path: Path) -> None:
     for tool in ("bash", "dirname", "cat", "sha256sum", "cut", "id", "nproc"):
         os.symlink(shutil.which(tool), bare / tool)
     proc = run_cli(ROOT / "run", "build", env={"PATH": str(bare)}, check=False)
-    assert proc.returncode == 1 and proc.stderr.strip().startswith("run: docker not found: install Docker")
+    assert proc.returncode == 1 and proc.stderr.strip().startswith("run: no container engine: install Docker Engine")
+    assert "or buildah" in proc.stderr, "building needs neither docker nor podman"
+    proc = run_cli(ROOT / "run", "docker2", env={"PATH": str(bare)}, check=False)
+    assert proc.returncode == 1 and "or buildah" not in proc.stderr, "running the image does"
     proc = run_cli(ROOT / "run", "tail", "7", env={"PATH": str(bare)}, check=False)
     assert proc.returncode == 1 and "ngc not found: install the NGC CLI" in proc.stderr
 
@@ -275,3 +279,15 @@ def test_dockerfile_is_hadolint_clean_and_context_has_no_secrets() -> None:
     ignored = (ROOT / ".dockerignore").read_text().split()
     for pattern in (".git", ".venv", "config.local.sh", "**/*credentials*", "**/*.key"):
         assert pattern in ignored
+
+
+def test_podman_and_buildah_stand_in_for_docker_with_their_own_syntax(tmp_path: Path) -> None:
+    write_shards(tmp_path / "shards", {"train": [8]})
+    env = {"DATA": str(tmp_path / "shards"), "DOCKER_GPUS": "0,1"}
+    podman = dry("docker2", env={**env, "ENGINE": "podman"})[-1]
+    assert podman[:3] == ["podman", "run", "--rm"] and "--gpus" not in podman
+    assert flag(podman, "--device") == ["nvidia.com/gpu=0", "nvidia.com/gpu=1"], "CDI devices, not --gpus"
+    assert dry("build", env={"ENGINE": "buildah"})[-1][:2] == ["buildah", "bud"]
+    assert dry("push", env={"ENGINE": "podman"})[-1][:2] == ["podman", "push"]
+    refused = run_cli(ROOT / "run", "-n", "shell", env={"ENGINE": "buildah"}, check=False)
+    assert refused.returncode == 1 and "buildah builds and pushes only" in refused.stderr
