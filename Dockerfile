@@ -18,8 +18,10 @@ RUN torch_before=$(python -c 'import torch; print(torch.__version__)') \
 COPY . .
 
 # Runs as any user (docker run --user, NGC): code read-only for all, caches in /tmp.
+# VENV=/usr: ./run uses the image's Python as it is, and makes no venv.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
+    VENV=/usr \
     XDG_CACHE_HOME=/tmp/.cache \
     TORCHINDUCTOR_CACHE_DIR=/tmp/.cache/inductor
 RUN chmod -R a+rX /workspace/imagenet-ais

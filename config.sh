@@ -59,6 +59,7 @@
 : "${RESULTS:=runs/docker}"       # host directory mounted at /results by shell and docker2
 : "${DOCKER_GPUS:=all}"           # docker run --gpus (podman: CDI devices nvidia.com/gpu=each of these)
 : "${ENGINE:=auto}"               # container engine: auto (docker if its daemon answers, else podman; buildah to build), docker, podman, buildah
+: "${BUILD_OPTS:=}"               # more options for the image build, e.g. podman/buildah: --volume CA.crt:/etc/ssl/certs/ca-certificates.crt:ro
 
 # NGC Base Command (./run singlenode, ais, tail, killall)
 : "${NGC_ACE:=${NGC_CLI_ACE:-}}"

@@ -265,7 +265,7 @@ def test_nodes_reaches_other_hosts_over_ssh_dry_run() -> None:
     agents = sorted(shlex.split(line) for line in lines if line.startswith("ssh "))  # started in parallel
     assert [a[:4] for a in agents] == [["ssh", "-p", "2222", "gpu1"], ["ssh", "-p", "2222", "gpu2"]]
     remote = shlex.split(agents[1][4])
-    assert remote[:5] == ["cd", "/srv/my checkout", "&&", "AIS_ENDPOINT=http://ais-proxy:51080", ".venv/bin/torchrun"]
+    assert remote[:5] == ["cd", "/srv/my checkout", "&&", "AIS_ENDPOINT=http://ais-proxy:51080", ".venv/bin/python"]
     flags = " ".join(remote)
     assert "--nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint gpu1:29400" in flags
     assert "train.py --data ais://imagenet/train" in flags and flags.endswith("--epochs 1")

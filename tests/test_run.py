@@ -35,7 +35,7 @@ def test_dry_run_prints_the_commands_with_settings_from_the_environment(tmp_path
     env = {"DATA": str(tmp_path / "my shards"), "ARCH": "resnet34", "NPROC": "3", "WORKERS": "2", "VENV": ".venv"}
     out = run_cli(ROOT / "run", "-n", "local2", "--epochs", "1", env=env).stdout.splitlines()
     cmd = shlex.split(out[-1])
-    assert cmd[:4] == [".venv/bin/torchrun", "--standalone", "--nproc-per-node", "3"]
+    assert cmd[:6] == [".venv/bin/python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
     assert cmd[cmd.index("--data") + 1] == str(tmp_path / "my shards")
     assert cmd[cmd.index("--arch") + 1] == "resnet34"
     assert cmd[cmd.index("--output") + 1] == "runs/local2"

@@ -1,0 +1,101 @@
+"""The training image, built for real with ./run build (buildah) from a stand-in for NGC's base
+(tools/ngc_standin.sh) and run as a non-root user. Needs root, buildah and debootstrap (./run test
+installs them on Debian); without them the tests skip, or fail under CI=true.
+
+What only a real NGC run shows: NGC's own base image and torch build, GPUs, the registry push."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, run_cli, write_shards
+
+USER = "1234:1234"  # no user of the image: as NGC and docker run --user start it
+CA = Path("/etc/ssl/certs/ca-certificates.crt")  # this machine's trust, for downloads in the build
+
+
+def buildah(*args: str | Path, check: bool = True) -> subprocess.CompletedProcess:
+    return run_cli("buildah", *args, check=check, timeout=900)
+
+
+def standin_tag() -> str:
+    """Named by what it is built from: a changed script or torch pin builds a new one."""
+    pins = [line for line in (ROOT / "requirements.lock").read_text().splitlines() if line.startswith("torch")]
+    digest = hashlib.sha256(((ROOT / "tools" / "ngc_standin.sh").read_text() + "".join(pins)).encode())
+    return f"localhost/imagenet-ais-ngc-standin:{digest.hexdigest()[:12]}"
+
+
+@pytest.fixture(scope="module")
+def image() -> Iterator[str]:
+    missing = [tool for tool in ("buildah", "debootstrap") if not shutil.which(tool)]
+    if missing or os.geteuid() != 0:
+        message = (
+            f"{', '.join(missing) or 'root'} needed to build the image (./run test installs them as root on Debian)"
+        )
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    base = standin_tag()
+    if buildah("inspect", "--type", "image", base, check=False).returncode != 0:
+        run_cli(ROOT / "tools" / "ngc_standin.sh", base, timeout=1800)
+    tag = f"localhost/imagenet-ais-test:{uuid.uuid4().hex[:8]}"
+    env = {"ENGINE": "buildah", "BASE_IMAGE": base, "IMAGE": tag, "BUILDAH_ISOLATION": "chroot"}
+    if CA.exists():
+        env["BUILD_OPTS"] = f"--volume {CA}:{CA}:ro"
+    run_cli(ROOT / "run", "build", env=env, timeout=1800)
+    try:
+        yield tag
+    finally:
+        buildah("rmi", tag, check=False)
+
+
+def inside(image: str, *cmd: str, volumes: tuple[str, ...] = (), user: str = USER) -> subprocess.CompletedProcess:
+    """``cmd`` in a fresh container of ``image`` as ``user``, with ``volumes`` (HOST:PATH[:ro])."""
+    container = buildah("from", "--quiet", image).stdout.strip()
+    try:
+        mounts = [a for v in volumes for a in ("--volume", v)]
+        return buildah("run", "--isolation", "chroot", "--user", user, *mounts, container, "--", *cmd, check=False)
+    finally:
+        buildah("rm", container, check=False)
+
+
+def test_the_image_runs_as_any_user_keeps_its_torch_and_makes_no_venv(image: str) -> None:
+    helped = inside(image, "./run", "help")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: ./run"), helped.stderr
+    version = "import torch, torchvision; print(torch.__version__, torchvision.__version__)"
+    base = inside(standin_tag(), "python", "-c", version, user="0:0").stdout  # the base sets no caches for others
+    assert base and inside(image, "python", "-c", version).stdout == base, "the pip step replaced torch"
+    planned = inside(image, "./run", "-n", "local1")
+    assert planned.returncode == 0, planned.stderr
+    assert "-m venv" not in planned.stdout and "pip " not in planned.stdout, "./run would make a venv in the image"
+    assert "/usr/bin/python train.py" in planned.stdout
+    assert inside(image, "test", "-e", ".venv").returncode == 1
+
+
+def test_a_training_in_the_image_writes_metrics_and_a_checkpoint_to_the_mounted_results(
+    image: str, tmp_path: Path
+) -> None:
+    write_shards(tmp_path / "shards", {"train": [8, 8], "val": [4]})
+    results = tmp_path / "results"
+    results.mkdir()
+    results.chmod(0o777)  # the container's user is not this one
+    args = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--epochs", "1", "--max-steps", "2"]
+    trained = inside(
+        image,
+        *("python", "train.py", "--data", "/data", "--output", "/results/run", "--workers", "1", *args),
+        volumes=(f"{tmp_path / 'shards'}:/data:ro", f"{results}:/results"),
+    )
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    run = results / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [2]
+    checkpoint = run / "ckpt-00000002.pt"
+    assert checkpoint.exists() and f"{checkpoint.stat().st_uid}:{checkpoint.stat().st_gid}" == USER
