@@ -445,9 +445,6 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         return outcome
 
     model.train()
-    # A job log (NGC, Docker, Slurm) is no terminal: progress-bar frames there would be a line
-    # per step, so it gets one plain line per metrics record instead (tqdm draws on stderr).
-    live = sys.stderr.isatty()
     for epoch in range(start_epoch, cfg.epochs):
         train_loader.set_epoch(epoch, sizes[epoch])
         batches = iter(train_loader)
@@ -456,14 +453,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
             (output / "keys").mkdir(exist_ok=True)
             # a line-buffered file writes each step's keys at once: a killed run keeps them
             keys_out = (output / "keys" / f"epoch{epoch:03d}-rank{d.rank}.txt").open("a", buffering=1)
-        bar = tqdm(
-            total=steps_per_epoch,
-            initial=first_step,
-            disable=not (d.main and live),
-            desc=f"epoch {epoch + 1}/{cfg.epochs}",
-            unit="step",
-            dynamic_ncols=True,
-        )
+        progress = Progress(epoch, cfg.epochs, steps_per_epoch, first_step, shown=d.main)
         window = Window()
         stopped = False
         for step_in_epoch in range(first_step, steps_per_epoch):
@@ -485,7 +475,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
             window.losses.append(loss.detach())
             if keys_out:
                 keys_out.write("".join(f"{k}\n" for k in keys))
-            bar.update(1)
+            progress.update()
             last_of_epoch = step_in_epoch == steps_per_epoch - 1
             # Ranks agree on the stop step; with several, only at log steps and epoch ends (the
             # agreement is a collective, and per step it would stall the GPU queue).
@@ -498,16 +488,13 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
                 record, totals = window.record(train_loader, d, global_batch, epoch, global_step, lr, x.shape[-1])
                 log.write(**record)
                 health.poll(totals)
-                if live:
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", img_s=f"{record['img_per_s']:.0f}")
-                elif d.main:
-                    print(progress_line(record, cfg.epochs, step_in_epoch + 1, steps_per_epoch), flush=True)
+                progress.show(record, step_in_epoch + 1)
                 window = Window(start=window.end)  # windows tile the time: none of it goes unrecorded
             if stopped:
                 break
             if cfg.checkpoint_every and global_step % cfg.checkpoint_every == 0 and not last_of_epoch:
                 save(epoch, step_in_epoch + 1)
-        bar.close()
+        progress.close()
         if keys_out:
             keys_out.close()
         first_step = 0
@@ -543,12 +530,37 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
     return finish({"step": global_step, "val": last_val, "complete": True, "exit_code": 0})
 
 
-def progress_line(record: dict[str, Any], epochs: int, step_in_epoch: int, steps_per_epoch: int) -> str:
-    """A metrics record as one line of a job log."""
-    return (
-        f"epoch {record['epoch'] + 1}/{epochs} step {step_in_epoch}/{steps_per_epoch} loss {record['loss']:.4f} "
-        f"lr {record['lr']:.4g} img/s {record['img_per_s']:,.0f} data wait {record['data_wait']:.0%}"
-    )
+class Progress:
+    """An epoch's progress on rank 0: a bar on a terminal; in a job log (NGC, Docker, Slurm),
+    where bar frames would be a line per step, one plain line per metrics record instead."""
+
+    def __init__(self, epoch: int, epochs: int, steps: int, first_step: int, shown: bool) -> None:
+        self.epoch, self.epochs, self.steps = epoch, epochs, steps
+        self.shown, self.live = shown, sys.stderr.isatty()  # tqdm draws on stderr
+        self.bar = tqdm(
+            total=steps,
+            initial=first_step,
+            disable=not (shown and self.live),
+            desc=f"epoch {epoch + 1}/{epochs}",
+            unit="step",
+            dynamic_ncols=True,
+        )
+
+    def update(self) -> None:
+        self.bar.update(1)
+
+    def show(self, record: dict[str, Any], step_in_epoch: int) -> None:
+        if self.live:
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}", img_s=f"{record['img_per_s']:.0f}")
+        elif self.shown:
+            print(
+                f"epoch {self.epoch + 1}/{self.epochs} step {step_in_epoch}/{self.steps} loss {record['loss']:.4f} "
+                f"lr {record['lr']:.4g} img/s {record['img_per_s']:,.0f} data wait {record['data_wait']:.0%}",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 class Window:
