@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -180,7 +181,7 @@ def stage_rates(data: str, batch: int, size: int, workers: int) -> dict[str, flo
         samples = group_by_keys(tar_file_expander([{"url": str(shard), "stream": stream}]))
         jpegs = [s["jpg"] for _, s in zip(range(batch), samples, strict=False)]
     device = torch.device("cuda")
-    encoded = pin_encoded(encode_batch([encode_for_device(raw, train=True) for raw in jpegs]))
+    encoded = pin_encoded(encode_batch([encode_for_device(raw, random.Random(i)) for i, raw in enumerate(jpegs)]))
     jpeg_list = list(encoded.blob.split(encoded.sizes))
     pixels = torch.empty(len(jpegs), size, size, 3, dtype=torch.uint8, pin_memory=True)
 
@@ -195,7 +196,7 @@ def stage_rates(data: str, batch: int, size: int, workers: int) -> dict[str, flo
 
     start = time.perf_counter()
     for raw in jpegs[:64]:
-        decode_on_cpu(raw, size, train=True)
+        decode_on_cpu(raw, size, random.Random(0))
     pil = 64 / (time.perf_counter() - start)
     return {
         "nvJPEG decode": rate(lambda: decode_jpeg(jpeg_list, mode=ImageReadMode.RGB, device=device)),

@@ -48,6 +48,7 @@ from imagenet_ais.storage import LocalStore, Store, open_store
 from imagenet_ais.transforms import (
     Decoded,
     Encoded,
+    augment_rng,
     concat_encoded,
     crop_decoded,
     decode_encoded,
@@ -277,9 +278,10 @@ class ShardStream(IterableDataset):
         label = int(sample["cls"])
         if self.spec.classes and not 0 <= label < self.spec.classes:
             raise ValueError(f"label {label} is not among the manifest's {self.spec.classes} classes")
+        augment = augment_rng(self.spec.seed, self.epoch.value, sample["__key__"]) if train else None
         if self.spec.decode == "gpu":
-            return encode_for_device(data, train), label
-        return decode_on_cpu(data, size, train), label
+            return encode_for_device(data, augment), label
+        return decode_on_cpu(data, size, augment), label
 
 
 @atexit.register

@@ -1,7 +1,9 @@
 """What a training or validation image becomes, on the CPU or on the GPU, with one geometry.
 
 Train: torchvision's RandomResizedCrop parameters (scale 0.08-1, ratio 3/4-4/3), a
-horizontal flip half the time, bilinear resize to size × size. Val: the centre square of side
+horizontal flip half the time, bilinear resize to size × size; drawn from ``augment_rng(seed,
+epoch, key)``, so a sample gets the same crop and flip whichever rank, worker or decode path
+trains it. Val: the centre square of side
 0.875 × the short side, resized to size × size (the usual 256 → 224). Then ImageNet mean/std.
 
 - decode "cpu": DataLoader workers decode with PIL (JPEG draft mode when the crop is much
@@ -16,6 +18,7 @@ from __future__ import annotations
 import functools
 import io
 import math
+import random
 from typing import NamedTuple
 
 import torch
@@ -23,7 +26,6 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.ops import roi_align
-from torchvision.transforms import RandomResizedCrop
 
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
@@ -51,10 +53,32 @@ class Encoded(NamedTuple):
     boxes: torch.Tensor  # int64 N × 5: left, top, width, height, flip
 
 
-def train_box(img: Image.Image) -> Box:
-    """A RandomResizedCrop box for ``img`` (only its size is read) and a coin flip."""
-    top, left, height, width = RandomResizedCrop.get_params(img, scale=list(SCALE), ratio=list(RATIO))
-    return Box(left, top, width, height, bool(torch.rand(1).item() < 0.5))
+def augment_rng(seed: int, epoch: int, key: str) -> random.Random:
+    """A training sample's draws for its crop and flip: a function of the run's seed, the epoch
+    and the sample's key only (not of the world size, the worker or the decode path)."""
+    return random.Random(f"augment:{seed}:{epoch}:{key}")
+
+
+def train_box(img: Image.Image, rng: random.Random) -> Box:
+    """A RandomResizedCrop box for ``img`` (only its size is read) and a coin flip.
+
+    torchvision's rule: up to 10 tries of a random area (SCALE of the picture's) and log-uniform
+    aspect ratio (RATIO) that fits, else the centre crop of the whole picture, its ratio clamped.
+    """
+    w, h = img.size
+    log_ratio = (math.log(RATIO[0]), math.log(RATIO[1]))
+    for _ in range(10):
+        area = w * h * rng.uniform(*SCALE)
+        ratio = math.exp(rng.uniform(*log_ratio))
+        cw, ch = round(math.sqrt(area * ratio)), round(math.sqrt(area / ratio))
+        if 0 < cw <= w and 0 < ch <= h:
+            return Box(rng.randint(0, w - cw), rng.randint(0, h - ch), cw, ch, rng.random() < 0.5)
+    cw, ch = w, h
+    if w / h < RATIO[0]:
+        ch = round(w / RATIO[0])
+    elif w / h > RATIO[1]:
+        cw = round(h * RATIO[1])
+    return Box((w - cw) // 2, (h - ch) // 2, cw, ch, rng.random() < 0.5)
 
 
 def val_box(img: Image.Image) -> Box:
@@ -66,10 +90,11 @@ def val_box(img: Image.Image) -> Box:
 # --- decode "cpu": PIL in the workers --------------------------------------------------------
 
 
-def decode_on_cpu(data: bytes, size: int, train: bool) -> torch.Tensor:
-    """JPEG/PNG bytes → the cropped, resized (and maybe flipped) uint8 size × size × 3 image."""
+def decode_on_cpu(data: bytes, size: int, augment: random.Random | None) -> torch.Tensor:
+    """JPEG/PNG bytes → the cropped, resized (and maybe flipped) uint8 size × size × 3 image:
+    a training crop drawn from ``augment``, or with None validation's centre crop."""
     img = Image.open(io.BytesIO(data))
-    box = train_box(img) if train else val_box(img)
+    box = train_box(img, augment) if augment else val_box(img)
     out = _crop_resize(img, box, size)
     if box.flip:
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
@@ -111,10 +136,11 @@ def _mean_std(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 # --- decode "gpu": header and crop in the workers, pixels on the device -----------------------
 
 
-def encode_for_device(data: bytes, train: bool) -> tuple[bytes, Box]:
-    """What a worker hands over for device decoding: RGB JPEG bytes and the crop to take."""
+def encode_for_device(data: bytes, augment: random.Random | None) -> tuple[bytes, Box]:
+    """What a worker hands over for device decoding: RGB JPEG bytes and the crop to take (as
+    ``decode_on_cpu`` chooses it)."""
     img = Image.open(io.BytesIO(data))
-    box = train_box(img) if train else val_box(img)
+    box = train_box(img, augment) if augment else val_box(img)
     if img.format != "JPEG" or img.mode != "RGB":
         # nvJPEG gets plain RGB JPEGs only: CMYK, grayscale and PNG are rare enough in
         # ImageNet (well under 2%) to re-encode here rather than branch on the GPU.

@@ -19,6 +19,7 @@ import webdataset as wds
 from conftest import ROOT, tiny_jpeg, write_shards
 from PIL import Image
 
+from imagenet_ais import shards, synth
 from imagenet_ais.data import (
     TrainLoader,
     ValLoader,
@@ -26,7 +27,8 @@ from imagenet_ais.data import (
     exact_assignment,
     split_among_workers,
 )
-from imagenet_ais.manifest import Manifest
+from imagenet_ais.manifest import Manifest, load_manifest
+from imagenet_ais.storage import open_store
 from imagenet_ais.transforms import decode_on_cpu
 
 UNEVEN = [3, 11, 7, 19, 8]  # 48 samples in 5 shards of unequal sizes
@@ -190,19 +192,18 @@ def test_reduced_scale_decoding_matches_a_full_decode() -> None:
     side = 480 * 0.875
     box = ((640 - side) / 2, (480 - side) / 2, (640 + side) / 2, (480 + side) / 2)
     expected = torch.from_numpy(np.array(full.resize((56, 56), Image.Resampling.BILINEAR, box=box)))
-    got = decode_on_cpu(data, 56, train=False)
+    got = decode_on_cpu(data, 56, None)
     assert got.shape == (56, 56, 3)
     assert (got.int() - expected.int()).abs().float().mean() < 3.0
-    torch.manual_seed(0)
-    crops = torch.stack([decode_on_cpu(data, 48, train=True) for _ in range(20)])
+    crops = torch.stack([decode_on_cpu(data, 48, random.Random(i)) for i in range(20)])
     assert crops.shape == (20, 48, 48, 3) and crops.float().std() > 10
 
 
 def test_gray_jpeg_decodes_to_three_channels() -> None:
     buf = io.BytesIO()
     Image.new("L", (200, 150), 128).save(buf, format="JPEG")
-    assert decode_on_cpu(buf.getvalue(), 32, train=True).shape == (32, 32, 3)
-    assert decode_on_cpu(buf.getvalue(), 32, train=False).shape == (32, 32, 3)
+    assert decode_on_cpu(buf.getvalue(), 32, random.Random(0)).shape == (32, 32, 3)
+    assert decode_on_cpu(buf.getvalue(), 32, None).shape == (32, 32, 3)
 
 
 def test_a_process_exits_while_its_loader_workers_are_still_busy(tmp_path: Path) -> None:
@@ -237,3 +238,33 @@ def test_an_epoch_holds_no_file_descriptor_per_batch(decode: str, tmp_path: Path
     assert sum(1 for _ in batches) == 149
     assert len(os.listdir("/proc/self/fd")) - before < 30
     assert len(loader.position()["delivered"][0]) == 150
+
+
+def test_a_samples_crop_and_flip_follow_seed_epoch_and_key_whatever_the_ranks_workers_or_decoder(
+    tmp_path: Path,
+) -> None:
+    synth.make_tree(tmp_path / "tree", classes=3, train_per_class=10, val_per_class=0, seed=2)  # textured pictures
+    shards.convert(tmp_path / "tree", str(tmp_path / "shards"), ["train"], 7, int(1e9), 1, 0)
+    split = load_manifest(open_store(str(tmp_path / "shards"))).split("train")
+
+    def images(world: int, workers: int, decode: str, epoch: int = 1) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for rank in range(world):
+            loader = TrainLoader(
+                split, str(tmp_path / "shards"), "exact", spec(rank, world, 2, decode=decode), workers, 16
+            )
+            loader.set_epoch(epoch)
+            for batch, _, keys in loader:
+                out.update(zip(keys, batch, strict=True))
+        return out
+
+    alone = images(1, 1, "cpu")
+    for other in (images(2, 2, "cpu"), images(3, 1, "cpu")):
+        common = alone.keys() & other.keys()  # exact mode leaves out a remainder that depends on the world
+        assert len(common) >= 24 and all(torch.equal(alone[k], other[k]) for k in common)
+    on_device = images(2, 1, "gpu")  # the GPU path, run on the CPU: same crops, another resampler
+    common = alone.keys() & on_device.keys()
+    assert len(common) >= 24
+    assert max((alone[k] - on_device[k]).abs().mean() for k in common) < 0.1
+    next_epoch = images(1, 1, "cpu", epoch=2)
+    assert sum((alone[k] - next_epoch[k]).abs().mean() > 0.1 for k in alone) > len(alone) // 2, "new crops each epoch"

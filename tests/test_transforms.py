@@ -68,8 +68,7 @@ def ks_statistic(a: list[float], b: list[float]) -> float:
 
 def test_device_path_crops_follow_torchvision_random_resized_crop() -> None:
     data, w, h = jpeg(photo(500, 375)), 500, 375
-    torch.manual_seed(1)
-    ours = [encode_for_device(data, train=True)[1] for _ in range(4000)]
+    ours = [encode_for_device(data, random.Random(i))[1] for i in range(4000)]
     reference = RandomResizedCrop(224, scale=list(SCALE), ratio=list(RATIO))
     torch.manual_seed(2)
     theirs = [reference.get_params(Image.new("RGB", (w, h)), reference.scale, reference.ratio) for _ in range(4000)]
@@ -94,10 +93,10 @@ def test_device_decode_matches_pil_within_jpeg_tolerance(device: str) -> None:
     datas = [jpeg(photo(rng.randint(300, 520), rng.randint(250, 400), seed=i)) for i in range(5)]
     datas.append(jpeg(photo(PAD_LIMIT + 100, 300)))  # resized on its own, outside the padded batch
     # val: the whole pipeline on both sides
-    batch = encode_batch([encode_for_device(d, train=False) for d in datas])
+    batch = encode_batch([encode_for_device(d, None) for d in datas])
     got, rows = decode_on_device(batch, 64, torch.device(device), channels_last=True)
     assert rows is None and got.shape == (6, 3, 64, 64) and got.is_contiguous(memory_format=torch.channels_last)
-    expected = torch.stack([decode_on_cpu(d, 64, train=False) for d in datas]).float()
+    expected = torch.stack([decode_on_cpu(d, 64, None) for d in datas]).float()
     assert (pixels(got) - expected).abs().mean() < 3.0
     # train: the same random boxes through both paths, flips included
     boxes = [Box(10, 20, 200, 150, False), Box(0, 0, 120, 240, True), Box(50, 5, 250, 240, True)]
@@ -132,18 +131,18 @@ def test_odd_inputs_are_reencoded_for_the_device(device: str) -> None:
     gray, cmyk = jpeg(img.convert("L")), jpeg(img.convert("CMYK"))
     png = io.BytesIO()
     img.save(png, format="PNG")
-    samples = [encode_for_device(d, train=False) for d in (gray, cmyk, png.getvalue())]
+    samples = [encode_for_device(d, None) for d in (gray, cmyk, png.getvalue())]
     for raw, box in samples:
         reread = Image.open(io.BytesIO(raw))
         assert (reread.format, reread.mode, reread.size) == ("JPEG", "RGB", (200, 150))
         assert box == Box(34, 9, 131, 131)  # the centre 131 × 131 (0.875 × 150)
     got, _ = decode_on_device(encode_batch(samples), 32, torch.device(device), channels_last=False)
-    expected = torch.stack([decode_on_cpu(d, 32, train=False) for d in (gray, cmyk, png.getvalue())]).float()
+    expected = torch.stack([decode_on_cpu(d, 32, None) for d in (gray, cmyk, png.getvalue())]).float()
     assert (pixels(got) - expected).abs().mean() < 4.0
 
 
 def test_an_undecodable_sample_is_replaced_by_another_of_the_batch() -> None:
-    good = [encode_for_device(jpeg(photo(120, 100, seed=i)), train=False) for i in range(3)]
+    good = [encode_for_device(jpeg(photo(120, 100, seed=i)), None) for i in range(3)]
     broken = (b"\xff\xd8\xff not really a jpeg", good[0][1])
     got, rows = decode_on_device(encode_batch([good[0], broken, *good[1:]]), 16, torch.device("cpu"), False)
     assert got.shape == (4, 3, 16, 16) and rows is not None
