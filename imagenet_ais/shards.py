@@ -96,7 +96,7 @@ def write_shard(src: Path, dest_url: str, plan: ShardPlan, read_back: bool = Fal
         # can verify it instead of rebuilding it (a record without its shard is just ignored).
         store.write_bytes(f"{JOURNAL}{plan.name}.json", record_json(info, rejected))
         store.put_file(tmp, plan.name)
-        if read_back and stream_sha256(store.open(plan.name)) != info.sha256:
+        if read_back and not _still_good(store, info):
             store.delete(plan.name)
             raise OSError(f"{store.url}/{plan.name}: read back, it differs from the shard written; deleted")
     except OSError as e:
