@@ -246,24 +246,22 @@ def _compiles(device: torch.device, say: Callable[..., None]) -> bool:
     return True
 
 
-def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None] | None) -> dict[str, Any]:
-    output = Path(cfg.output)
-    output.mkdir(parents=True, exist_ok=True)
-    if d.main:
-        checkpoint.sweep_partials(output)
-    random.seed(cfg.seed + d.rank)
-    torch.manual_seed(cfg.seed + d.rank)
+def _loaders(
+    cfg: TrainConfig,
+    d: distributed.Dist,
+    sizes: list[int],
+    val_size: int,
+    channels_last: bool,
+    say: Callable[..., None],
+) -> tuple[TrainLoader | SyntheticLoader, ValLoader | None, list[str], str]:
+    """The training and validation loaders, the class names, and how the data is fed (for the
+    run's first line)."""
     cuda = d.device.type == "cuda"
-    if cuda:
-        torch.backends.cudnn.benchmark = True
-    cl = cfg.channels_last if cfg.channels_last is not None else cuda
-    sizes, val_size = image_sizes(cfg)
-    say = Reporter(output / LOG if d.main else None).say
-
     val_loader: ValLoader | None = None
     if cfg.synthetic:
         classes = [str(i) for i in range(SYNTHETIC_CLASSES)]
-        train_loader: TrainLoader | SyntheticLoader = SyntheticLoader(cfg.batch_size, sizes[0], d.device, cl)
+        train_loader: TrainLoader | SyntheticLoader = SyntheticLoader(cfg.batch_size, sizes[0], d.device, channels_last)
+        feeding = "synthetic data"
     else:
         if not cfg.data:
             raise ValueError("no --data given: point it at a shard location holding manifest.json, or use --synthetic")
@@ -287,12 +285,38 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
             "classes": len(classes),
         }
         train_loader = TrainLoader(
-            manifest.split("train"), cfg.data, cfg.epoch_mode, spec, workers, cfg.shuffle_buffer, d.device, cl
+            manifest.split("train"),
+            cfg.data,
+            cfg.epoch_mode,
+            spec,
+            workers,
+            cfg.shuffle_buffer,
+            d.device,
+            channels_last,
         )
         val_split = manifest.splits.get("val")
         if val_split and val_split.samples:
             val_spec = {**spec, "image_size": val_size}
-            val_loader = ValLoader(val_split, cfg.data, val_spec, workers, d.device, cl)
+            val_loader = ValLoader(val_split, cfg.data, val_spec, workers, d.device, channels_last)
+        feeding = f"{decode} decode, {workers} workers per process"
+    return train_loader, val_loader, classes, feeding
+
+
+def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None] | None) -> dict[str, Any]:
+    output = Path(cfg.output)
+    output.mkdir(parents=True, exist_ok=True)
+    if d.main:
+        checkpoint.sweep_partials(output)
+    random.seed(cfg.seed + d.rank)
+    torch.manual_seed(cfg.seed + d.rank)
+    cuda = d.device.type == "cuda"
+    if cuda:
+        torch.backends.cudnn.benchmark = True
+    cl = cfg.channels_last if cfg.channels_last is not None else cuda
+    sizes, val_size = image_sizes(cfg)
+    say = Reporter(output / LOG if d.main else None).say
+
+    train_loader, val_loader, classes, feeding = _loaders(cfg, d, sizes, val_size, cl, say)
     loaders = [loader for loader in (train_loader, val_loader) if isinstance(loader, TrainLoader | ValLoader)]
     health = DataHealth([loader.dataset.problems for loader in loaders], say, cfg.max_bad)
 
@@ -309,11 +333,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         raise ValueError("--dp decent does not work with --compile (its hooks re-point the parameters): drop one")
     compiled = cfg.compile if cfg.compile is not None else cuda and not decent and _compiles(d.device, say)
     mode = compile_mode(cfg, cuda)
-    say(
-        f"{cfg.arch} on {d.world} × {d.device.type}, "
-        + ("synthetic data" if cfg.synthetic else f"{decode} decode, {workers} workers per process")
-        + (f", compiled ({mode})" if compiled else ", eager")
-    )
+    say(f"{cfg.arch} on {d.world} × {d.device.type}, " + feeding + (f", compiled ({mode})" if compiled else ", eager"))
 
     def make_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.SGD(
