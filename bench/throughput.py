@@ -10,7 +10,10 @@ so the one near 1 is the limit); on CUDA also per-stage rates (nvJPEG decode, cr
 H2D copy, PIL decode per core).
 
 Without --data it generates shards first: for the GPU presets ImageNet-like ones (1,000
-classes, 500×375 JPEGs of ~110 KB), for the CPU preset a small demo-like set.
+classes, 500×375 JPEGs of ~110 KB), for the CPU preset a small demo-like set. With
+--ais-targets N it also converts them into an AIStore playground on this host (N targets on
+loopback, tools/ais_local.py; the conversion timed against one into a local directory) and adds
+an end-to-end row per GPU count that reads them through ``ais://``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +91,14 @@ PRESETS = {
         95,
         (Model("resnet50", 256, 224, "reduce-overhead", ("auto",), 150, 250),),
     ),
+    # ResNet-18 at 1 GPU, the same shards as multi-gpu (to share a --work directory)
+    "resnet18": Preset(
+        1000,
+        40,
+        (500, 375),
+        95,
+        (Model("resnet18", 512, 224, "reduce-overhead", ("auto",), 150, 250),),
+    ),
     # one H100/H200 with 16 cores, in one device call (about 9 minutes)
     "gpu": Preset(
         1000,
@@ -111,10 +123,27 @@ def make_shards(work: Path, preset: Preset, workers: int) -> str:
         synth += ["--size", *map(str, preset.picture), "--quality", str(preset.quality)]
     convert = ["convert", str(tree), str(data), "--splits", "train", "--workers", str(workers)]
     for cmd in (synth, convert):
-        start = time.perf_counter()
-        subprocess.run([sys.executable, str(ROOT / "imagenet_shards.py"), *cmd], check=True, stderr=subprocess.DEVNULL)
-        click.echo(f"  {cmd[0]}: {time.perf_counter() - start:.0f}s", err=True)
+        click.echo(f"  {cmd[0]}: {shards_cli(cmd):.0f}s", err=True)
     return str(data)
+
+
+def shards_cli(args: list[str]) -> float:
+    """Runs imagenet_shards.py; its wall time in seconds."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, str(ROOT / "imagenet_shards.py"), *args], check=True, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def to_ais(tree: Path, work: Path, workers: int) -> str:
+    """Converts the tree into AIStore (AIS_ENDPOINT) and, for the ceiling, into a fresh local
+    directory with the same workers; prints both times. The AIS location."""
+    common = ["--splits", "train", "--workers", str(workers)]
+    shutil.rmtree(work / "convert-local", ignore_errors=True)
+    local = shards_cli(["convert", str(tree), str(work / "convert-local"), *common])
+    ais = shards_cli(["convert", str(tree), "ais://bench-shards", *common])
+    click.echo(f"convert {tree}: local directory {local:.1f}s, AIStore {ais:.1f}s (ratio {local / ais:.2f})")
+    shutil.rmtree(work / "convert-local")
+    return "ais://bench-shards"
 
 
 def train(args: list[str], batch: int, output: Path, log: Path, gpus: int = 1) -> dict[str, float]:
@@ -157,18 +186,21 @@ def train(args: list[str], batch: int, output: Path, log: Path, gpus: int = 1) -
 
 
 def measure(
-    model: Model, data: str, workers: str, work: Path, log: Path, gpus: int = 1
+    model: Model, data: str, workers: str, work: Path, log: Path, gpus: int = 1, ais: str | None = None
 ) -> Iterator[tuple[str, dict[str, float]]]:
-    """The ceiling, then each end-to-end variant, as each is measured."""
+    """The ceiling, then each end-to-end variant (and the first one reading from ``ais``), as
+    each is measured."""
     common = ["--arch", model.arch, "--batch-size", str(model.batch), "--image-size", str(model.size)]
     common += ["--epochs", "1000", "--log-every", "10", "--keep-last", "1"]
     common += ["--compile", "--compile-mode", model.compile] if model.compile else ["--no-compile"]
     ceiling = [*common, "--synthetic", "--max-steps", str(model.steps)]
     yield "ceiling", train(ceiling, model.batch, work / "ceiling", log, gpus)
-    for decode in model.decodes:
-        args = [*common, "--data", data, "--workers", workers, "--decode", decode]
-        e2e = [*args, "--max-steps", str(model.e2e_steps)]
-        yield f"{decode} decode", train(e2e, model.batch, work / decode, log, gpus)
+    variants = [(f"{decode} decode", data, decode) for decode in model.decodes]
+    variants += [("ais://", ais, model.decodes[0])] if ais else []
+    for variant, location, decode in variants:
+        e2e = [*common, "--data", location, "--workers", workers, "--decode", decode]
+        e2e += ["--max-steps", str(model.e2e_steps)]
+        yield variant, train(e2e, model.batch, work / variant.split()[0].strip(":/"), log, gpus)
 
 
 def stage_rates(data: str, batch: int, size: int, workers: int) -> dict[str, float]:
@@ -243,18 +275,37 @@ def _sync() -> None:
 @click.option("--work", type=click.Path(file_okay=False, path_type=Path), help="keep shards and runs here")
 @click.option("--workers", default="auto", show_default=True, help="DataLoader workers per process (train.py's)")
 @click.option("--gpus", default="1", show_default=True, help="GPU counts to run each model on, e.g. 1,2,4 (torchrun)")
+@click.option("--ais-targets", default=0, show_default=True, help="add the ais:// rows (needs ./run ais-install)")
 @click.option("--breakdown/--no-breakdown", default=True, help="per-stage rates on the GPU, after the runs")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), help="also write the numbers here")
 def main(
-    preset: str, data: str | None, work: Path | None, workers: str, gpus: str, breakdown: bool, json_out: Path | None
+    preset: str,
+    data: str | None,
+    work: Path | None,
+    workers: str,
+    gpus: str,
+    ais_targets: int,
+    breakdown: bool,
+    json_out: Path | None,
 ) -> None:
     p = PRESETS[preset]
     counts = [int(n) for n in gpus.split(",")]
     stage_workers = int(workers) if workers.isdigit() else min(16, os.cpu_count() or 1)
-    with tempfile.TemporaryDirectory() as tmp:
+    if data and ais_targets:
+        raise click.UsageError("--ais-targets converts the shards it generates: leave out --data")
+    from shard_reads import aistore  # here: shard_reads imports this module
+
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        aistore(Path(tmp) / "ais", ais_targets) if ais_targets else nullcontext() as endpoint,
+    ):
         root = work or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         data = data or make_shards(root, p, stage_workers)
+        ais = None
+        if endpoint:
+            os.environ["AIS_ENDPOINT"] = endpoint  # for the converter and train.py
+            ais = to_ais(root / "tree", root, stage_workers)
         log = root / "train-runs.log"
         results: dict[str, object] = {"preset": preset, "device": _device(), "workers": workers, "models": []}
         # rows are printed as they are measured: a run cut short still reports what it got
@@ -268,7 +319,7 @@ def main(
             name = f"{model.arch} bs{model.batch} {model.size}px {model.compile or 'eager'}"
             for n in counts:
                 ceiling = 0.0
-                for variant, r in measure(model, data, workers, root / f"{model.arch}-{n}", log, n):
+                for variant, r in measure(model, data, workers, root / f"{model.arch}-{n}", log, n, ais):
                     ceiling = ceiling or r["img_per_s"]
                     ratio = r["img_per_s"] / ceiling
                     if n == 1:

@@ -402,7 +402,10 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
     if decent:
         model = decentralized.wrap(raw_model, make_optimizer, schedule, cfg.topology, scaler)
     elif d.world > 1:
-        model = DistributedDataParallel(raw_model, device_ids=[d.local_rank] if cuda else None)
+        # gradients as views into DDP's buckets: no copy into and out of them each step
+        model = DistributedDataParallel(
+            raw_model, device_ids=[d.local_rank] if cuda else None, gradient_as_bucket_view=True
+        )
     if compiled:
         model = torch.compile(model, mode=mode)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
