@@ -1,15 +1,14 @@
 """The data pipeline: manifest shards → per-rank, per-epoch sample streams → batches.
 
-Two epoch modes, both giving every rank the same number of steps so DDP never hangs:
+Two epoch modes, both giving every rank the same number of steps so DDP never hangs (the
+plans are in sampling.py):
 
 - resampled: each DataLoader worker draws shards with replacement (weighted by their sample
   counts) forever; an epoch is a nominal ceil(N / (world × batch)) steps (the old
   ``ResizedDataset``).
-- exact: the epoch's shards are laid end to end in a (seed, epoch) permutation and the line
-  is cut into ``world`` equal runs of steps × batch samples, steps = N // (world × batch).
-  Every sample is read at most once per epoch; the last N mod (world × batch) samples of the
-  permuted line (fewer than one global batch) sit that epoch out, and which ones changes
-  with the permutation every epoch.
+- exact: every sample is read at most once per epoch, in steps = N // (world × batch) steps;
+  fewer than one global batch sit each epoch out, other ones every epoch. A resumed epoch
+  trains what the interrupted one had not, on any topology.
 
 Workers mix their samples in a shuffle buffer and hand over whole batches: decoded uint8 HWC
 images (decode "cpu"), or JPEG bytes plus the crops to take (decode "gpu"). In the training
@@ -23,7 +22,9 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import itertools
+import json
 import math
 import multiprocessing as mp
 import random
@@ -44,6 +45,15 @@ from imagenet_ais.cache import ShardCache
 from imagenet_ais.children import exit_with_parent
 from imagenet_ais.feed import DeviceFeed, Stage, close_all
 from imagenet_ais.manifest import SplitInfo
+from imagenet_ais.sampling import (
+    Done,
+    Piece,
+    contiguous_assignment,
+    exact_assignment,
+    resampled_pieces,
+    split_among_workers,
+    trained,
+)
 from imagenet_ais.storage import LocalStore, Store, open_store
 from imagenet_ais.transforms import (
     Decoded,
@@ -65,14 +75,6 @@ DECODERS = ("cpu", "gpu")
 CPU = torch.device("cpu")
 
 
-class Piece(NamedTuple):
-    """Samples [start, stop) of one shard, in stored order."""
-
-    shard: int
-    start: int
-    stop: int
-
-
 class HostBatch(NamedTuple):
     images: torch.Tensor | Encoded  # uint8 N × H × W × 3 (decode "cpu"), or JPEG bytes and crops
     labels: torch.Tensor  # int64, N
@@ -84,58 +86,6 @@ class Batch(NamedTuple):
     images: torch.Tensor  # normalised float N × 3 × H × W, on the device
     labels: torch.Tensor  # int64, N, on the device
     keys: list[str]
-
-
-def exact_assignment(counts: list[int], world: int, batch: int, seed: int, epoch: int) -> tuple[list[list[Piece]], int]:
-    """Per-rank pieces for one exact-mode epoch, and the number of steps every rank runs."""
-    total = sum(counts)
-    steps = total // (world * batch)
-    if steps == 0:
-        raise ValueError(
-            f"the training split has {total} samples, fewer than one global batch "
-            f"({world} ranks × {batch}): lower --batch-size"
-        )
-    order = list(range(len(counts)))
-    random.Random(f"exact:{seed}:{epoch}").shuffle(order)
-    per_rank = steps * batch
-    ranks: list[list[Piece]] = [[] for _ in range(world)]
-    rank, room = 0, per_rank
-    for shard in order:
-        start = 0
-        while start < counts[shard] and rank < world:
-            take = min(room, counts[shard] - start)
-            ranks[rank].append(Piece(shard, start, start + take))
-            start += take
-            room -= take
-            if room == 0:
-                rank, room = rank + 1, per_rank
-    return ranks, steps
-
-
-def contiguous_assignment(counts: list[int], world: int) -> list[list[Piece]]:
-    """Split all samples, in manifest order, into ``world`` runs differing by at most one (validation)."""
-    total = sum(counts)
-    bounds = [total * r // world for r in range(world + 1)]
-    ranks: list[list[Piece]] = [[] for _ in range(world)]
-    offset = 0
-    for shard, count in enumerate(counts):
-        for rank in range(world):
-            lo, hi = max(bounds[rank], offset), min(bounds[rank + 1], offset + count)
-            if lo < hi:
-                ranks[rank].append(Piece(shard, lo - offset, hi - offset))
-        offset += count
-    return ranks
-
-
-def split_among_workers(pieces: list[Piece], workers: int) -> list[list[Piece]]:
-    """Whole pieces per worker, balancing sample counts (a worker may get none)."""
-    loads = [0] * workers
-    out: list[list[Piece]] = [[] for _ in range(workers)]
-    for piece in sorted(pieces, key=lambda p: p.stop - p.start, reverse=True):
-        w = loads.index(min(loads))
-        out[w].append(piece)
-        loads[w] += piece.stop - piece.start
-    return out
 
 
 def _wanted_member(name: str) -> bool:
@@ -194,20 +144,23 @@ class ShardStream(IterableDataset):
         self.read_errors = mp.Value("q", 0)  # shards that failed part-way or held fewer samples than listed
         self.problems: mp.Queue = mp.Queue()  # "where: what" lines, for the training process to name
         self._told: set[str] = set()  # (per worker) shards already reported
-        # (epoch, {shard: sample indices}) already trained on before a restart; set before the
-        # workers start, so even persistent workers see it
-        self.skip: tuple[int, dict[int, set[int]]] = (-1, {})
+        # a resumed epoch: (epoch, samples trained before the restart, the name that makes its
+        # resampled streams fresh ones); set before the workers start, so even persistent
+        # workers see it
+        self.resumed: tuple[int, Done, str] = (-1, {}, "")
+
+    def _done(self) -> tuple[Done, str]:
+        """What a resumed epoch leaves out, and how its resampled streams are told apart."""
+        epoch, done, restart = self.resumed
+        return (done, restart) if epoch == self.epoch.value else ({}, "")
 
     def _pieces(self, worker: int, workers: int) -> Iterator[Piece]:
         s, epoch = self.spec, self.epoch.value
+        done, restart = self._done()
         if self.mode == "resampled":
-            rng = random.Random(f"resampled:{s.seed}:{epoch}:{s.rank}:{worker}")
-            cumulative = list(itertools.accumulate(s.counts))
-            while True:
-                shard = rng.choices(range(len(s.counts)), cum_weights=cumulative)[0]
-                yield Piece(shard, 0, s.counts[shard])
+            yield from resampled_pieces(s.counts, f"{s.seed}:{epoch}:{restart}:{s.rank}:{worker}")
         if self.mode == "exact":
-            mine = exact_assignment(s.counts, s.world, s.batch, s.seed, epoch)[0][s.rank]
+            mine = exact_assignment(s.counts, s.world, s.batch, s.seed, epoch, done)[0][s.rank]
         else:
             mine = contiguous_assignment(s.counts, s.world)[s.rank]
         yield from split_among_workers(mine, workers)[worker]
@@ -238,8 +191,7 @@ class ShardStream(IterableDataset):
             files = tar_file_expander(
                 [{"url": where, "stream": stream}], handler=errors.append, select_files=_wanted_member
             )
-            skip_epoch, skip = self.skip
-            done = skip.get(piece.shard, set()) if skip_epoch == self.epoch.value else set()
+            done = self._done()[0].get(piece.shard, set())
             samples = itertools.islice(enumerate(group_by_keys(files, handler=errors.append)), piece.start, piece.stop)
             for i, sample in samples:
                 end = i + 1
@@ -487,35 +439,50 @@ class TrainLoader(_ShardLoader):
         self.epoch = 0
         self.padded = 0  # samples repeated to fill the epoch's last batches when decodes failed
         self.delivered: list[torch.Tensor] = []  # this epoch's (shard, index) handed to training
+        self.restored: dict | None = None  # the position this epoch continues from (all ranks')
         self.resumed_step = 0  # where the next iteration starts: > 0 once, after a mid-epoch restore
 
     def __len__(self) -> int:
         return self.steps
 
+    def plan(self) -> str:
+        """A digest of what the epochs' sample order follows from (the shards, their sample
+        counts, the seed): a resumed epoch can be exact only over the same."""
+        spec = self.spec
+        return hashlib.sha256(json.dumps([spec.names, spec.counts, spec.seed]).encode()).hexdigest()[:16]
+
     def set_epoch(self, epoch: int, image_size: int | None = None) -> None:
         """Start ``epoch`` (call before iterating), optionally at another image size."""
-        if epoch != self.epoch or epoch != self.dataset.skip[0]:
-            self.delivered, self.resumed_step = [], 0
+        if epoch != self.epoch or epoch != self.dataset.resumed[0]:
+            self.delivered, self.restored, self.resumed_step = [], None, 0
         self.epoch = epoch
         self.dataset.epoch.value = epoch
         if image_size:
             self.dataset.size.value = image_size
 
     def position(self) -> dict:
-        """Where this rank is in the epoch: the samples already trained on, by shard."""
-        delivered: dict[int, set[int]] = {}
+        """The samples this rank trained on this epoch since the loader started (a part of the
+        epoch's position, see sampling.merge_positions; ``restored`` holds the rest)."""
+        delivered: Done = {}
         for shard, index in torch.cat(self.delivered).tolist() if self.delivered else []:
             delivered.setdefault(shard, set()).add(index)
         return {"epoch": self.epoch, "delivered": {k: sorted(v) for k, v in delivered.items()}}
 
-    def restore(self, position: dict) -> None:
-        """Continue an epoch without the samples ``position`` says were trained on (exact mode)."""
-        delivered = {int(k): set(v) for k, v in position["delivered"].items()}
-        self.dataset.skip = (position["epoch"], delivered)
-        self.epoch = position["epoch"]
-        pairs = [(shard, index) for shard, indices in delivered.items() for index in indices]
-        self.delivered = [torch.tensor(pairs, dtype=torch.int64).view(-1, 2)]
-        self.resumed_step = len(pairs) // self.spec.batch
+    def restore(self, epoch: int, restart: str, position: dict | None = None, step: int = 0) -> int:
+        """Continue ``epoch`` mid-way; returns the step of the epoch it continues at.
+
+        Exact mode: without the samples ``position`` names (trained by any topology); the
+        steps left follow from what is left. Resampled mode: from ``step`` on, each worker
+        drawing a fresh stream named by ``restart`` (not one the interrupted run drew)."""
+        done = trained(position) if position else {}
+        self.dataset.resumed = (epoch, done, restart)
+        self.epoch, self.dataset.epoch.value = epoch, epoch
+        self.delivered, self.restored = [], position
+        if self.dataset.mode == "exact":
+            counts, world, batch = self.spec.counts, self.spec.world, self.spec.batch
+            step = self.steps - exact_assignment(counts, world, batch, self.spec.seed, epoch, done)[1]
+        self.resumed_step = step
+        return step
 
     def __iter__(self) -> Iterator[Batch]:
         """The rest of this epoch's batches on the device; a batch counts as delivered once handed out."""

@@ -22,11 +22,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from imagenet_ais import checkpoint, decentralized, distributed, locks, upload
+from imagenet_ais import checkpoint, decentralized, distributed, keys_log, locks, upload
 from imagenet_ais.data import CacheSpec, TrainLoader, ValLoader
 from imagenet_ais.data_health import DataHealth
 from imagenet_ais.manifest import load_manifest
 from imagenet_ais.metrics import METRICS, MetricsLog, gpu_sample
+from imagenet_ais.sampling import merge_positions
 from imagenet_ais.storage import open_store
 
 SYNTHETIC_CLASSES = 1000
@@ -358,7 +359,6 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
                 checkpoint.link(fetched, checkpoint.LAST)
         distributed.barrier()
         resume_path = checkpoint.find("auto", output)
-    position = None
     if resume_path:
         if cfg.resume == "auto":
             resume_path, state = checkpoint.load_newest_intact(resume_path, say)
@@ -375,28 +375,22 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         else:
             say("note: the optimizer's momentum starts afresh (--dp decent keeps one per rank, not checkpointed)")
         scaler.load_state_dict(state["scaler"])
-        start_epoch, global_step, first_step = state["epoch"], state["step"], state["step_in_epoch"]
+        start_epoch, global_step = state["epoch"], state["step"]
         best_top1, last_val = state["best_top1"], state["last_val"]
-        if first_step and state["steps_per_epoch"] != steps_per_epoch:
-            say(
-                f"warning: {resume_path} stopped mid-epoch with {state['steps_per_epoch']} steps per epoch, "
-                f"this run has {steps_per_epoch}: epoch {start_epoch + 1} starts over",
-                err=True,
-            )
-            first_step = 0
         if len(state["rng"]) == d.world:
             checkpoint.set_rng_state(state["rng"][d.rank])
-            position = state["data_position"][d.rank] if first_step else None
+        if cfg.log_keys and d.main:
+            keys_log.cut_back(output, start_epoch, state.get("keys_logged", {}))
         say(f"resumed from {resume_path}: epoch {start_epoch + 1}, step {global_step}")
+        first_step = continue_epoch(state, cfg, train_loader, d, say) if start_epoch < cfg.epochs else 0
     if start_epoch >= cfg.epochs:
         say(f"{output}: already trained {cfg.epochs} epochs; use a new --output or more --epochs")
         return {"step": global_step, "val": last_val, "complete": True, "exit_code": 0}
-    if position and isinstance(train_loader, TrainLoader) and cfg.epoch_mode == "exact":
-        train_loader.restore(position)  # the rest of the epoch, without what was trained on
 
-    # the schedule is a function of the global step, so a resumed run picks it up from the step alone
+    # the schedule is a function of the epoch's step (so of how far training is, whatever the
+    # topology), so a resumed run picks it up from its epoch and step
     warmup = min(total_steps, round(cfg.warmup_epochs * steps_per_epoch))
-    schedule = lr_lambda(warmup, total_steps, start=global_step)
+    schedule = lr_lambda(warmup, total_steps, start=start_epoch * steps_per_epoch + first_step)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model: nn.Module = raw_model
     if decent:
@@ -424,11 +418,11 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         if decent and averaged_at != global_step:
             average()  # the model every rank continues from
         rng = distributed.gather_objects(checkpoint.rng_state())
-        positions = distributed.gather_objects(
-            train_loader.position() if isinstance(train_loader, TrainLoader) else None
-        )
+        exact = isinstance(train_loader, TrainLoader) and cfg.epoch_mode == "exact" and step_in_epoch > 0
+        positions = distributed.gather_objects(train_loader.position() if exact else None)
         if not d.main:
             return
+        restored = train_loader.restored if isinstance(train_loader, TrainLoader) else None
         state = {
             "model": raw_model.state_dict(),
             "optimizer": None if decent else optimizer.state_dict(),
@@ -440,7 +434,10 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
             "best_top1": best_top1,
             "last_val": last_val,
             "rng": rng,
-            "data_position": positions,
+            # the samples of the epoch trained so far, whichever rank trained them
+            "data_position": merge_positions(epoch, [restored, *positions]) if exact else None,
+            "plan": train_loader.plan() if isinstance(train_loader, TrainLoader) else None,
+            "keys_logged": keys_log.sizes(output, epoch) if cfg.log_keys else {},
             "arch": cfg.arch,
             "classes": classes,
             "config": asdict(cfg),
@@ -471,11 +468,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
     for epoch in range(start_epoch, cfg.epochs):
         train_loader.set_epoch(epoch, sizes[epoch])
         batches = iter(train_loader)
-        keys_out = None
-        if cfg.log_keys:
-            (output / "keys").mkdir(exist_ok=True)
-            # a line-buffered file writes each step's keys at once: a killed run keeps them
-            keys_out = (output / "keys" / f"epoch{epoch:03d}-rank{d.rank}.txt").open("a", buffering=1)
+        keys_out = keys_log.open_log(output, epoch, d.rank) if cfg.log_keys else None
         progress = Progress(epoch, cfg.epochs, steps_per_epoch, first_step, shown=d.main)
         window = Window()
         stopped = False
@@ -551,6 +544,48 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
             f"over {last_val['samples']} images; chance is {100 / len(classes):.2f}%"
         )
     return finish({"step": global_step, "val": last_val, "complete": True, "exit_code": 0})
+
+
+def continue_epoch(
+    state: dict[str, Any], cfg: TrainConfig, loader: TrainLoader | SyntheticLoader, d: distributed.Dist, say: Callable
+) -> int:
+    """The step at which this run continues the epoch the checkpoint ``state`` stopped in (0:
+    from its start), with ``loader`` set to train what that epoch has not. The world size,
+    per-rank batch and workers may differ from the interrupted run's; where the epoch cannot
+    be continued as it would have gone on, says so in one line and what it does instead."""
+    epoch, step, steps = state["epoch"], state["step_in_epoch"], len(loader)
+    if not step or isinstance(loader, SyntheticLoader):
+        return min(step, steps - 1)
+    world, batch, mode = len(state["rng"]), state["config"]["batch_size"], state["config"]["epoch_mode"]
+    moved = (world, batch) != (d.world, cfg.batch_size)
+    stopped = f"epoch {epoch + 1} stopped at step {step} of {state['steps_per_epoch']} on {world} × {batch}"
+    if state.get("plan", loader.plan()) != loader.plan():
+        say(f"warning: {stopped} over other shards or another --seed: it starts over", err=True)
+        return 0
+    restart = f"{state['step']}"  # names the streams a resampled epoch draws from here on
+    if cfg.epoch_mode == "exact":
+        position = state["data_position"]
+        if isinstance(position, list):  # written before positions were topology-free: one per rank
+            position = merge_positions(epoch, position) if any(position) else None
+        if mode != "exact" or not position:
+            say(f"warning: {stopped} in {mode} mode, which keeps no record of its samples: it starts over", err=True)
+            return 0
+        first = loader.restore(epoch, restart, position)
+        if moved:
+            trained = sum(len(v) for v in position["delivered"].values())
+            say(
+                f"{stopped}: its {trained} samples trained are left out and the rest shared among "
+                f"{d.world} × {cfg.batch_size}, {steps - first} steps (each sample of the epoch once)"
+            )
+        return first
+    first = min(steps - 1, round(step * steps / state["steps_per_epoch"]))  # as far through the epoch
+    loader.restore(epoch, restart, step=first)
+    if moved:
+        say(
+            f"{stopped}: resampled mode continues at step {first} of {steps} on {d.world} × {cfg.batch_size}, "
+            "every worker drawing a fresh stream (none of the interrupted run's is replayed)"
+        )
+    return first
 
 
 class Progress:

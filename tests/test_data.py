@@ -20,14 +20,9 @@ from conftest import ROOT, tiny_jpeg, write_shards
 from PIL import Image
 
 from imagenet_ais import shards, synth
-from imagenet_ais.data import (
-    TrainLoader,
-    ValLoader,
-    contiguous_assignment,
-    exact_assignment,
-    split_among_workers,
-)
+from imagenet_ais.data import TrainLoader, ValLoader
 from imagenet_ais.manifest import Manifest, load_manifest
+from imagenet_ais.sampling import contiguous_assignment, exact_assignment, split_among_workers
 from imagenet_ais.storage import open_store
 from imagenet_ais.transforms import decode_on_cpu
 

@@ -1,0 +1,125 @@
+"""Resuming an interrupted epoch on another topology: real torchrun processes (gloo on CPU).
+
+Every check reads the keys each rank logged (``--log-keys``): a resumed run first cuts those
+logs back to its checkpoint, so across both runs they hold exactly what was trained."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, run_cli, wait_until, write_shards
+from test_train import TINY, metrics
+
+TRAIN = [37, 81, 53, 99, 50]  # 320 samples in unequal shards
+ALL_KEYS = {f"train-{s}-{i}" for s, n in enumerate(TRAIN) for i in range(n)}
+
+
+def launch(world: int) -> list[str]:
+    if world == 1:
+        return [sys.executable, str(ROOT / "train.py")]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
+    return [*torchrun, str(ROOT / "train.py")]
+
+
+def args(data: Path, output: Path, batch: int, workers: int, mode: str = "exact") -> list[str]:
+    return [
+        *map(str, ["--data", data, "--output", output, *TINY, "--batch-size", batch, "--workers", workers]),
+        *["--epochs", "2", "--epoch-mode", mode, "--log-keys", "--log-every", "1", "--resume", "auto"],
+    ]
+
+
+def keys(output: Path, epoch: int) -> dict[int, list[str]]:
+    files = sorted((output / "keys").glob(f"epoch{epoch:03d}-rank*.txt"))
+    return {int(f.stem.rpartition("rank")[2]): f.read_text().split() for f in files}
+
+
+def stop_mid_epoch(cmd: list[str], output: Path, stop: str, at: int) -> None:
+    """Runs ``cmd`` until step ``at`` of the first epoch: stopped by --max-steps, or by SIGTERM."""
+    if stop == "max-steps":
+        run_cli(*cmd, "--max-steps", str(at), env={"OMP_NUM_THREADS": "1"})
+        return
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    done = output / "metrics.jsonl"
+    wait_until(proc, lambda: done.exists() and any(r["step"] >= at for r in metrics(output)), f"step {at}")
+    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank: each saves, then exits
+    proc.wait(timeout=300)
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "stop"),
+    [
+        ((4, 4, 2), (2, 4, 1), "sigterm"),  # (world, per-rank batch, workers per rank)
+        ((4, 4, 2), (2, 8, 2), "max-steps"),
+        ((2, 4, 1), (3, 3, 2), "max-steps"),
+        ((1, 4, 2), (2, 4, 1), "max-steps"),
+        ((2, 4, 2), (1, 8, 3), "max-steps"),
+    ],
+)
+def test_an_exact_epoch_stopped_on_one_topology_ends_on_another_with_each_sample_once(
+    first: tuple[int, int, int], second: tuple[int, int, int], stop: str, tmp_path: Path
+) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": TRAIN, "val": [4]})
+    (world1, batch1, workers1), (world2, batch2, workers2) = first, second
+    steps1, steps2 = len(ALL_KEYS) // (world1 * batch1), len(ALL_KEYS) // (world2 * batch2)
+    stop_mid_epoch([*launch(world1), *args(data, output, batch1, workers1)], output, stop, steps1 // 3)
+    stopped = torch.load(output / "last.pt", weights_only=True)
+    k1 = stopped["step_in_epoch"]
+    assert stopped["epoch"] == 0 and 0 < k1 < steps1, "saved inside the first epoch"
+
+    out = run_cli(*launch(world2), *args(data, output, batch2, workers2), env={"OMP_NUM_THREADS": "1"}).stdout
+    assert f"epoch 1 stopped at step {k1} of {steps1} on {world1} × {batch1}" in out
+    assert f"{k1 * world1 * batch1} samples trained are left out" in out
+    interrupted = keys(output, 0)
+    seen = Counter(k for ks in interrupted.values() for k in ks)
+    assert max(seen.values()) == 1, "no sample of the interrupted epoch trained twice"
+    assert len(ALL_KEYS - set(seen)) < world2 * batch2, "at most one global batch of the new topology sits out"
+    k2 = (len(ALL_KEYS) - k1 * world1 * batch1) // (world2 * batch2)
+    for rank, logged in interrupted.items():
+        before, after = k1 * batch1 * (rank < world1), k2 * batch2 * (rank < world2)
+        assert len(logged) == before + after, f"rank {rank}: every rank of each run ran the same steps"
+    following = keys(output, 1)
+    assert sorted(following) == list(range(world2)), "the next epoch follows the new topology"
+    assert {len(k) for k in following.values()} == {steps2 * batch2}
+    assert max(Counter(k for ks in following.values() for k in ks).values()) == 1
+    end = torch.load(output / "last.pt", weights_only=True)
+    assert (end["epoch"], end["step"]) == (2, k1 + k2 + steps2)
+    steps = [r["step"] for r in metrics(output) if r["kind"] == "train"]
+    assert steps == list(range(1, k1 + k2 + steps2 + 1)), "each step recorded once, in order"
+
+
+def test_a_resampled_epoch_resumed_on_another_world_size_draws_fresh_streams_and_says_so(tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": TRAIN, "val": [4]})
+    run_cli(*launch(2), *args(data, output, 4, 1, "resampled"), "--max-steps", "12", env={"OMP_NUM_THREADS": "1"})
+    before = keys(output, 0)
+    out = run_cli(*launch(1), *args(data, output, 4, 1, "resampled"), env={"OMP_NUM_THREADS": "1"}).stdout
+    # 40 steps per epoch on 2 × 4, 80 on 1 × 4: 12 of 40 is step 24 of 80
+    assert "epoch 1 stopped at step 12 of 40 on 2 × 4: resampled mode continues at step 24 of 80" in out
+    assert "fresh stream" in out
+    after = keys(output, 0)
+    resumed = after[0][len(before[0]) :]
+    assert len(resumed) == (80 - 24) * 4 and after[1] == before[1]
+    assert resumed[:48] != before[0][:48], "the interrupted run's stream is not replayed"
+    assert torch.load(output / "last.pt", weights_only=True)["step"] == 12 + 56 + 80
+
+
+def test_an_epoch_stopped_over_other_shards_starts_over_and_says_so(tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": TRAIN, "val": [4]})
+    run_cli(*launch(1), *args(data, output, 8, 1), "--max-steps", "5")
+    write_shards(data, {"train": [*TRAIN, 16], "val": [4]})  # a shard added since
+    out = run_cli(*launch(1), *args(data, output, 8, 1), "--epochs", "1")
+    assert "epoch 1 stopped at step 5 of 40 on 1 × 8 over other shards or another --seed: it starts over" in out.stderr
+    logged = keys(output, 0)[0]
+    assert len(logged) == (5 + 42) * 8, "5 steps trained before, then the whole epoch"
+    assert len(set(logged[40:])) == 42 * 8, "the epoch over the new shards, each key once"
