@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli, wait_until, write_shards
+from conftest import ROOT, child_pids, free_port, run_cli, wait_until, write_shards
 from test_train import TINY, metrics
 
 TRAIN = [37, 81, 53, 99, 50]  # 320 samples in unequal shards
@@ -123,3 +125,47 @@ def test_an_epoch_stopped_over_other_shards_starts_over_and_says_so(tmp_path: Pa
     logged = keys(output, 0)[0]
     assert len(logged) == (5 + 42) * 8, "5 steps trained before, then the whole epoch"
     assert len(set(logged[40:])) == 42 * 8, "the epoch over the new shards, each key once"
+
+
+def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_keeps_the_epoch_exact(tmp_path: Path) -> None:
+    """Two torchrun agents (``--nnodes 1:2``, c10d rendezvous on loopback), one process each; one
+    agent is killed outright mid-epoch. The survivor's worker fails, its agent restarts it with
+    world size 1, and the run continues from the last checkpoint."""
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": TRAIN, "val": [4]})
+    port = free_port()
+    rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic"]
+    timing = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1", *rendezvous]
+    agent += ["--rdzv-conf", timing, "--max-restarts", "2", "--monitor-interval", "0.5", str(ROOT / "train.py")]
+    agent += [*args(data, output, 4, 1), "--checkpoint-every", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    quiet = {"cwd": ROOT, "env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    survivor = subprocess.Popen(agent, **quiet)  # the first agent hosts the rendezvous store
+    deadline = time.monotonic() + 60
+    while not _listening(port) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    lost = subprocess.Popen(agent, **quiet)
+    done = output / "metrics.jsonl"
+    wait_until(survivor, lambda: done.exists() and any(r["step"] >= 12 for r in metrics(output)), "step 12")
+    state = torch.load(output / "last.pt", weights_only=True)
+    assert len(state["rng"]) == 2, "both agents trained together"
+    tree = {lost.pid}
+    while new := {c for p in tree for c in child_pids(p)} - tree:  # its worker is in a session of its own
+        tree |= new
+    for pid in tree:
+        os.kill(pid, signal.SIGKILL)
+    lost.wait()
+    assert survivor.wait(timeout=300) == 0
+    end = torch.load(output / "last.pt", weights_only=True)
+    assert (end["epoch"], len(end["rng"])) == (2, 1), "finished alone"
+    assert "of 40 on 2 × 4: its" in (output / "train.log").read_text(), "the survivor said what it did"
+    for epoch in range(2):
+        seen = Counter(k for ks in keys(output, epoch).values() for k in ks)
+        assert max(seen.values()) == 1, f"epoch {epoch}: no sample trained twice"
+        assert len(ALL_KEYS - set(seen)) < 8, f"epoch {epoch}: at most one global batch sits out"
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
