@@ -250,7 +250,8 @@ def test_local2_really_runs_two_cpu_processes(tmp_path: Path) -> None:
 def test_nodes_two_torchrun_agents_meet_on_loopback_and_train(tmp_path: Path) -> None:
     data = tmp_path / "shards"
     write_shards(data, {"train": [10, 14]})
-    env = {**tiny_run_env(data, tmp_path / "run"), "NPROC": "1", "RDZV_PORT": str(free_port())}
+    # exact mode: the ranks' samples are disjoint by construction (resampled ranks may draw the same shard)
+    env = {**tiny_run_env(data, tmp_path / "run"), "NPROC": "1", "RDZV_PORT": str(free_port()), "EPOCH_MODE": "exact"}
     run_cli(ROOT / "run", "nodes", "localhost,localhost", "--max-steps", "2", "--log-keys", env=env, timeout=300)
     state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
     assert state["step"] == 2 and len(state["rng"]) == 2  # two agents of one process each: world 2
