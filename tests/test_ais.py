@@ -17,8 +17,9 @@ import pytest
 import torch
 from conftest import ROOT, run_cli, wait_until
 
-from imagenet_ais import shards, storage
+from imagenet_ais import shards
 from imagenet_ais.storage import AISStore
+from imagenet_ais.storage import ais as ais_storage
 
 TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "8", "--lr", "0.1", "--warmup-epochs", "0"]
 
@@ -224,7 +225,7 @@ def test_a_stored_copy_whose_checksum_differs_is_deleted_and_the_upload_fails(
     env: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # as if the bytes had changed on the way: the target's checksum of them is not ours
-    monkeypatch.setattr(storage, "_file_checksum", lambda path, kind: "0" * 16)
+    monkeypatch.setattr(ais_storage, "_file_checksum", lambda path, kind: "0" * 16)
     monkeypatch.setattr(AISStore, "PUT_TRIES", 2)
     store = AISStore(bucket_url())
     src = tmp_path / "shard.tar"

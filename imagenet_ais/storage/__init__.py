@@ -1,0 +1,67 @@
+"""Storage URLs: where shards and manifests live, behind one small interface.
+
+A location is a directory-like URL: a local path or ``file://``, ``ais://bucket/prefix``,
+``gs://bucket/prefix``, or (read-only) ``http(s)://host[:port]/prefix``.
+Writes are all-or-nothing: an object appears under its final name only once it is complete.
+
+One module per backend (local, ais, gcs, http) beside base (the Store interface and what they share).
+The remote backends load their SDKs with their modules, which are imported only when first used
+(by open_store, or by importing one of their names from here): a local-only run never imports them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from imagenet_ais.storage.base import Store, stream_sha256
+from imagenet_ais.storage.local import LocalStore
+
+if TYPE_CHECKING:
+    from imagenet_ais.storage.ais import AISStore
+    from imagenet_ais.storage.gcs import GCSStore, file_crc32c
+    from imagenet_ais.storage.http import HTTPStore
+
+__all__ = [
+    "AISStore",
+    "GCSStore",
+    "HTTPStore",
+    "LocalStore",
+    "Store",
+    "file_crc32c",
+    "open_store",
+    "stream_sha256",
+]
+
+_LAZY = {"AISStore": "ais", "GCSStore": "gcs", "file_crc32c": "gcs", "HTTPStore": "http"}  # name → its module
+
+
+def __getattr__(name: str) -> Any:
+    """The remote backends' names, from their modules on first use."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+
+
+def open_store(url: str, retry_seconds: float = 120) -> Store:
+    """The store for a location URL; unsupported schemes fail with a one-line reason.
+
+    ``retry_seconds`` bounds the retries of a GCS or HTTP call (AIStore uses its SDK's defaults)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return LocalStore(url)
+    if scheme == "file":
+        return LocalStore(rest)
+    if scheme == "ais":
+        from imagenet_ais.storage.ais import AISStore
+
+        return AISStore(url)
+    if scheme == "gs":
+        from imagenet_ais.storage.gcs import GCSStore
+
+        return GCSStore(url, retry_seconds)
+    if scheme in ("http", "https"):
+        from imagenet_ais.storage.http import HTTPStore
+
+        return HTTPStore(url, retry_seconds)
+    raise ValueError(f"unsupported storage URL {url!r}: use a local directory, file://, ais://, gs:// or http(s)://")

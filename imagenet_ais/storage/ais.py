@@ -1,0 +1,257 @@
+"""``ais://bucket[/prefix]``: AIStore through its Python SDK, with resumed reads and verified uploads."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import io
+import json
+import os
+import time
+from http.client import IncompleteRead
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import xxhash
+from aistore.sdk import Client
+from aistore.sdk.errors import AISError
+from requests import RequestException
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+from urllib3.exceptions import ProtocolError, ReadTimeoutError
+
+from imagenet_ais.storage.base import _bucket_and_prefix, _checked, _hexdigest, _same_bytes, _StoreBase
+
+# AIStore's checksum types this client computes too; "xxhash2" is XXH64 with seed 0
+_CHECKSUMS = ("xxhash2", "sha256", "md5")
+
+
+def _file_checksum(path: Path, kind: str) -> str:
+    return _hexdigest(path.open("rb"), xxhash.xxh64(seed=0) if kind == "xxhash2" else hashlib.new(kind))
+
+
+class _VerifyFailed(OSError):
+    """An upload whose read-back differs from what was sent."""
+
+
+def _ais_retryable(e: BaseException) -> bool:
+    """Worth another PUT: a copy that failed verification, a 5xx, or a 404 for a PUT (a target
+    racing a dropped client's PUT of the same name answers "work file does not exist")."""
+    return isinstance(e, _VerifyFailed) or (isinstance(e, AISError) and (e.status_code == 404 or e.status_code >= 500))
+
+
+def _ais_message(e) -> str:
+    """The reason in an AIStore error body (JSON with a "message"), else the body, else a hint."""
+    try:
+        return json.loads(e.message)["message"]
+    except (ValueError, TypeError, KeyError):
+        return e.message or "no reason given (a bad bucket or object name?)"
+
+
+def _not_found(e: Exception) -> bool:
+    """An AIStore 404: no such object or bucket (a HEAD's 404 carries no error body to tell which)."""
+    return isinstance(e, AISError) and e.status_code == 404
+
+
+def _ais_errors(method):
+    """The SDK's errors as an OSError naming the object: one line, and picklable (the SDK's and
+    requests' errors carry the request, so they cannot come back from a worker process).
+    Every wrapped method takes the object name (or prefix) as its last positional argument."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        where = f"{self.url}/{args[-1] if args else ''}"
+        try:
+            return method(self, *args, **kwargs)
+        except AISError as e:
+            raise OSError(f"{where}: AIStore answered {e.status_code}: {_ais_message(e)}") from e
+        except RequestException as e:
+            raise OSError(f"{where}: {e}") from e
+
+    return wrapper
+
+
+class _ResumingGet(io.BufferedIOBase):
+    """An AIStore object's bytes, read off its GET response a chunk at a time and handed out
+    from that chunk; a GET that breaks off (a target restarted, a dropped connection, a short
+    body) is sent again for the rest, from the byte it stopped at, up to ``max_resume`` times.
+
+    The SDK's file object does the same over its chunk iterator, and ``io.BufferedReader`` over
+    urllib3's ``readinto`` copied each megabyte once more: 0.6-0.75 of a plain GET's speed
+    (bench/shard_reads.py, RESULTS.md).
+    """
+
+    def __init__(self, obj: Any, max_resume: int, chunk: int):
+        self.obj, self.max_resume, self.chunk = obj, max_resume, chunk
+        self.broken = (ProtocolError, ReadTimeoutError, IncompleteRead, ConnectionError)
+        self.fetched = 0  # bytes taken off the responses so far
+        self.resumed = 0
+        self.response = obj.get_reader().raw()  # urllib3's response, streaming
+        self.data, self.view = b"", memoryview(b"")  # the chunk in hand, and its unread part
+
+    def readable(self) -> bool:
+        return True
+
+    def _fill(self) -> bool:
+        while True:
+            try:
+                data = self.response.read(self.chunk)
+            except self.broken:
+                if self.resumed == self.max_resume:
+                    raise
+                self.resumed += 1
+                self.response.close()
+                time.sleep(min(5.0, 0.5 * self.resumed))  # besides the SDK's own retries: a target restarts
+                self.response = self.obj.get_reader(byte_range=f"bytes={self.fetched}-").raw()
+                continue
+            self.fetched += len(data)
+            self.data, self.view = data, memoryview(data)
+            return bool(data)
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            parts = [bytes(self.view)]
+            while self._fill():
+                parts.append(self.data)
+            self.view = memoryview(b"")
+            return b"".join(parts)
+        if not self.view and not self._fill():
+            return b""
+        if size >= len(self.view) and len(self.view) == len(self.data):
+            out, self.view = self.data, memoryview(b"")  # the whole chunk: no copy
+        else:
+            out, self.view = bytes(self.view[:size]), self.view[size:]
+        if len(out) < size:  # the chunk ran out: the rest from the next ones
+            more = self.read(size - len(out))
+            return out + more if more else out
+        return out
+
+    read1 = read
+
+    def close(self) -> None:
+        if not self.closed:
+            self.response.close()
+        super().close()
+
+
+class AISStore(_StoreBase):
+    """``ais://bucket[/prefix]`` on the AIStore cluster at ``AIS_ENDPOINT`` (token: ``AIS_AUTHN_TOKEN``).
+
+    Reads stream off the GET response and resume an interrupted GET where it broke off. Writes
+    count once verified: the checksum the target computed of what it stored (the bucket's type,
+    xxhash2 by default, in the PUT's answer) must equal ours of the file; a multipart upload
+    (over MULTIPART_THRESHOLD), or a bucket keeping another checksum type, is read back instead.
+    """
+
+    MULTIPART_THRESHOLD = 256 << 20  # larger uploads go in parts of MULTIPART_PART
+    MULTIPART_PART = 64 << 20
+    MAX_RESUME = 10  # re-GETs from the last offset per stream before a read fails
+    READ_CHUNK = 1 << 20  # bytes per network read, at most
+    PUT_TRIES = 5  # on top of the SDK's own retries of 429/5xx and network errors
+
+    def __init__(self, url: str):
+        bucket, self.prefix = _bucket_and_prefix(url, "ais")
+        endpoint = os.environ.get("AIS_ENDPOINT")
+        if not endpoint:
+            raise ValueError(f"{url}: set AIS_ENDPOINT to the cluster's URL (e.g. http://aistore-proxy:51080)")
+        self.url = url.rstrip("/")
+        self.bucket = Client(endpoint, token=os.environ.get("AIS_AUTHN_TOKEN") or None).bucket(bucket)
+        self._bucket_ready = False
+
+    def _obj(self, name: str):
+        return self.bucket.object(self.prefix + _checked(name, self.url))
+
+    @_ais_errors
+    def exists(self, name: str) -> bool:
+        try:
+            self._obj(name).head()
+        except Exception as e:
+            if _not_found(e):
+                return False
+            raise
+        return True
+
+    @_ais_errors
+    def size(self, name: str) -> int:
+        return int(self._obj(name).head().size)
+
+    @_ais_errors
+    def list(self, prefix: str = "") -> list[str]:
+        try:
+            entries = self.bucket.list_objects_iter(prefix=self.prefix + prefix)
+            return sorted(e.name[len(self.prefix) :] for e in entries)
+        except Exception as e:
+            if _not_found(e):  # no bucket yet
+                return []
+            raise
+
+    @_ais_errors
+    def delete(self, name: str) -> None:
+        try:
+            self._obj(name).delete()
+        except Exception as e:
+            if not _not_found(e):
+                raise
+
+    @_ais_errors
+    def open(self, name: str) -> BinaryIO:
+        return _ResumingGet(self._obj(name), self.MAX_RESUME, self.READ_CHUNK)  # type: ignore[return-value]
+
+    @_ais_errors
+    def read_bytes(self, name: str) -> bytes:
+        return self._obj(name).get_reader().read_all()
+
+    @_ais_errors
+    def put_file(self, src: Path, name: str, *, keep: bool = False, once: bool = False) -> None:
+        """Upload, verified by checksum (the target's, or a read-back) and size; a bad copy is deleted.
+
+        A failed attempt is tried again while ``_ais_retryable`` says so.
+        AIStore has no write preconditions: ``once`` is an existence check just before the PUT.
+        """
+        try:
+            if not self._bucket_ready:
+                self.bucket.create(exist_ok=True)
+                self._bucket_ready = True
+            if once and self.exists(name):
+                raise FileExistsError(f"{self.url}/{name} exists")
+            retrying = Retrying(
+                stop=stop_after_attempt(self.PUT_TRIES),
+                wait=wait_exponential(multiplier=0.5, max=8),
+                retry=retry_if_exception(_ais_retryable),
+                reraise=True,
+            )
+            for attempt in retrying:
+                with attempt:
+                    self._put_verified(src, name)
+        finally:
+            if not keep:
+                src.unlink(missing_ok=True)
+
+    def _put_verified(self, src: Path, name: str) -> None:
+        obj = self._obj(name)
+        size = src.stat().st_size
+        stored: tuple[str, str] | None = None  # the target's checksum of what it stored: (type, value)
+        if size > self.MULTIPART_THRESHOLD:
+            self._put_multipart(obj, src)  # the parts' checksums are not the whole's
+        else:
+            headers = obj.get_writer().put_file(src).headers
+            stored = (headers.get("ais-checksum-type", ""), headers.get("ais-checksum-value", ""))
+        if stored and stored[0] in _CHECKSUMS:  # no read-back
+            same = self.size(name) == size and _file_checksum(src, stored[0]) == stored[1]
+        else:
+            same = _same_bytes(self, name, src)
+        if not same:
+            self.delete(name)
+            raise _VerifyFailed(f"{self.url}/{name}: stored copy differs from {src} (size or checksum); deleted")
+
+    def _put_multipart(self, obj, src: Path) -> None:
+        upload = obj.multipart_upload().create()
+        try:
+            with src.open("rb") as f:
+                for number, part in enumerate(iter(lambda: f.read(self.MULTIPART_PART), b""), start=1):
+                    upload.add_part(number).put_content(part)
+            upload.complete()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                upload.abort()
+            raise

@@ -1,0 +1,94 @@
+"""The Store interface, and what the backends share: object names, URL parsing, temp files, checksums."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol
+
+
+class Store(Protocol):
+    url: str
+
+    def exists(self, name: str) -> bool: ...
+    def size(self, name: str) -> int: ...
+    def list(self, prefix: str = "") -> list[str]: ...
+    def delete(self, name: str) -> None: ...
+    def delete_if(self, name: str, data: bytes) -> bool: ...  # delete only while it holds data
+    def open(self, name: str) -> BinaryIO: ...
+    def read_bytes(self, name: str) -> bytes: ...
+    def write_bytes(self, name: str, data: bytes) -> None: ...
+    # Publishes src under name; src is consumed unless keep. With once, an existing object is
+    # never replaced: FileExistsError (the caller decides whether the copy there is the same).
+    def put_file(self, src: Path, name: str, *, keep: bool = False, once: bool = False) -> None: ...
+    def scratch_file(self, name: str) -> Path: ...
+    def matches(self, name: str, path: Path) -> bool: ...  # the object exists with path's exact bytes
+
+
+def _checked(name: str, url: str) -> str:
+    """An object name relative to a location: no absolute paths, no way out of it."""
+    if not name or name.startswith("/") or ".." in name.split("/"):
+        raise ValueError(f"invalid object name {name!r} in {url}")
+    return name
+
+
+def _bucket_and_prefix(url: str, scheme: str) -> tuple[str, str]:
+    """``scheme://bucket[/prefix]`` → (bucket, "prefix/" or "")."""
+    found, _, rest = url.partition("://")
+    bucket, _, prefix = rest.partition("/")
+    if found != scheme or not bucket:
+        raise ValueError(f"bad storage URL {url!r}: expected {scheme}://bucket[/prefix]")
+    prefix = prefix.strip("/")
+    return bucket, f"{prefix}/" if prefix else ""
+
+
+def _blocks(stream: BinaryIO):
+    """Everything left in ``stream``, 1 MiB at a time; the stream is closed afterwards."""
+    with stream:
+        yield from iter(lambda: stream.read(1 << 20), b"")
+
+
+def _hexdigest(stream: BinaryIO, h: Any) -> str:
+    for block in _blocks(stream):
+        h.update(block)
+    return h.hexdigest()
+
+
+def stream_sha256(stream: BinaryIO) -> str:
+    """SHA-256 of everything left in ``stream``, which is closed afterwards."""
+    return _hexdigest(stream, hashlib.sha256())
+
+
+def _same_bytes(store: Store, name: str, path: Path) -> bool:
+    """By size, then SHA-256 of both (for stores that keep no comparable checksum)."""
+    if not store.exists(name) or store.size(name) != path.stat().st_size:
+        return False
+    return stream_sha256(store.open(name)) == stream_sha256(path.open("rb"))
+
+
+class _StoreBase:
+    """What every store does the same way on top of its own primitives."""
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        tmp = self.scratch_file(name)
+        tmp.write_bytes(data)
+        self.put_file(tmp, name)
+
+    def scratch_file(self, name: str) -> Path:
+        """A new empty temp file to build ``name`` in before it goes up."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{Path(name).name}.", suffix=".partial")
+        os.close(fd)
+        return Path(tmp)
+
+    def matches(self, name: str, path: Path) -> bool:
+        return _same_bytes(self, name, path)
+
+    def delete_if(self, name: str, data: bytes) -> bool:
+        """Delete ``name`` if it still holds ``data``; False if not. A read, then a delete: an
+        object written between the two is deleted all the same (GCS's override closes that)."""
+        if not self.exists(name) or self.read_bytes(name) != data:
+            return False
+        self.delete(name)
+        return True

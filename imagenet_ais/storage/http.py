@@ -1,0 +1,157 @@
+"""``http(s)://host[:port]/prefix``: a read-only location, with retried requests and resumed reads."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import time
+from pathlib import Path
+from typing import BinaryIO
+
+import requests
+from tenacity import Retrying, retry_if_exception_type, retry_if_not_exception_type, stop_after_delay, wait_exponential
+from urllib3.exceptions import HTTPError
+
+from imagenet_ais.storage.base import _checked, _StoreBase
+
+
+class _ServerError(OSError):
+    """A 5xx answer: worth another try."""
+
+
+class _ResumingReader(io.RawIOBase):
+    """An HTTP GET as a file; a connection lost midway resumes from the offset reached."""
+
+    def __init__(self, store: HTTPStore, name: str):
+        self.store, self.name = store, name
+        self.offset, self.total, self.validator = 0, -1, ""
+        self.response = self._get()
+
+    def _get(self):
+        headers = {}
+        if self.offset:
+            headers = {"Range": f"bytes={self.offset}-"}
+            if self.validator:
+                headers["If-Range"] = self.validator
+        response = self.store.request("GET", self.name, headers)
+        if self.offset and response.status_code != 206:
+            response.close()
+            raise OSError(f"{self.store.url}/{self.name}: changed on the server while being read")
+        if not self.offset:
+            self.total = int(response.headers.get("Content-Length", -1))
+            self.validator = response.headers.get("ETag") or response.headers.get("Last-Modified", "")
+        return response
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        deadline = time.monotonic() + self.store.retry_seconds
+        while True:
+            try:
+                data = self.response.raw.read1(len(buffer), decode_content=False)  # what has arrived
+            except (HTTPError, requests.RequestException, OSError) as e:
+                data, error = b"", e
+            else:
+                error = None
+            if data or self.offset == self.total or (error is None and self.total < 0):
+                buffer[: len(data)] = data
+                self.offset += len(data)
+                return len(data)
+            # cut off before the end: reconnect from here (request() retries while it is down)
+            self.response.close()
+            if time.monotonic() > deadline:
+                raise OSError(f"{self.store.url}/{self.name}: reads keep failing at byte {self.offset}: {error}")
+            self.response = self._get()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.response.close()
+        super().close()
+
+
+class HTTPStore(_StoreBase):
+    """``http(s)://host[:port]/prefix``: a read-only location, e.g. shards served by ``./run serve``.
+
+    Every request is retried while the server is unreachable or answers 5xx, for up to
+    ``retry_seconds``; a read cut off midway resumes at its offset with a range request
+    (``If-Range`` makes a file replaced meanwhile an error, not a splice). HTTPS verifies
+    against ``REQUESTS_CA_BUNDLE`` (or ``SSL_CERT_FILE``) when set, else the system's CAs.
+    """
+
+    def __init__(self, url: str, retry_seconds: float = 120):
+        scheme, _, rest = url.partition("://")
+        if scheme not in ("http", "https") or not rest.split("/")[0]:
+            raise ValueError(f"bad storage URL {url!r}: expected http(s)://host[:port][/prefix]")
+        self.url = url.rstrip("/")
+        self.retry_seconds = retry_seconds
+        self.session = requests.Session()
+        self.session.headers["Accept-Encoding"] = "identity"  # byte offsets must be the file's
+        bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("SSL_CERT_FILE")
+        if bundle:
+            self.session.verify = bundle
+
+    def request(self, method: str, name: str, headers: dict[str, str] | None = None):
+        """One request, retried on connection errors and 5xx; 404 is FileNotFoundError."""
+        url = f"{self.url}/{_checked(name, self.url)}"
+        retrying = Retrying(
+            stop=stop_after_delay(self.retry_seconds),
+            wait=wait_exponential(multiplier=0.25, max=4),
+            # down, unreachable or overloaded: worth waiting for; a certificate that fails is not
+            retry=retry_if_exception_type((requests.ConnectionError, requests.Timeout, _ServerError))
+            & retry_if_not_exception_type(requests.exceptions.SSLError),
+            reraise=True,
+        )
+        try:
+            for attempt in retrying:
+                with attempt:
+                    response = self.session.request(method, url, headers=headers, stream=True, timeout=(10, 60))
+                    if response.status_code >= 500:
+                        response.close()
+                        raise _ServerError(f"{url}: the server answered {response.status_code}")
+        except requests.exceptions.SSLError as e:
+            reason = re.search(r"certificate verify failed: [^')(]+", str(e))
+            raise OSError(
+                f"{url}: TLS verification failed ({reason[0].strip() if reason else 'see the cause'}); "
+                "point REQUESTS_CA_BUNDLE at the CA certificate that signed the server's"
+            ) from e
+        except requests.RequestException as e:
+            raise OSError(f"{url}: unreachable for {self.retry_seconds:.0f}s: {e}") from e
+        if response.status_code == 404:
+            response.close()
+            raise FileNotFoundError(f"{url}: not found (404)")
+        if response.status_code >= 400:
+            response.close()
+            raise OSError(f"{url}: the server answered {response.status_code}")
+        return response
+
+    def exists(self, name: str) -> bool:
+        try:
+            self.request("HEAD", name).close()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def size(self, name: str) -> int:
+        with self.request("HEAD", name) as response:
+            return int(response.headers["Content-Length"])
+
+    def open(self, name: str) -> BinaryIO:
+        return io.BufferedReader(_ResumingReader(self, name), buffer_size=1 << 20)
+
+    def read_bytes(self, name: str) -> bytes:
+        with self.open(name) as f:
+            return f.read()
+
+    def _read_only(self) -> ValueError:
+        return ValueError(f"{self.url}: HTTP locations are read-only (write to a directory, then ./run serve it)")
+
+    def list(self, prefix: str = "") -> list[str]:
+        raise self._read_only()  # plain HTTP has no listing; readers go by the manifest
+
+    def delete(self, name: str) -> None:
+        raise self._read_only()
+
+    def put_file(self, src: Path, name: str, *, keep: bool = False, once: bool = False) -> None:
+        raise self._read_only()
