@@ -3,11 +3,13 @@
 
 For each model of the preset: (a) the ceiling, ``train.py --synthetic`` (random batches
 already on the device); (b) end to end, ``train.py --data SHARDS`` with CPU and/or GPU
-decoding, same model, batch, image size and compile mode. Prints img/s, the fraction of
-step time spent waiting for data, (b)/(a), and how busy rank 0's feed threads were (host:
-getting batches from the workers; decode; crop: the fraction of the time each was working,
-so the one near 1 is the limit); on CUDA also per-stage rates (nvJPEG decode, crop+resize,
-H2D copy, PIL decode per core).
+decoding, same model, batch, image size and compile mode. Prints img/s in the steady state
+(from the second epoch on, without the windows that start an epoch), the fraction of step
+time spent waiting for data, (b)/(a), the seconds an epoch's first window took beyond the
+steady rate (the loader restarting: paid once an epoch, so weigh it by the epoch's length),
+and how busy rank 0's feed threads were (host: getting batches from the workers; decode;
+crop: the fraction of the time each was working, so the one near 1 is the limit); on CUDA
+also per-stage rates (nvJPEG decode, crop+resize, H2D copy, PIL decode per core).
 
 Without --data it generates shards first: for the GPU presets ImageNet-like ones (1,000
 classes, 500×375 JPEGs of ~110 KB), for the CPU preset a small demo-like set. With
@@ -38,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from imagenet_ais.data import TrainLoader  # noqa: E402
+from imagenet_ais.data import LoaderSpec, TrainLoader  # noqa: E402
 from imagenet_ais.manifest import load_manifest  # noqa: E402
 from imagenet_ais.storage import open_store  # noqa: E402
 from imagenet_ais.transforms import (  # noqa: E402
@@ -164,23 +166,33 @@ def train(args: list[str], batch: int, output: Path, log: Path, gpus: int = 1) -
     batch *= gpus  # records count global batches
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     train_records = [r for r in records if r["kind"] == "train"]
-    # steady state: not the first windows (compile, cudnn autotuning, buffer fill), and not a
-    # window that starts an epoch (epoch-end checkpoint, loader restart)
-    windows = [
-        ((r["step"] - prev["step"]) * batch, r)
-        for i, (prev, r) in enumerate(itertools.pairwise(train_records))
-        if i >= 2 and r["epoch"] == prev["epoch"]
-    ]
-    seconds = [images / r["img_per_s"] for images, r in windows]
+    pairs = list(itertools.pairwise(train_records))
+    first_epoch = train_records[0]["epoch"]
+
+    def images(prev: dict, r: dict) -> int:
+        return (r["step"] - prev["step"]) * batch
+
+    # Steady state: from the second epoch on (the first compiles, captures CUDA graphs and grows
+    # the allocator: one of its windows ran at a tenth of the rate on 4 H200s, RESULTS run S), or
+    # in a single epoch all but the first two windows; never a window that starts an epoch.
+    # Those are timed apart: the loader's restart, paid once an epoch, is "epoch_start", seconds
+    # beyond what the window's images take at the steady rate.
+    later = [(p, r) for p, r in pairs if p["epoch"] > first_epoch] or pairs[2:]
+    windows = [(images(p, r), r) for p, r in later if r["epoch"] == p["epoch"]]
+    seconds = [n / r["img_per_s"] for n, r in windows]
+    rate = sum(n for n, _ in windows) / sum(seconds)
+    starts = [n / r["img_per_s"] - n / rate for p, r in pairs if r["epoch"] != p["epoch"] for n in [images(p, r)]]
 
     def mean(field: str) -> float:
         return sum(r.get(field, 0.0) * s for (_, r), s in zip(windows, seconds, strict=True)) / sum(seconds)
 
     busy = sorted({k for _, r in windows for k in r if k.startswith("busy_")})
     return {
-        "img_per_s": sum(images for images, _ in windows) / sum(seconds),
+        "img_per_s": rate,
         "data_wait": mean("data_wait"),
         "seconds": sum(seconds),
+        "epoch_start": sum(starts) / len(starts) if starts else 0.0,
+        "steps_per_epoch": max(r["step"] for r in train_records if r["epoch"] == first_epoch),
         **{k: mean(k) for k in busy},  # rank 0's feed threads, fraction of the time working
     }
 
@@ -247,7 +259,7 @@ def loader_rate(data: str, decode: str, workers: int, batch: int, size: int, on_
     """Images per second from the training loader alone, no training: host batches (workers +
     batching), or batches ready on the device (+ the feed's copy or GPU decode)."""
     split = load_manifest(open_store(data)).split("train")
-    spec = {"world": 1, "rank": 0, "batch": batch, "seed": 0, "image_size": size, "decode": decode}
+    spec = LoaderSpec(world=1, rank=0, batch=batch, seed=0, image_size=size, decode=decode)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # pinned batches, as in training
     loader = TrainLoader(split, data, "resampled", spec, workers, 2000, device, channels_last=True)
     stream = iter(loader) if on_device else loader.host_batches()
@@ -312,7 +324,7 @@ def main(
         click.echo(f"{results['device']} × {max(counts)}, {os.cpu_count()} cores, workers {workers}")
         click.echo(
             f"{'model':34} {'gpus':>4} {'variant':12} {'img/s':>8} {'data wait':>10} {'ratio':>6} "
-            f"{'scaling':>8} {'secs':>5}"
+            f"{'scaling':>8} {'secs':>5} {'epoch start':>11}"
         )
         single: dict[str, float] = {}  # variant → its 1-GPU rate, for the scaling column
         for model in p.models:
@@ -329,7 +341,8 @@ def main(
                     busy = "  ".join(f"{k[5:]} {v:.2f}" for k, v in r.items() if k.startswith("busy_"))
                     click.echo(
                         f"{name:34} {n:4} {variant:12} {r['img_per_s']:8.1f} {r['data_wait']:10.3f} {ratio:6.3f} "
-                        f"{scaling:8.3f} {r['seconds']:5.0f}" + (f"  busy: {busy}" if busy else "")
+                        f"{scaling:8.3f} {r['seconds']:5.0f} {r['epoch_start']:+10.2f}s"
+                        + (f"  busy: {busy}" if busy else "")
                     )
                     results["models"].append(
                         {"model": name, "gpus": n, "variant": variant, **r, "ratio": ratio, "scaling": scaling}
