@@ -11,6 +11,8 @@ import click
 from imagenet_ais.decentralized import TOPOLOGIES
 from imagenet_ais.training import TrainConfig, train
 
+DEFAULTS = TrainConfig(data=None, output="runs/train")  # the options' defaults are the config's
+
 
 def parse_bytes(value: str | None) -> int | None:
     """``"500G"`` → 500 × 2**30 (K, M, G, T: powers of 1024; no suffix: bytes)."""
@@ -33,28 +35,34 @@ def parse_workers(value: str) -> int | None:
 
 @click.command(context_settings={"show_default": True, "max_content_width": 100})
 @click.option("--data", help="shard location holding manifest.json (directory, file://, ais://, gs://, http(s)://)")
-@click.option("--output", default="runs/train", help="checkpoints, metrics.jsonl and logs go here")
-@click.option("--arch", default="resnet50", help="any torchvision classification model")
-@click.option("--epochs", default=90, type=click.IntRange(min=1))
-@click.option("--batch-size", default=256, type=click.IntRange(min=1), help="per process")
-@click.option("--lr", default=0.1, type=float, help="peak learning rate per 256 images (scaled by global batch)")
-@click.option("--warmup-epochs", default=5.0, type=click.FloatRange(min=0))
-@click.option("--weight-decay", default=1e-4, type=float, help="not applied to norm layers and biases")
-@click.option("--label-smoothing", default=0.1, type=click.FloatRange(0, 1))
+@click.option("--output", default=DEFAULTS.output, help="checkpoints, metrics.jsonl and logs go here")
+@click.option("--arch", default=DEFAULTS.arch, help="any torchvision classification model")
+@click.option("--epochs", default=DEFAULTS.epochs, type=click.IntRange(min=1))
+@click.option("--batch-size", default=DEFAULTS.batch_size, type=click.IntRange(min=1), help="per process")
+@click.option(
+    "--lr", default=DEFAULTS.lr, type=float, help="peak learning rate per 256 images (scaled by global batch)"
+)
+@click.option("--warmup-epochs", default=DEFAULTS.warmup_epochs, type=click.FloatRange(min=0))
+@click.option("--weight-decay", default=DEFAULTS.weight_decay, type=float, help="not applied to norm layers and biases")
+@click.option("--label-smoothing", default=DEFAULTS.label_smoothing, type=click.FloatRange(0, 1))
 @click.option(
     "--workers",
     default="auto",
     callback=lambda ctx, param, value: parse_workers(value),
     help="DataLoader workers per process; auto: this node's CPUs per local rank (less 2 on a GPU)",
 )
-@click.option("--image-size", default=224, type=click.IntRange(min=16), help="training (and validation) size")
+@click.option(
+    "--image-size", default=DEFAULTS.image_size, type=click.IntRange(min=16), help="training (and validation) size"
+)
 @click.option(
     "--progressive",
     metavar="START:END",
     help="progressive resizing: training size grows linearly from START to END over the epochs (steps of 32)",
 )
 @click.option("--val-size", type=click.IntRange(min=16), help="validation size [default: END or --image-size]")
-@click.option("--amp", default="auto", type=click.Choice(["auto", "bf16", "fp16", "off"]), help="auto: bf16 on GPU")
+@click.option(
+    "--amp", default=DEFAULTS.amp, type=click.Choice(["auto", "bf16", "fp16", "off"]), help="auto: bf16 on GPU"
+)
 @click.option("--channels-last/--no-channels-last", default=None, help="[default: on for GPU]")
 @click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile the model [default: on for GPU]")
 @click.option(
@@ -64,19 +72,19 @@ def parse_workers(value: str) -> int | None:
 )
 @click.option(
     "--decode",
-    default="auto",
+    default=DEFAULTS.decode,
     type=click.Choice(["auto", "cpu", "gpu"]),
     help="cpu: PIL in the DataLoader workers; gpu: nvJPEG, crop and resize on the GPU; auto: gpu where CUDA is",
 )
 @click.option(
     "--dp",
-    default="ddp",
+    default=DEFAULTS.dp,
     type=click.Choice(["ddp", "decent"]),
     help="ddp: all-reduce of gradients; decent: decentralized, each rank mixes with its --topology peers",
 )
 @click.option(
     "--topology",
-    default="ring",
+    default=DEFAULTS.topology,
     type=click.Choice(TOPOLOGIES),
     help="--dp decent: who mixes with whom at each step",
 )
@@ -91,30 +99,36 @@ def parse_workers(value: str) -> int | None:
     callback=lambda ctx, param, value: parse_bytes(value),
     help="bound of --cache-dir, e.g. 500G (least recently used shards go first) [default: none]",
 )
-@click.option("--seed", default=0)
+@click.option("--seed", default=DEFAULTS.seed)
 @click.option("--resume", help="'auto' (the last checkpoint in --output, if any) or a checkpoint path")
 @click.option("--max-steps", type=click.IntRange(min=1), help="stop after this global step (checkpointed)")
 @click.option("--synthetic", is_flag=True, help="random data already on the device: the throughput ceiling")
-@click.option("--epoch-mode", default="resampled", type=click.Choice(["resampled", "exact"]))
+@click.option("--epoch-mode", default=DEFAULTS.epoch_mode, type=click.Choice(["resampled", "exact"]))
 @click.option(
     "--shuffle-buffer",
-    default=2000,
+    default=DEFAULTS.shuffle_buffer,
     type=click.IntRange(min=1),
     help="samples each rank mixes, split among its workers (each at least one batch)",
 )
 @click.option(
     "--max-bad",
-    default=0.01,
+    default=DEFAULTS.max_bad,
     type=click.FloatRange(0, 1),
     help="fraction of an epoch's samples that may be skipped or padded (damaged data) before the run stops",
 )
-@click.option("--log-every", default=20, type=click.IntRange(min=1), help="steps per metrics record")
+@click.option("--log-every", default=DEFAULTS.log_every, type=click.IntRange(min=1), help="steps per metrics record")
 @click.option("--log-keys", is_flag=True, help="write every training key per epoch and rank under OUTPUT/keys/")
 @click.option("--upload", help="also upload checkpoints, metrics and log here (gs://, ais:// or a directory)")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), help="steps between checkpoints (besides epoch ends)")
-@click.option("--keep-last", default=3, type=click.IntRange(min=1), help="step checkpoints kept in --output")
-@click.option("--upload-retry-seconds", default=120.0, help="retry a failing upload this long before warning")
-@click.option("--flush-timeout", default=600.0, help="at exit, wait this long for pending uploads")
+@click.option(
+    "--keep-last", default=DEFAULTS.keep_last, type=click.IntRange(min=1), help="step checkpoints kept in --output"
+)
+@click.option(
+    "--upload-retry-seconds",
+    default=DEFAULTS.upload_retry_seconds,
+    help="retry a failing upload this long before warning",
+)
+@click.option("--flush-timeout", default=DEFAULTS.flush_timeout, help="at exit, wait this long for pending uploads")
 def main(compile_: bool, **options: object) -> None:
     """Train with fixed-length epochs, DDP, validation and checkpoints every epoch.
 

@@ -21,7 +21,7 @@ from typing import BinaryIO
 from tqdm import tqdm
 
 from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, load_manifest
-from imagenet_ais.storage import LocalStore, Store, open_store, stream_sha256
+from imagenet_ais.storage import LocalStore, Store, open_store
 
 BLOCK = 1 << 20
 
@@ -62,10 +62,6 @@ def _identity(path: Path) -> str:
     """What changes when a file is rewritten in place: a copy with the same identity was verified."""
     st = path.stat()
     return f"{st.st_ino} {st.st_size} {st.st_mtime_ns}"
-
-
-def _intact(path: Path, info: ShardInfo) -> bool:
-    return path.stat().st_size == info.bytes and stream_sha256(path.open("rb")) == info.sha256
 
 
 @contextlib.contextmanager
@@ -142,7 +138,7 @@ class ShardCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         with _locked(lock):
             if path.exists():
-                if lock.read_text() == _identity(path) or _intact(path, info):
+                if lock.read_text() == _identity(path) or not info.problem(LocalStore(self.dir)):
                     lock.write_text(_identity(path))
                     return path.open("rb")
                 print(f"warning: cached {path} differs from the manifest: fetching it again", file=sys.stderr)
@@ -204,7 +200,7 @@ def preload(url: str, dest: Path, splits: list[str] | None, workers: int) -> Man
     shards = [s for split in kept.splits.values() for s in split.shards]
     dest.mkdir(parents=True, exist_ok=True)
     local.delete(MANIFEST)  # the copy is not complete until it is back
-    todo = [s for s in shards if not ((dest / s.name).exists() and _intact(dest / s.name, s))]
+    todo = [s for s in shards if s.problem(local)]
     with (
         tqdm(total=sum(s.bytes for s in todo), unit="B", unit_scale=True, desc=f"preload → {dest}") as bar,
         ThreadPoolExecutor(max(1, workers)) as pool,

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from imagenet_ais import distributed, upload
 from imagenet_ais.storage import LocalStore
 
 LAST = "last.pt"  # hard links to the newest and the best ckpt-<step>.pt
@@ -129,6 +130,28 @@ def find(resume: str | None, output: Path) -> Path | None:
     if not path.is_file():
         raise FileNotFoundError(f"--resume {resume}: no such checkpoint file")
     return path
+
+
+def resume(
+    how: str | None, output: Path, uploaded: str | None, extra: tuple[str, ...], fetches: bool, say: Callable[..., None]
+) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint a run continues from, loaded and checked, or None.
+
+    ``--resume FILE``: that file, or a clear error. ``auto``: ``output/last.pt`` (damaged: the
+    newest intact ``ckpt-*.pt`` beside it); on a fresh node, what the last run uploaded to
+    ``uploaded``, with the ``extra`` files that continue (downloaded by the one process per node
+    that ``fetches``; all processes call this)."""
+    path = find(how, output)
+    if path is None and how == "auto" and uploaded:
+        if fetches:
+            fetched = upload.fetch_latest(uploaded, output, extra=extra)
+            if fetched:
+                link(fetched, LAST)
+        distributed.barrier()
+        path = find("auto", output)
+    if path is None:
+        return None
+    return load_newest_intact(path, say) if how == "auto" else (path, load(path))
 
 
 def load(path: Path) -> dict[str, Any]:

@@ -71,6 +71,8 @@ from imagenet_ais.transforms import (
 )
 
 IMAGE_EXTS = ("jpg", "jpeg", "png")
+SYNTHETIC_CLASSES = 1000
+SYNTHETIC_STEPS = 100  # steps per "epoch" of --synthetic
 DECODERS = ("cpu", "gpu")
 CPU = torch.device("cpu")
 
@@ -107,21 +109,28 @@ class CacheSpec:
 
 
 @dataclass
-class StreamSpec:
-    """What a worker needs to find its samples; picklable for spawned workers."""
+class LoaderSpec:
+    """What one rank's loader reads and makes of it (its train and val loaders differ in size only)."""
 
-    location: str  # the shard location (a storage URL); names are relative to it
-    names: list[str]
-    counts: list[int]
     world: int
     rank: int
     batch: int
     seed: int
     image_size: int
     decode: str = "cpu"  # or "gpu": workers hand over JPEG bytes, the device decodes
-    cache: ShardCache | None = None  # remote shards kept on local disk
-    shuffle: int = 0  # samples each worker mixes before batching (0: stored order)
     classes: int = 0  # labels must be below this (0: not checked)
+    cache: CacheSpec | None = None  # keep remote shards on the node's disk
+
+
+@dataclass(kw_only=True)
+class StreamSpec(LoaderSpec):
+    """What a worker needs to find its samples; picklable for spawned workers."""
+
+    location: str  # the shard location (a storage URL); names are relative to it
+    names: list[str]
+    counts: list[int]
+    shard_cache: ShardCache | None = None  # the node's cache, for remote shards
+    shuffle: int = 0  # samples each worker mixes before batching (0: stored order)
 
 
 class ShardStream(IterableDataset):
@@ -181,7 +190,7 @@ class ShardStream(IterableDataset):
         where = f"{self.spec.location}/{name}"
         errors: list[Exception] = []
         try:
-            stream = (self.spec.cache or _store(self.spec.location)).open(name)
+            stream = (self.spec.shard_cache or _store(self.spec.location)).open(name)
         except Exception as e:  # after the storage client's own retries
             self.report(where, f"could not be read, skipped ({e})", self.read_errors)
             return
@@ -370,18 +379,20 @@ class _ShardLoader:
         split: SplitInfo,
         location: str,
         mode: str,
-        spec_kw: dict,
+        spec: LoaderSpec,
         workers: int,
         device: torch.device,
         channels_last: bool,
+        shuffle: int = 0,
     ):
-        counts = [s.samples for s in split.shards]
-        spec_kw = dict(spec_kw)
-        cache: CacheSpec | None = spec_kw.pop("cache", None)
-        if cache and not isinstance(open_store(location), LocalStore):  # a local location is on disk already
+        cache = None
+        if spec.cache and not isinstance(open_store(location), LocalStore):  # a local location is on disk already
             shards = {s.name: s for s in split.shards}
-            spec_kw["cache"] = ShardCache(Path(cache.root), location, cache.max_bytes, shards)
-        self.spec = StreamSpec(location, [s.name for s in split.shards], counts, **spec_kw)
+            cache = ShardCache(Path(spec.cache.root), location, spec.cache.max_bytes, shards)
+        names, counts = [s.name for s in split.shards], [s.samples for s in split.shards]
+        self.spec = StreamSpec(
+            **vars(spec), location=location, names=names, counts=counts, shard_cache=cache, shuffle=shuffle
+        )
         self.dataset = ShardStream(self.spec, mode)
         self.loader = _loader(self.dataset, self.spec.batch, workers)
         self.device, self.pin = device, device.type == "cuda"
@@ -419,7 +430,7 @@ class TrainLoader(_ShardLoader):
         split: SplitInfo,
         location: str,
         mode: str,
-        spec_kw: dict,
+        spec: LoaderSpec,
         workers: int,
         shuffle_buffer: int,
         device: torch.device = CPU,
@@ -427,10 +438,10 @@ class TrainLoader(_ShardLoader):
     ):
         if split.samples == 0:
             raise ValueError("the training split has no samples")
-        batch = spec_kw["batch"]
+        batch = spec.batch
         # the rank's buffer, split among its workers; each needs a batch to hand one over
         shuffle = max(batch, shuffle_buffer // max(1, workers))
-        super().__init__(split, location, mode, {**spec_kw, "shuffle": shuffle}, workers, device, channels_last)
+        super().__init__(split, location, mode, spec, workers, device, channels_last, shuffle)
         counts, world = self.spec.counts, self.spec.world
         if mode == "exact":
             self.steps = exact_assignment(counts, world, batch, self.spec.seed, 0)[1]
@@ -444,6 +455,11 @@ class TrainLoader(_ShardLoader):
 
     def __len__(self) -> int:
         return self.steps
+
+    def counters(self) -> dict[str, int]:
+        """Samples that failed to decode, shards that failed to read, samples repeated to pad."""
+        ds = self.dataset
+        return {"skipped": ds.skipped.value, "read_errors": ds.read_errors.value, "padded": self.padded}
 
     def plan(self) -> str:
         """A digest of what the epochs' sample order follows from (the shards, their sample
@@ -531,12 +547,12 @@ class ValLoader(_ShardLoader):
         self,
         split: SplitInfo,
         location: str,
-        spec_kw: dict,
+        spec: LoaderSpec,
         workers: int,
         device: torch.device = CPU,
         channels_last: bool = False,
     ):
-        super().__init__(split, location, "val", spec_kw, workers, device, channels_last)
+        super().__init__(split, location, "val", spec, workers, device, channels_last)
         self.samples = split.samples
 
     def host_batches(self) -> Iterator[HostBatch]:
@@ -544,3 +560,31 @@ class ValLoader(_ShardLoader):
 
     def __iter__(self) -> Iterator[Batch]:
         yield from (batch for batch, _ in self._on_device(self.host_batches(), ahead=2))
+
+
+class SyntheticLoader:
+    """Random images already on the device: the rate with no input pipeline at all."""
+
+    def __init__(self, batch: int, size: int, device: torch.device, channels_last: bool):
+        self.fmt = torch.channels_last if channels_last else torch.contiguous_format
+        self.x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=self.fmt)
+        self.y = torch.randint(0, SYNTHETIC_CLASSES, (batch,), device=device)
+        self.steps = SYNTHETIC_STEPS
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def set_epoch(self, epoch: int, image_size: int | None = None) -> None:
+        if image_size and image_size != self.x.shape[-1]:
+            self.x = torch.randn(*self.x.shape[:2], image_size, image_size, device=self.x.device)
+            self.x = self.x.contiguous(memory_format=self.fmt)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[str]]]:
+        for _ in range(self.steps):
+            yield self.x, self.y, []
+
+    def busy(self) -> dict[str, float]:
+        return {}  # no feed threads
+
+    def counters(self) -> dict[str, int]:
+        return {"skipped": 0, "read_errors": 0, "padded": 0}

@@ -11,7 +11,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import get_type_hints
 
-from imagenet_ais.storage import Store
+from imagenet_ais.storage import Store, stream_sha256
 
 MANIFEST = "manifest.json"
 FORMAT = "imagenet-ais-shards"
@@ -25,6 +25,22 @@ class ShardInfo:
     bytes: int
     sha256: str
     plan: str  # digest of the inputs this shard was built from (resume matches on it)
+
+    def size_problem(self, store: Store) -> str | None:
+        """None when ``store`` holds this shard at its size; else what is wrong (cheap: no reading)."""
+        if not store.exists(self.name):
+            return "missing"
+        if (size := store.size(self.name)) != self.bytes:
+            return f"size {size} != manifest {self.bytes}"
+        return None
+
+    def problem(self, store: Store) -> str | None:
+        """None when ``store`` holds this shard intact (its size, then its SHA-256); else what is wrong."""
+        if problem := self.size_problem(store):
+            return problem
+        if (digest := stream_sha256(store.open(self.name))) != self.sha256:
+            return f"sha256 {digest[:12]}… != manifest {self.sha256[:12]}…"
+        return None
 
 
 @dataclass

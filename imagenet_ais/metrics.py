@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 METRICS = "metrics.jsonl"
+LOG = "train.log"  # rank 0's messages
 
 
 class MetricsLog:
@@ -79,3 +81,15 @@ def gpu_sample(device: torch.device) -> dict[str, float]:
     with contextlib.suppress(Exception):  # NVML missing, or refused in a container: memory only
         sample["gpu_util"] = float(torch.cuda.utilization(device))
     return sample
+
+
+class Reporter:
+    """Rank 0's messages, on the console and in ``train.log``."""
+
+    def __init__(self, path: Path | None):
+        self.file = path.open("a", buffering=1) if path else None
+
+    def say(self, message: str, err: bool = False) -> None:
+        if self.file:
+            print(message, file=sys.stderr if err else sys.stdout, flush=True)
+            self.file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")

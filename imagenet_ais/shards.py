@@ -96,7 +96,7 @@ def write_shard(src: Path, dest_url: str, plan: ShardPlan, read_back: bool = Fal
         # can verify it instead of rebuilding it (a record without its shard is just ignored).
         store.write_bytes(f"{JOURNAL}{plan.name}.json", record_json(info, rejected))
         store.put_file(tmp, plan.name)
-        if read_back and not _still_good(store, info):
+        if read_back and info.problem(store):
             store.delete(plan.name)
             raise OSError(f"{store.url}/{plan.name}: read back, it differs from the shard written; deleted")
     except OSError as e:
@@ -179,25 +179,12 @@ def _tidy(store: Store, manifest: Manifest, known: dict[str, Record], check_lock
     store.delete(SET_ASIDE)  # last: until here it names shards that may still be there
 
 
-def _size_problem(store: Store, info: ShardInfo) -> str | None:
-    """None when the shard is there at its size; else what is wrong (cheap: no reading)."""
-    if not store.exists(info.name):
-        return "missing"
-    if (size := store.size(info.name)) != info.bytes:
-        return f"size {size} != manifest {info.bytes}"
-    return None
-
-
-def _still_good(store: Store, info: ShardInfo) -> bool:
-    return not _size_problem(store, info) and stream_sha256(store.open(info.name)) == info.sha256
-
-
 def _check_published(store: Store, manifest: Manifest) -> None:
     """Just before the manifest goes up: every shard it names is there at its size, and is the
     one its journal record (if any: the last one put under that name) describes."""
     journal = _journal(store)
     for shard in (s for split in manifest.splits.values() for s in split.shards):
-        problem = _size_problem(store, shard)
+        problem = shard.size_problem(store)
         if not problem and shard.name in journal and journal[shard.name][0] != shard:
             problem = "its journal record describes another shard"
         if problem:
@@ -313,7 +300,7 @@ def _build(
     todo: list[ShardPlan] = []
     for plan in plans:
         record = known.get(plan.name)
-        if record and record[0].plan == plan.digest and _still_good(store, record[0]):
+        if record and record[0].plan == plan.digest and not record[0].problem(store):
             results[plan.name] = record
         else:
             todo.append(plan)
@@ -344,10 +331,8 @@ def iter_members(stream: io.BufferedIOBase) -> Iterator[tuple[str, bytes]]:
 def check_shard(dest_url: str, info: ShardInfo, num_classes: int) -> str | None:
     """None when the shard matches its manifest entry and every image decodes; else the problem."""
     store = open_store(dest_url)
-    if problem := _size_problem(store, info):
+    if problem := info.problem(store):
         return problem
-    if (digest := stream_sha256(store.open(info.name))) != info.sha256:
-        return f"sha256 {digest[:12]}… != manifest {info.sha256[:12]}…"
     samples: dict[str, set[str]] = {}
     try:
         with store.open(info.name) as f:

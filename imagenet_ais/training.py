@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 import random
@@ -10,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,15 +25,12 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from imagenet_ais import checkpoint, decentralized, distributed, keys_log, locks, upload
-from imagenet_ais.data import CacheSpec, TrainLoader, ValLoader
+from imagenet_ais.data import SYNTHETIC_CLASSES, CacheSpec, LoaderSpec, SyntheticLoader, TrainLoader, ValLoader
 from imagenet_ais.data_health import DataHealth
 from imagenet_ais.manifest import load_manifest
-from imagenet_ais.metrics import METRICS, MetricsLog, gpu_sample
+from imagenet_ais.metrics import LOG, METRICS, MetricsLog, Reporter, gpu_sample
 from imagenet_ais.sampling import merge_positions
 from imagenet_ais.storage import open_store
-
-SYNTHETIC_CLASSES = 1000
-SYNTHETIC_STEPS = 100  # steps per "epoch" of --synthetic
 
 
 @dataclass
@@ -78,44 +77,6 @@ class TrainConfig:
 EXIT_UPLOAD_FAILED = 3  # trained (or stopped cleanly), but some upload never made it: see stderr
 EXIT_BAD_DATA = 4  # an epoch skipped or padded more than --max-bad of its samples (checkpoint saved)
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after saving (and uploading): resume with --resume auto
-LOG = "train.log"
-
-
-class SyntheticLoader:
-    """Random images already on the device: the rate with no input pipeline at all."""
-
-    def __init__(self, batch: int, size: int, device: torch.device, channels_last: bool):
-        self.fmt = torch.channels_last if channels_last else torch.contiguous_format
-        self.x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=self.fmt)
-        self.y = torch.randint(0, SYNTHETIC_CLASSES, (batch,), device=device)
-        self.steps = SYNTHETIC_STEPS
-
-    def __len__(self) -> int:
-        return self.steps
-
-    def set_epoch(self, epoch: int, image_size: int | None = None) -> None:
-        if image_size and image_size != self.x.shape[-1]:
-            self.x = torch.randn(*self.x.shape[:2], image_size, image_size, device=self.x.device)
-            self.x = self.x.contiguous(memory_format=self.fmt)
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[str]]]:
-        for _ in range(self.steps):
-            yield self.x, self.y, []
-
-    def busy(self) -> dict[str, float]:
-        return {}  # no feed threads
-
-
-class Reporter:
-    """Rank 0's messages, on the console and in ``train.log``."""
-
-    def __init__(self, path: Path | None):
-        self.file = path.open("a", buffering=1) if path else None
-
-    def say(self, message: str, err: bool = False) -> None:
-        if self.file:
-            print(message, file=sys.stderr if err else sys.stdout, flush=True)
-            self.file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
 
 
 class StopSignal:
@@ -275,16 +236,8 @@ def _loaders(
             say("note: --decode gpu without a GPU decodes in the training process, on the CPU", err=True)
         decode = cfg.decode if cfg.decode != "auto" else "gpu" if cuda else "cpu"
         workers = cfg.workers if cfg.workers is not None else distributed.auto_workers(d.device)
-        spec = {
-            "world": d.world,
-            "rank": d.rank,
-            "batch": cfg.batch_size,
-            "seed": cfg.seed,
-            "image_size": sizes[0],
-            "decode": decode,
-            "cache": CacheSpec(cfg.cache_dir, cfg.cache_size) if cfg.cache_dir else None,
-            "classes": len(classes),
-        }
+        cache = CacheSpec(cfg.cache_dir, cfg.cache_size) if cfg.cache_dir else None
+        spec = LoaderSpec(d.world, d.rank, cfg.batch_size, cfg.seed, sizes[0], decode, len(classes), cache)
         train_loader = TrainLoader(
             manifest.split("train"),
             cfg.data,
@@ -297,10 +250,51 @@ def _loaders(
         )
         val_split = manifest.splits.get("val")
         if val_split and val_split.samples:
-            val_spec = {**spec, "image_size": val_size}
+            val_spec = dataclasses.replace(spec, image_size=val_size)
             val_loader = ValLoader(val_split, cfg.data, val_spec, workers, d.device, channels_last)
         feeding = f"{decode} decode, {workers} workers per process"
     return train_loader, val_loader, classes, feeding
+
+
+@dataclass
+class Standing:
+    """Where a run stands: what a checkpoint carries over besides the weights."""
+
+    epoch: int = 0  # the epoch being trained
+    step: int = 0  # optimizer steps taken, over all epochs
+    first_step: int = 0  # the step of ``epoch`` the next pass starts at (> 0 after a mid-epoch resume)
+    best_top1: float = 0.0
+    last_val: dict[str, float] | None = None
+    averaged_at: int | None = None  # --dp decent: the step of the last global average
+
+
+@dataclass
+class Run:
+    """What one training run works with, built once by ``_train``."""
+
+    cfg: TrainConfig
+    d: distributed.Dist
+    output: Path
+    say: Callable[..., None]
+    train_loader: TrainLoader | SyntheticLoader
+    val_loader: ValLoader | None
+    classes: list[str]
+    health: DataHealth
+    raw_model: nn.Module  # the weights, as saved
+    model: nn.Module  # what steps: raw_model wrapped (DDP or --dp decent) and maybe compiled
+    criterion: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    log: MetricsLog
+    uploader: upload.Uploader | None
+    stop: StopSignal
+    decent: bool
+    standing: Standing
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.batch_size * self.d.world
 
 
 def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None] | None) -> dict[str, Any]:
@@ -326,7 +320,6 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         raw_model = raw_model.to(memory_format=torch.channels_last)
     steps_per_epoch = len(train_loader)
     total_steps = steps_per_epoch * cfg.epochs
-    global_batch = cfg.batch_size * d.world
     decent = cfg.dp == "decent" and d.world > 1
     if cfg.dp == "decent" and not decent:
         say("note: --dp decent with one process trains as plain data parallel would", err=True)
@@ -336,214 +329,262 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
     mode = compile_mode(cfg, cuda)
     say(f"{cfg.arch} on {d.world} × {d.device.type}, " + feeding + (f", compiled ({mode})" if compiled else ", eager"))
 
-    def make_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(
-            param_groups(params, cfg.weight_decay),
-            lr=cfg.lr * global_batch / 256,
-            momentum=cfg.momentum,
-            nesterov=True,
-            fused=cuda,  # one kernel for the whole update instead of a few per tensor
-        )
-
-    optimizer = make_optimizer(list(raw_model.parameters()))  # --dp decent: one per bucket, inside its wrapper
+    new_optimizer = functools.partial(make_optimizer, cfg=cfg, global_batch=cfg.batch_size * d.world, fused=cuda)
+    optimizer = new_optimizer(list(raw_model.parameters()))  # --dp decent: one per bucket, inside its wrapper
     scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.amp == "fp16")
-
-    start_epoch, global_step, first_step, best_top1 = 0, 0, 0, 0.0
-    last_val: dict[str, float] | None = None
-    resume_path = checkpoint.find(cfg.resume, output)
-    if resume_path is None and cfg.resume == "auto" and cfg.upload:
-        # a fresh node: continue from what the last run uploaded (one download per node)
-        if d.local_rank == 0:
-            fetched = upload.fetch_latest(cfg.upload, output, extra=(METRICS, LOG))
-            if fetched:
-                checkpoint.link(fetched, checkpoint.LAST)
-        distributed.barrier()
-        resume_path = checkpoint.find("auto", output)
-    if resume_path:
-        if cfg.resume == "auto":
-            resume_path, state = checkpoint.load_newest_intact(resume_path, say)
-        else:
-            state = checkpoint.load(resume_path)  # the file asked for, or a clear error
-        if state["arch"] != cfg.arch or state["classes"] != classes:
-            raise ValueError(
-                f"{resume_path} was trained as {state['arch']} on {len(state['classes'])} classes, "
-                f"not {cfg.arch} on {len(classes)}: use another --output or --resume"
-            )
-        raw_model.load_state_dict(state["model"])
-        if state["optimizer"] and not decent:
-            optimizer.load_state_dict(state["optimizer"])
-        else:
-            say("note: the optimizer's momentum starts afresh (--dp decent keeps one per rank, not checkpointed)")
-        scaler.load_state_dict(state["scaler"])
-        start_epoch, global_step = state["epoch"], state["step"]
-        best_top1, last_val = state["best_top1"], state["last_val"]
-        if len(state["rng"]) == d.world:
-            checkpoint.set_rng_state(state["rng"][d.rank])
-        if cfg.log_keys and d.main:
-            keys_log.cut_back(output, start_epoch, state.get("keys_logged", {}))
-        say(f"resumed from {resume_path}: epoch {start_epoch + 1}, step {global_step}")
-        first_step = continue_epoch(state, cfg, train_loader, d, say) if start_epoch < cfg.epochs else 0
-    if start_epoch >= cfg.epochs:
+    standing = Standing()
+    resumed = checkpoint.resume(cfg.resume, output, cfg.upload, (METRICS, LOG), d.local_rank == 0, say)
+    if resumed:
+        standing = _restore(*resumed, cfg, d, raw_model, None if decent else optimizer, scaler, classes, say)
+        if standing.epoch < cfg.epochs:
+            standing.first_step = continue_epoch(resumed[1], cfg, train_loader, d, say)
+    if standing.epoch >= cfg.epochs:
         say(f"{output}: already trained {cfg.epochs} epochs; use a new --output or more --epochs")
-        return {"step": global_step, "val": last_val, "complete": True, "exit_code": 0}
+        return {"step": standing.step, "val": standing.last_val, "complete": True, "exit_code": 0}
 
     # the schedule is a function of the epoch's step (so of how far training is, whatever the
     # topology), so a resumed run picks it up from its epoch and step
     warmup = min(total_steps, round(cfg.warmup_epochs * steps_per_epoch))
-    schedule = lr_lambda(warmup, total_steps, start=start_epoch * steps_per_epoch + first_step)
+    schedule = lr_lambda(warmup, total_steps, start=standing.epoch * steps_per_epoch + standing.first_step)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model: nn.Module = raw_model
     if decent:
-        model = decentralized.wrap(raw_model, make_optimizer, schedule, cfg.topology, scaler)
+        model = decentralized.wrap(raw_model, new_optimizer, schedule, cfg.topology, scaler)
     elif d.world > 1:
         # gradients as views into DDP's buckets: no copy into and out of them each step
         model = DistributedDataParallel(
             raw_model, device_ids=[d.local_rank] if cuda else None, gradient_as_bucket_view=True
         )
     if compiled:
+        # DDP compiled as one graph rather than split at its buckets to overlap the all-reduce
+        # with the backward pass: faster over NVLink (4 H200s: 25,319 img/s against 24,832,
+        # bench/RESULTS.md run S)
+        torch._dynamo.config.optimize_ddp = False
         model = torch.compile(model, mode=mode)
-    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-    log = MetricsLog(output if d.main else None, resume_step=global_step if cfg.resume else None, report=report)
+    log = MetricsLog(output if d.main else None, resume_step=standing.step if cfg.resume else None, report=report)
     uploader = upload.Uploader(cfg.upload, cfg.upload_retry_seconds) if cfg.upload and d.main else None
-    stop = StopSignal()
-    averaged_at: int | None = None  # --dp decent: the step of the last global average
-
-    def average() -> dict[str, float]:
-        nonlocal averaged_at
-        averaged_at = global_step
-        return decentralized.consensus(model)
-
-    def save(epoch: int, step_in_epoch: int, best: bool = False) -> None:
-        # every rank's RNG and data position: collectives, so all ranks call this
-        if decent and averaged_at != global_step:
-            average()  # the model every rank continues from
-        rng = distributed.gather_objects(checkpoint.rng_state())
-        exact = isinstance(train_loader, TrainLoader) and cfg.epoch_mode == "exact" and step_in_epoch > 0
-        positions = distributed.gather_objects(train_loader.position() if exact else None)
-        if not d.main:
-            return
-        restored = train_loader.restored if isinstance(train_loader, TrainLoader) else None
-        state = {
-            "model": raw_model.state_dict(),
-            "optimizer": None if decent else optimizer.state_dict(),
-            "scaler": scaler.state_dict(),
-            "epoch": epoch,
-            "step": global_step,
-            "step_in_epoch": step_in_epoch,
-            "steps_per_epoch": steps_per_epoch,
-            "best_top1": best_top1,
-            "last_val": last_val,
-            "rng": rng,
-            # the samples of the epoch trained so far, whichever rank trained them
-            "data_position": merge_positions(epoch, [restored, *positions]) if exact else None,
-            "plan": train_loader.plan() if isinstance(train_loader, TrainLoader) else None,
-            "keys_logged": keys_log.sizes(output, epoch) if cfg.log_keys else {},
-            "arch": cfg.arch,
-            "classes": classes,
-            "config": asdict(cfg),
-        }
-        path = checkpoint.save(state, output, global_step, cfg.keep_last)
-        if best:
-            checkpoint.link(path, checkpoint.BEST)
-        if uploader:
-            uploader.submit(path, checkpoint_step=global_step)
-            for file in (output / METRICS, output / LOG, *output.glob("events.out.tfevents.*")):
-                if file.exists():
-                    uploader.submit(file)
-
-    def finish(outcome: dict[str, Any]) -> dict[str, Any]:
-        stop.restore()
-        if loaders:
-            say(health.summary())
-        log.close()
-        if uploader:
-            say(f"waiting up to {cfg.flush_timeout:.0f}s for uploads to {cfg.upload}")
-            missing = uploader.flush(cfg.flush_timeout)
-            if missing:
-                say(f"ERROR: never uploaded to {cfg.upload}: {', '.join(missing)} (local copies in {output})", err=True)
-                outcome["exit_code"] = EXIT_UPLOAD_FAILED
-        return outcome
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    run = Run(
+        cfg, d, output, say, train_loader, val_loader, classes, health, raw_model, model,
+        criterion, optimizer, scaler, scheduler, log, uploader, StopSignal(), decent, standing,
+    )  # fmt: skip
 
     model.train()
-    for epoch in range(start_epoch, cfg.epochs):
+    for epoch in range(standing.epoch, cfg.epochs):
+        standing.epoch = epoch
         train_loader.set_epoch(epoch, sizes[epoch])
-        batches = iter(train_loader)
-        keys_out = keys_log.open_log(output, epoch, d.rank) if cfg.log_keys else None
-        progress = Progress(epoch, cfg.epochs, steps_per_epoch, first_step, shown=d.main)
-        window = Window()
-        stopped = False
-        for step_in_epoch in range(first_step, steps_per_epoch):
-            t0 = time.perf_counter()
-            x, y, keys = next(batches)
-            window.waited += time.perf_counter() - t0
-            with autocast(cfg, d.device):
-                loss = criterion(model(x), y)
-            if decent:  # the wrapper's backward hooks step, zero and mix each bucket
-                scaler.scale(loss).backward()
-            else:
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-                scheduler.step()
-            global_step += 1
-            window.steps += 1
-            window.losses.append(loss.detach())
-            if keys_out:
-                keys_out.write("".join(f"{k}\n" for k in keys))
-            progress.update()
-            last_of_epoch = step_in_epoch == steps_per_epoch - 1
-            # Ranks agree on the stop step; with several, only at log steps and epoch ends (the
-            # agreement is a collective, and per step it would stall the GPU queue).
-            signalled = (d.world == 1 or global_step % cfg.log_every == 0 or last_of_epoch) and distributed.any_rank(
-                stop.received is not None, d.device
-            )
-            stopped = signalled or (cfg.max_steps is not None and global_step >= cfg.max_steps)
-            if global_step % cfg.log_every == 0 or last_of_epoch or stopped:
-                lr = model.get_lr() if decent else scheduler.get_last_lr()[0]
-                record, totals = window.record(train_loader, d, global_batch, epoch, global_step, lr, x.shape[-1])
-                log.write(**record)
-                health.poll(totals)
-                progress.show(record, step_in_epoch + 1)
-                window = Window(start=window.end)  # windows tile the time: none of it goes unrecorded
-            if stopped:
-                break
-            if cfg.checkpoint_every and global_step % cfg.checkpoint_every == 0 and not last_of_epoch:
-                save(epoch, step_in_epoch + 1)
-        progress.close()
-        if keys_out:
-            keys_out.close()
-        first_step = 0
+        stopped = train_epoch(run)
         if stopped:
-            save(epoch, step_in_epoch + 1)
-            if signalled:
-                say(f"stopped by a signal at step {global_step}, checkpoint saved; continue with --resume auto")
-                return finish({"step": global_step, "val": last_val, "complete": False, "exit_code": EXIT_PREEMPTED})
-            say(f"stopped at step {global_step} (--max-steps); continue with --resume auto")
-            return finish({"step": global_step, "val": last_val, "complete": False, "exit_code": 0})
-        improved = False
-        if val_loader is not None:
-            # decentralized ranks agree on one model first (the average); record how far apart they were
-            agreement = average() if decent else {}
-            last_val = validate(raw_model, val_loader, cfg, d)
-            log.write(kind="val", epoch=epoch, step=global_step, **last_val, **agreement)
-            say(
-                f"epoch {epoch + 1}: val top-1 {last_val['top1']:.2f}% top-5 {last_val['top5']:.2f}% "
-                f"over {last_val['samples']} images"
-            )
-            if last_val["top1"] > best_top1:
-                best_top1, improved = last_val["top1"], True
-        save(epoch + 1, 0, best=improved)
-        if damaged := health.end_epoch(epoch, steps_per_epoch * global_batch):
+            save(run, epoch, stopped.step_in_epoch)
+            if stopped.signalled:
+                say(f"stopped by a signal at step {standing.step}, checkpoint saved; continue with --resume auto")
+                return finish(run, complete=False, exit_code=EXIT_PREEMPTED)
+            say(f"stopped at step {standing.step} (--max-steps); continue with --resume auto")
+            return finish(run, complete=False)
+        improved = val_loader is not None and evaluate(run)
+        standing.first_step = 0
+        save(run, epoch + 1, 0, best=improved)
+        if damaged := health.end_epoch(epoch, steps_per_epoch * run.global_batch):
             say(f"ERROR: {damaged}", err=True)
-            return finish({"step": global_step, "val": last_val, "complete": False, "exit_code": EXIT_BAD_DATA})
+            return finish(run, complete=False, exit_code=EXIT_BAD_DATA)
 
-    if last_val:
+    if last_val := standing.last_val:
         say(
             f"final validation top-1 {last_val['top1']:.2f}% (top-5 {last_val['top5']:.2f}%) "
             f"over {last_val['samples']} images; chance is {100 / len(classes):.2f}%"
         )
-    return finish({"step": global_step, "val": last_val, "complete": True, "exit_code": 0})
+    return finish(run, complete=True)
+
+
+def make_optimizer(
+    params: list[torch.Tensor], cfg: TrainConfig, global_batch: int, fused: bool
+) -> torch.optim.Optimizer:
+    return torch.optim.SGD(
+        param_groups(params, cfg.weight_decay),
+        lr=cfg.lr * global_batch / 256,
+        momentum=cfg.momentum,
+        nesterov=True,
+        fused=fused,  # one kernel for the whole update instead of a few per tensor (on a GPU)
+    )
+
+
+def _restore(
+    path: Path,
+    state: dict[str, Any],
+    cfg: TrainConfig,
+    d: distributed.Dist,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scaler: torch.amp.GradScaler,
+    classes: list[str],
+    say: Callable[..., None],
+) -> Standing:
+    """Loads a checkpoint's weights, optimizer, scaler and RNG; where the run stood."""
+    if state["arch"] != cfg.arch or state["classes"] != classes:
+        raise ValueError(
+            f"{path} was trained as {state['arch']} on {len(state['classes'])} classes, "
+            f"not {cfg.arch} on {len(classes)}: use another --output or --resume"
+        )
+    model.load_state_dict(state["model"])
+    if state["optimizer"] and optimizer:
+        optimizer.load_state_dict(state["optimizer"])
+    else:
+        say("note: the optimizer's momentum starts afresh (--dp decent keeps one per rank, not checkpointed)")
+    scaler.load_state_dict(state["scaler"])
+    if len(state["rng"]) == d.world:
+        checkpoint.set_rng_state(state["rng"][d.rank])
+    if cfg.log_keys and d.main:
+        keys_log.cut_back(Path(cfg.output), state["epoch"], state.get("keys_logged", {}))
+    say(f"resumed from {path}: epoch {state['epoch'] + 1}, step {state['step']}")
+    return Standing(state["epoch"], state["step"], 0, state["best_top1"], state["last_val"])
+
+
+@dataclass
+class Stopped:
+    """Why and where an epoch stopped before its end."""
+
+    step_in_epoch: int  # steps of the epoch done
+    signalled: bool  # SIGTERM/SIGUSR1 (else --max-steps)
+
+
+def train_epoch(run: Run) -> Stopped | None:
+    """Trains the rest of ``run.standing.epoch``; where it stopped early, if it did."""
+    cfg, d, standing, loader = run.cfg, run.d, run.standing, run.train_loader
+    epoch, steps = standing.epoch, len(loader)
+    batches = iter(loader)
+    keys_out = keys_log.open_log(run.output, epoch, d.rank) if cfg.log_keys else None
+    progress = Progress(epoch, cfg.epochs, steps, standing.first_step, shown=d.main)
+    window = Window()
+    stopped = None
+    for step_in_epoch in range(standing.first_step, steps):
+        t0 = time.perf_counter()
+        x, y, keys = next(batches)
+        window.waited += time.perf_counter() - t0
+        loss = train_step(run, x, y)
+        standing.step += 1
+        window.steps += 1
+        window.losses.append(loss.detach())
+        if keys_out:
+            keys_out.write("".join(f"{k}\n" for k in keys))
+        progress.update()
+        last_of_epoch = step_in_epoch == steps - 1
+        # Ranks agree on the stop step; with several, only at log steps and epoch ends (the
+        # agreement is a collective, and per step it would stall the GPU queue).
+        signalled = (d.world == 1 or standing.step % cfg.log_every == 0 or last_of_epoch) and distributed.any_rank(
+            run.stop.received is not None, d.device
+        )
+        if signalled or (cfg.max_steps is not None and standing.step >= cfg.max_steps):
+            stopped = Stopped(step_in_epoch + 1, signalled)
+        if standing.step % cfg.log_every == 0 or last_of_epoch or stopped:
+            lr = run.model.get_lr() if run.decent else run.scheduler.get_last_lr()[0]
+            record, totals = window.record(loader, d, run.global_batch, epoch, standing.step, lr, x.shape[-1])
+            run.log.write(**record)
+            run.health.poll(totals)
+            progress.show(record, step_in_epoch + 1)
+            window = Window(start=window.end)  # windows tile the time: none of it goes unrecorded
+        if stopped:
+            break
+        if cfg.checkpoint_every and standing.step % cfg.checkpoint_every == 0 and not last_of_epoch:
+            save(run, epoch, step_in_epoch + 1)
+    progress.close()
+    if keys_out:
+        keys_out.close()
+    return stopped
+
+
+def train_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One optimizer step on a batch; its loss."""
+    with autocast(run.cfg, run.d.device):
+        loss = run.criterion(run.model(x), y)
+    if run.decent:  # the wrapper's backward hooks step, zero and mix each bucket
+        run.scaler.scale(loss).backward()
+        return loss
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scaler.scale(loss).backward()
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.scheduler.step()
+    return loss
+
+
+def evaluate(run: Run) -> bool:
+    """Validates at the end of an epoch, logs and says it; whether top-1 is the best so far."""
+    standing = run.standing
+    # decentralized ranks agree on one model first (the average); record how far apart they were
+    agreement = average(run) if run.decent else {}
+    val = standing.last_val = validate(run.raw_model, run.val_loader, run.cfg, run.d)
+    run.log.write(kind="val", epoch=standing.epoch, step=standing.step, **val, **agreement)
+    top = f"val top-1 {val['top1']:.2f}% top-5 {val['top5']:.2f}%"
+    run.say(f"epoch {standing.epoch + 1}: {top} over {val['samples']} images")
+    if val["top1"] <= standing.best_top1:
+        return False
+    standing.best_top1 = val["top1"]
+    return True
+
+
+def average(run: Run) -> dict[str, float]:
+    """--dp decent: every rank takes the global average of the models; how far apart they were."""
+    run.standing.averaged_at = run.standing.step
+    return decentralized.consensus(run.model)
+
+
+def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
+    """A checkpoint of the run at ``step_in_epoch`` of ``epoch`` (uploaded too, with the logs).
+
+    Every rank's RNG and data position go in it: collectives, so all ranks call this."""
+    cfg, d, standing, loader = run.cfg, run.d, run.standing, run.train_loader
+    if run.decent and standing.averaged_at != standing.step:
+        average(run)  # the model every rank continues from
+    rng = distributed.gather_objects(checkpoint.rng_state())
+    exact = isinstance(loader, TrainLoader) and cfg.epoch_mode == "exact" and step_in_epoch > 0
+    positions = distributed.gather_objects(loader.position() if exact else None)
+    if not d.main:
+        return
+    restored = loader.restored if isinstance(loader, TrainLoader) else None
+    state = {
+        "model": run.raw_model.state_dict(),
+        "optimizer": None if run.decent else run.optimizer.state_dict(),
+        "scaler": run.scaler.state_dict(),
+        "epoch": epoch,
+        "step": standing.step,
+        "step_in_epoch": step_in_epoch,
+        "steps_per_epoch": len(loader),
+        "best_top1": standing.best_top1,
+        "last_val": standing.last_val,
+        "rng": rng,
+        # the samples of the epoch trained so far, whichever rank trained them
+        "data_position": merge_positions(epoch, [restored, *positions]) if exact else None,
+        "plan": loader.plan() if isinstance(loader, TrainLoader) else None,
+        "keys_logged": keys_log.sizes(run.output, epoch) if cfg.log_keys else {},
+        "arch": cfg.arch,
+        "classes": run.classes,
+        "config": asdict(cfg),
+    }
+    path = checkpoint.save(state, run.output, standing.step, cfg.keep_last)
+    if best:
+        checkpoint.link(path, checkpoint.BEST)
+    if run.uploader:
+        run.uploader.submit(path, checkpoint_step=standing.step)
+        for file in (run.output / METRICS, run.output / LOG, *run.output.glob("events.out.tfevents.*")):
+            if file.exists():
+                run.uploader.submit(file)
+
+
+def finish(run: Run, complete: bool, exit_code: int = 0) -> dict[str, Any]:
+    """Closes the run (signals, logs, pending uploads); its outcome."""
+    cfg = run.cfg
+    run.stop.restore()
+    if isinstance(run.train_loader, TrainLoader):
+        run.say(run.health.summary())
+    run.log.close()
+    if run.uploader:
+        run.say(f"waiting up to {cfg.flush_timeout:.0f}s for uploads to {cfg.upload}")
+        missing = run.uploader.flush(cfg.flush_timeout)
+        if missing:
+            where = f"{', '.join(missing)} (local copies in {run.output})"
+            run.say(f"ERROR: never uploaded to {cfg.upload}: {where}", err=True)
+            exit_code = EXIT_UPLOAD_FAILED
+    return {"step": run.standing.step, "val": run.standing.last_val, "complete": complete, "exit_code": exit_code}
 
 
 def continue_epoch(
@@ -644,7 +685,7 @@ class Window:
 
         The window ends once the GPU has done its steps (the loss sum waits for them): timed when
         the CPU had only queued them, a rate would count work the GPU had yet to do."""
-        counters = _counters(loader)
+        counters = loader.counters()
         loss_sum, *sums = distributed.all_reduce_sum(
             [float(torch.stack(self.losses).float().mean()), *counters.values()], d.device
         )
@@ -666,10 +707,3 @@ class Window:
             **totals,
         }
         return record, totals
-
-
-def _counters(loader: TrainLoader | SyntheticLoader) -> dict[str, int]:
-    if isinstance(loader, SyntheticLoader):
-        return {"skipped": 0, "read_errors": 0, "padded": 0}
-    ds = loader.dataset
-    return {"skipped": ds.skipped.value, "read_errors": ds.read_errors.value, "padded": loader.padded}
