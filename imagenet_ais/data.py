@@ -54,7 +54,7 @@ from imagenet_ais.sampling import (
     split_among_workers,
     trained,
 )
-from imagenet_ais.storage import LocalStore, Store, open_store
+from imagenet_ais.storage import Store, is_local, open_store
 from imagenet_ais.transforms import (
     Decoded,
     Encoded,
@@ -386,7 +386,7 @@ class _ShardLoader:
         shuffle: int = 0,
     ):
         cache = None
-        if spec.cache and not isinstance(open_store(location), LocalStore):  # a local location is on disk already
+        if spec.cache and not is_local(location):  # a local location is on disk already
             shards = {s.name: s for s in split.shards}
             cache = ShardCache(Path(spec.cache.root), location, spec.cache.max_bytes, shards)
         names, counts = [s.name for s in split.shards], [s.samples for s in split.shards]

@@ -29,6 +29,7 @@ __all__ = [
     "LocalStore",
     "Store",
     "file_crc32c",
+    "is_local",
     "open_store",
     "stream_sha256",
 ]
@@ -41,6 +42,12 @@ def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+
+
+def is_local(url: str) -> bool:
+    """Whether a location is on this machine's disk (a path or ``file://``)."""
+    scheme, sep, _ = url.partition("://")
+    return not sep or scheme == "file"
 
 
 def open_store(url: str, retry_seconds: float = 120) -> Store:
