@@ -68,8 +68,8 @@ class TrainConfig:
     upload: str | None = None  # gs://, ais:// or a directory: checkpoints, metrics and log go here too
     checkpoint_every: int | None = None  # steps, besides every epoch end
     keep_last: int = 3  # step checkpoints kept in --output
-    upload_retry_seconds: float = 120
-    flush_timeout: float = 600  # at exit, wait this long for pending uploads
+    upload_retry_seconds: float = 120.0
+    flush_timeout: float = 600.0  # at exit, wait this long for pending uploads
     cache_dir: str | None = None  # keep remote shards here (one cache per node, shared by its ranks)
     cache_size: int | None = None  # bytes the cache may hold; None = no bound
 
