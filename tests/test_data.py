@@ -254,7 +254,7 @@ def test_a_samples_crop_and_flip_follow_seed_epoch_and_key_whatever_the_ranks_wo
         return out
 
     alone = images(1, 1, "cpu")
-    for other in (images(2, 2, "cpu"), images(3, 1, "cpu")):
+    for other in (images(2, 2, "cpu"), images(3, 1, "cpu"), images(4, 2, "cpu")):
         common = alone.keys() & other.keys()  # exact mode leaves out a remainder that depends on the world
         assert len(common) >= 24 and all(torch.equal(alone[k], other[k]) for k in common)
     on_device = images(2, 1, "gpu")  # the GPU path, run on the CPU: same crops, another resampler
