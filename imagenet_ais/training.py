@@ -360,7 +360,10 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         # with the backward pass: faster over NVLink (4 H200s: 25,319 img/s against 24,832,
         # bench/RESULTS.md run S)
         torch._dynamo.config.optimize_ddp = False
-        model = torch.compile(model, mode=mode)
+        # static shapes: a new --progressive size gets its own graph, as fast as the first; by
+        # default the second size turns on dynamic shapes, and ResNet-50 at 224 px then ran at
+        # 3,800 img/s instead of 5,330 on an H100 (bench/RESULTS.md run T)
+        model = torch.compile(model, mode=mode, dynamic=False)
     log = MetricsLog(output if d.main else None, resume_step=standing.step if cfg.resume else None, report=report)
     uploader = upload.Uploader(cfg.upload, cfg.upload_retry_seconds) if cfg.upload and d.main else None
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
