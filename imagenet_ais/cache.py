@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,41 +20,7 @@ from typing import BinaryIO
 from tqdm import tqdm
 
 from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, load_manifest
-from imagenet_ais.storage import LocalStore, Store, open_store
-
-BLOCK = 1 << 20
-
-
-def copy_verified(
-    store: Store,
-    info: ShardInfo,
-    dest: Path,
-    progress: Callable[[int], object] | None = None,
-    publish: Callable[[Path, Path], object] = os.replace,
-) -> None:
-    """``store``'s ``info.name`` → ``dest``, through ``.NAME.partial`` (sized in full first, so
-    the cache's accounting sees the whole shard from the start); ``publish``-ed (renamed) once
-    it matches."""
-    partial = dest.with_name(f".{dest.name}.partial")
-    digest, size = hashlib.sha256(), 0
-    try:
-        partial.touch()  # (not "wb": that would zero a reservation the cache made, for a moment)
-        with partial.open("r+b") as out, store.open(info.name) as src:
-            out.truncate(info.bytes)
-            for block in iter(lambda: src.read(BLOCK), b""):
-                out.write(block)
-                digest.update(block)
-                size += len(block)
-                if progress:
-                    progress(len(block))
-            out.truncate(size)
-            out.flush()
-            os.fsync(out.fileno())
-        if (size, digest.hexdigest()) != (info.bytes, info.sha256):
-            raise OSError(f"{store.url}/{info.name}: got {size} bytes that differ from the manifest's (sha256)")
-        publish(partial, dest)
-    finally:
-        partial.unlink(missing_ok=True)
+from imagenet_ais.storage import LocalStore, Store, download, open_store
 
 
 def _identity(path: Path) -> str:
@@ -145,7 +110,7 @@ class ShardCache:
                 path.unlink()
             if not self._make_room(info.bytes, path):
                 return self.store.open(name)
-            copy_verified(self.store, info, path, publish=self._publish)
+            download(self.store, info.name, path, info.bytes, info.sha256, publish=self._publish)
             lock.write_text(_identity(path))  # and its mtime: when it was last used
             return path.open("rb")
 
@@ -205,7 +170,7 @@ def preload(url: str, dest: Path, splits: list[str] | None, workers: int) -> Man
         tqdm(total=sum(s.bytes for s in todo), unit="B", unit_scale=True, desc=f"preload → {dest}") as bar,
         ThreadPoolExecutor(max(1, workers)) as pool,
     ):
-        futures = [pool.submit(copy_verified, store, s, dest / s.name, bar.update) for s in todo]
+        futures = [pool.submit(download, store, s.name, dest / s.name, s.bytes, s.sha256, bar.update) for s in todo]
         for future in as_completed(futures):
             future.result()
     local.write_bytes(MANIFEST, kept.to_json().encode())

@@ -11,7 +11,7 @@ import errno
 import io
 import tarfile
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, as_completed, wait
 from pathlib import Path
 
 import numpy as np
@@ -73,10 +73,9 @@ def _disk_full(e: OSError, path: object, store: Store) -> OSError:
     )
 
 
-def write_shard(src: Path, dest_url: str, plan: ShardPlan, read_back: bool = False) -> Record:
-    """Build one shard in scratch space, then publish it under its final name; with ``read_back``,
-    read the published copy in full and compare its SHA-256 too (stores already compare a checksum
-    the storage computed: this also covers a storage that computed one over the wrong bytes)."""
+def build_shard(src: Path, dest_url: str, plan: ShardPlan) -> tuple[Path, Record]:
+    """Build one shard in ``dest_url``'s scratch space (in a worker process): the file, and what
+    it holds and what was rejected."""
     store = open_store(dest_url)
     rejected: list[dict[str, str]] = []
     tmp = store.scratch_file(plan.name)
@@ -91,21 +90,35 @@ def write_shard(src: Path, dest_url: str, plan: ShardPlan, read_back: bool = Fal
                     continue
                 tar.write({"__key__": item.key, "jpg": jpeg, "cls": str(item.cls).encode()})
                 count += 1
-        info = ShardInfo(plan.name, count, tmp.stat().st_size, file_sha256(tmp), plan.digest)
+        return tmp, (ShardInfo(plan.name, count, tmp.stat().st_size, file_sha256(tmp), plan.digest), rejected)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            raise _disk_full(e, tmp, store) from None
+        raise
+
+
+def publish_shard(store: Store, tmp: Path, record: Record, read_back: bool = False) -> Record:
+    """Put a built shard under its final name (its scratch file is gone after); with
+    ``read_back``, read the published copy in full and compare its SHA-256 too (stores already
+    compare a checksum the storage computed: this also covers a storage that computed one over
+    the wrong bytes)."""
+    info, rejected = record
+    try:
         # The record goes first: a shard under its final name always has one, so a re-run
         # can verify it instead of rebuilding it (a record without its shard is just ignored).
-        store.write_bytes(f"{JOURNAL}{plan.name}.json", record_json(info, rejected))
-        store.put_file(tmp, plan.name)
+        store.write_bytes(f"{JOURNAL}{info.name}.json", record_json(info, rejected))
+        store.put_file(tmp, info.name)
         if read_back and info.problem(store):
-            store.delete(plan.name)
-            raise OSError(f"{store.url}/{plan.name}: read back, it differs from the shard written; deleted")
+            store.delete(info.name)
+            raise OSError(f"{store.url}/{info.name}: read back, it differs from the shard written; deleted")
     except OSError as e:
         if e.errno in DISK_FULL:
             raise _disk_full(e, tmp, store) from None
         raise
     finally:
         tmp.unlink(missing_ok=True)
-    return info, rejected
+    return record
 
 
 def _read_manifests(store: Store) -> tuple[Manifest | None, Manifest | None]:
@@ -295,7 +308,11 @@ def _convert_locked(
 def _build(
     store: Store, src: Path, plans: list[ShardPlan], known: dict[str, Record], workers: int, read_back: bool
 ) -> dict[str, Record]:
-    """Every planned shard: kept when a verified copy built from the same inputs is there, else built."""
+    """Every planned shard: kept when a verified copy built from the same inputs is there, else built.
+
+    Worker processes build shards while threads here put the built ones up, so uploads overlap
+    the building of the next shards; at most twice ``workers`` shards are built or going up at
+    once (scratch space)."""
     results: dict[str, Record] = {}
     todo: list[ShardPlan] = []
     for plan in plans:
@@ -305,19 +322,43 @@ def _build(
         else:
             todo.append(plan)
     total = sum(len(p.items) for p in todo)
-    with (
-        tqdm(total=total, unit="img", desc=f"convert → {store.url}", disable=total == 0) as bar,
-        ProcessPoolExecutor(max_workers=max(1, workers), initializer=exit_with_parent) as pool,
-    ):
-        futures = {pool.submit(write_shard, src, store.url, plan, read_back): plan for plan in todo}
-        try:
-            for future in as_completed(futures):
-                results[futures[future].name] = future.result()
-                bar.update(len(futures[future].items))
-        except BaseException:
-            for future in futures:  # fail now, not after building every shard still queued
-                future.cancel()
-            raise
+    queued = iter(todo)
+    building: dict[Future, ShardPlan] = {}
+    publishing: dict[Future, tuple[ShardPlan, Path]] = {}
+    try:
+        with (
+            tqdm(total=total, unit="img", desc=f"convert → {store.url}", disable=total == 0) as bar,
+            ProcessPoolExecutor(max_workers=max(1, workers), initializer=exit_with_parent) as pool,
+            ThreadPoolExecutor(max_workers=max(1, workers)) as uploads,
+        ):
+            try:
+                while True:
+                    while len(building) + len(publishing) < 2 * max(1, workers) and (plan := next(queued, None)):
+                        building[pool.submit(build_shard, src, store.url, plan)] = plan
+                    if not building and not publishing:
+                        break
+                    for future in wait([*building, *publishing], return_when=FIRST_COMPLETED).done:
+                        if future in building:
+                            plan = building.pop(future)
+                            tmp, record = future.result()
+                            publishing[uploads.submit(publish_shard, store, tmp, record, read_back)] = (plan, tmp)
+                        else:
+                            plan, _ = publishing.pop(future)
+                            results[plan.name] = future.result()
+                            bar.update(len(plan.items))
+            except BaseException:
+                for future in [*building, *publishing]:  # fail now, not after building every shard still queued
+                    future.cancel()
+                raise
+    except BaseException:
+        # scratch files of shards built but never put up
+        for future in building:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result()[0].unlink(missing_ok=True)
+        for future, (_, tmp) in publishing.items():
+            if future.cancelled():
+                tmp.unlink(missing_ok=True)
+        raise
     return results
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from imagenet_ais.storage import Store, open_store
+from imagenet_ais.storage import Store, download, open_store
 
 POINTER = "latest.json"
 
@@ -144,16 +144,11 @@ def fetch_latest(source_url: str, output: Path, extra: tuple[str, ...] = ()) -> 
     if not store.exists(POINTER):
         return None
     pointer = json.loads(store.read_bytes(POINTER))
-    local = open_store(str(output))
+    output.mkdir(parents=True, exist_ok=True)
     for name in (pointer["checkpoint"], *extra):
         if store.exists(name):
-            tmp = local.scratch_file(name)
-            with store.open(name) as src, tmp.open("wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-            if tmp.stat().st_size != store.size(name):
-                tmp.unlink()
-                raise OSError(f"{source_url}/{name}: download incomplete")
-            local.put_file(tmp, name)
+            # the size here; a checkpoint's own checksum is checked when it is loaded
+            download(store, name, output / name, store.size(name))
     return output / pointer["checkpoint"]
 
 

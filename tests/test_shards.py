@@ -21,8 +21,9 @@ import pytest
 from conftest import ROOT, child_pids, outliving, run_cli, tiny_jpeg, wait_until, write_shards
 from PIL import Image
 
-from imagenet_ais import synth
+from imagenet_ais import shards, synth
 from imagenet_ais.shards import file_sha256
+from imagenet_ais.storage import LocalStore
 from imagenet_ais.synth import wnid
 
 
@@ -247,6 +248,30 @@ def start_convert(src: Path, dest: str | Path, *args: str) -> subprocess.Popen:
         text=True,
         start_new_session=True,
     )
+
+
+def test_a_shard_goes_up_while_the_worker_builds_the_next(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one worker, the first shard's upload waits until the next shard is being built: an
+    upload that held up the building (a build then its upload, in turn) never sees that."""
+    dest = tmp_path / "shards"
+    put_file, waited = LocalStore.put_file, []
+
+    def slow_put_file(self: LocalStore, src: Path, name: str, **kw: bool) -> None:
+        if name.endswith(".tar") and not waited:
+            deadline = time.monotonic() + 60
+            while not [p for p in self.root.glob(".imagenet-*.partial") if p != src]:
+                assert time.monotonic() < deadline, "the next shard was not built while this one went up"
+                time.sleep(0.01)
+            waited.append(name)
+        put_file(self, src, name, **kw)
+
+    monkeypatch.setattr(LocalStore, "put_file", slow_put_file)
+    manifest = shards.convert(tree, str(dest), ["train"], 10, int(1e9), 1, 0)
+    assert waited and len(manifest.splits["train"].shards) >= 7
+    assert not list(dest.glob(".*.partial")), "no scratch file left"
+    assert all(file_sha256(dest / s.name) == s.sha256 for s in manifest.splits["train"].shards)
 
 
 def test_a_convert_killed_outright_leaves_no_pool_workers(tree: Path, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from imagenet_ais.storage.base import Store, stream_sha256
+from imagenet_ais.storage.base import Store, download, stream_sha256
 from imagenet_ais.storage.local import LocalStore
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ __all__ = [
     "HTTPStore",
     "LocalStore",
     "Store",
+    "download",
     "file_crc32c",
     "is_local",
     "open_store",

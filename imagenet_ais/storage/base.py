@@ -5,8 +5,11 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
+
+BLOCK = 1 << 20
 
 
 class Store(Protocol):
@@ -92,3 +95,38 @@ class _StoreBase:
             return False
         self.delete(name)
         return True
+
+
+def download(
+    store: Store,
+    name: str,
+    dest: Path,
+    size: int,
+    sha256: str | None = None,
+    progress: Callable[[int], object] | None = None,
+    publish: Callable[[Path, Path], object] = os.replace,
+) -> None:
+    """``store``'s ``name`` → the local file ``dest``, through ``.DEST.partial`` (sized in full
+    first, so a shard cache's accounting sees the whole file from the start), ``publish``-ed
+    (renamed) only once it has ``size`` bytes (and, given, that SHA-256); else an OSError, and
+    nothing at ``dest``."""
+    partial = dest.with_name(f".{dest.name}.partial")
+    digest, got = hashlib.sha256(), 0
+    try:
+        partial.touch()  # (not "wb": that would zero a reservation the cache made, for a moment)
+        with partial.open("r+b") as out, store.open(name) as src:
+            out.truncate(size)
+            for block in iter(lambda: src.read(BLOCK), b""):
+                out.write(block)
+                digest.update(block)
+                got += len(block)
+                if progress:
+                    progress(len(block))
+            out.truncate(got)
+            out.flush()
+            os.fsync(out.fileno())
+        if got != size or (sha256 and digest.hexdigest() != sha256):
+            raise OSError(f"{store.url}/{name}: got {got} bytes that differ from the {size} expected (size or sha256)")
+        publish(partial, dest)
+    finally:
+        partial.unlink(missing_ok=True)
