@@ -1,0 +1,99 @@
+# shellcheck shell=bash
+# ./run serve, sourced by run (which provides die, x, need, ensure_venv, ensure_debian,
+# data_location, DRY_RUN and the SERVE_* settings of config.sh).
+
+# shellcheck disable=SC2153  # the SERVE_* settings come from config.sh, which run sources first
+# nginx serving a shard directory read-only (GET/HEAD, range requests), from SERVE_ROOT/PORT:
+# its config, pid file and logs. --stop stops the instances this checkout started, nothing else.
+cmd_serve() {
+  local dir="" port=$SERVE_PORT addr=$SERVE_ADDR stop=0 only="" state pidfile pid scheme=http
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --port) port=${2:?--port needs a number} only=$2; shift 2 ;;
+      --addr) addr=${2:?--addr needs an address}; shift 2 ;;
+      --stop) stop=1; shift ;;
+      -*) die "serve: unknown option $1 (serve [DIR] [--port P] [--addr A] | serve --stop [--port P])" ;;
+      *) dir=$1; shift ;;
+    esac
+  done
+  [[ "$port" =~ ^[0-9]+$ ]] || die "serve: --port $port is not a port number"
+  if [ "$stop" = 1 ]; then
+    local stopped=0
+    for pidfile in "$SERVE_ROOT"/*/nginx.pid; do
+      [ -f "$pidfile" ] || continue
+      [ -z "$only" ] || [ "$pidfile" = "$SERVE_ROOT/$only/nginx.pid" ] || continue
+      pid=$(cat "$pidfile")
+      if [ "$(ps -o comm= -p "$pid" 2>/dev/null)" = nginx ]; then
+        x kill -TERM "$pid"
+        [ "$DRY_RUN" = 1 ] || while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+        echo "run: stopped nginx $pid (port $(basename "$(dirname "$pidfile")"))"
+        stopped=1
+      fi
+      x rm -f "$pidfile"
+    done
+    [ "$stopped" = 1 ] || echo "run: no nginx started by ./run serve is running"
+    return 0
+  fi
+  if [ -z "$dir" ]; then
+    ensure_venv requirements.txt
+    dir=$(data_location)
+  fi
+  [[ "$dir" != *://* ]] || die "serve: $dir is not a local directory (serve serves shards on this machine's disk)"
+  # (a dry run's demo was only promised: it has no manifest yet)
+  [ -f "$dir/manifest.json" ] || { [ "$DRY_RUN" = 1 ] && [ "$dir" = "$DEMO_DIR/shards" ]; } \
+    || die "serve: $dir has no manifest.json: give a directory of converted shards (./run shards convert)"
+  dir=$(realpath -m "$dir")
+  ensure_debian "" nginx nginx
+  need nginx "install nginx (Debian/Ubuntu: apt-get install nginx), or serve $dir with any web server that answers range requests"
+  state=$(realpath -m "$SERVE_ROOT/$port")
+  pid=$(cat "$state/nginx.pid" 2>/dev/null) || pid=""
+  if [ -n "$pid" ] && [ "$(ps -o comm= -p "$pid" 2>/dev/null)" = nginx ]; then
+    die "serve: already serving on port $port (nginx $pid): ./run serve --stop --port $port first"
+  fi
+  local listen=("$addr:$port") tls=()
+  if [ -n "$SERVE_CERT" ] || [ -n "$SERVE_KEY" ]; then
+    [ -f "$SERVE_CERT" ] && [ -f "$SERVE_KEY" ] || die "serve: SERVE_CERT and SERVE_KEY must both name files (PEM certificate and key)"
+    scheme=https listen+=(ssl)
+    tls=("ssl_certificate $(realpath "$SERVE_CERT");" "ssl_certificate_key $(realpath "$SERVE_KEY");")
+  fi
+  x mkdir -p "$state/tmp"
+  # as root, workers run as this user (they only read $dir); otherwise nginx cannot switch user
+  local conf
+  conf=$(cat <<CONF
+$( [ "$(id -u)" != 0 ] || echo "user $(id -un) $(id -gn);" )
+worker_processes auto;
+pid $state/nginx.pid;
+error_log $state/error.log warn;
+events { worker_connections 1024; }
+http {
+  access_log $state/access.log;
+  client_body_temp_path $state/tmp/body;
+  proxy_temp_path $state/tmp/proxy;
+  fastcgi_temp_path $state/tmp/fastcgi;
+  uwsgi_temp_path $state/tmp/uwsgi;
+  scgi_temp_path $state/tmp/scgi;
+  types { application/json json; application/x-tar tar; }
+  default_type application/octet-stream;
+  sendfile on;
+  tcp_nopush on;
+  keepalive_requests 10000;
+  limit_rate ${SERVE_RATE:-0};
+  server {
+    listen ${listen[*]};
+    ${tls[*]}
+    root $dir;
+    autoindex off;
+    location / { limit_except GET { deny all; } }
+  }
+}
+CONF
+)
+  if [ "$DRY_RUN" = 1 ]; then
+    printf "cat >%q <<'CONF'\n%s\nCONF\n" "$state/nginx.conf" "$conf"
+  else
+    echo "$conf" >"$state/nginx.conf"
+  fi
+  x nginx -p "$state" -e "$state/error.log" -c "$state/nginx.conf" \
+    || die "serve: nginx did not start on $addr:$port (see above and $state/error.log)"
+  [ "$DRY_RUN" = 1 ] || echo "run: serving $dir read-only at $scheme://$addr:$port/ (log: $state/access.log; stop: ./run serve --stop --port $port)"
+}
