@@ -436,8 +436,8 @@ def _restore(
     scaler.load_state_dict(state["scaler"])
     if len(state["rng"]) == d.world:
         checkpoint.set_rng_state(state["rng"][d.rank])
-    if cfg.log_keys and d.main:
-        keys_log.cut_back(Path(cfg.output), state["epoch"], state.get("keys_logged", {}))
+    if cfg.log_keys and d.main and "keys_logged" in state:  # (older checkpoints recorded none)
+        keys_log.cut_back(Path(cfg.output), state["epoch"], state["keys_logged"])
     say(f"resumed from {path}: epoch {state['epoch'] + 1}, step {state['step']}")
     return Standing(state["epoch"], state["step"], 0, state["best_top1"], state["last_val"])
 
@@ -563,11 +563,14 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
         "classes": run.classes,
         "config": asdict(cfg),
     }
+    # Saved again at the step of the checkpoint this run resumed from (an epoch it had stopped
+    # at the very end of, now validated): the newer state replaces the older one, uploaded too.
+    again = (run.output / checkpoint.name_for(standing.step)).exists()
     path = checkpoint.save(state, run.output, standing.step, cfg.keep_last)
     if best:
         checkpoint.link(path, checkpoint.BEST)
     if run.uploader:
-        run.uploader.submit(path, checkpoint_step=standing.step)
+        run.uploader.submit(path, checkpoint_step=standing.step, replace=again)
         for file in (run.output / METRICS, run.output / LOG, *run.output.glob("events.out.tfevents.*")):
             if file.exists():
                 run.uploader.submit(file)
@@ -599,7 +602,7 @@ def continue_epoch(
     be continued as it would have gone on, says so in one line and what it does instead."""
     epoch, step, steps = state["epoch"], state["step_in_epoch"], len(loader)
     if not step or isinstance(loader, SyntheticLoader):
-        return min(step, steps - 1)
+        return min(step, steps)
     world, batch, mode = len(state["rng"]), state["config"]["batch_size"], state["config"]["epoch_mode"]
     moved = (world, batch) != (d.world, cfg.batch_size)
     stopped = f"epoch {epoch + 1} stopped at step {step} of {state['steps_per_epoch']} on {world} × {batch}"
@@ -622,7 +625,7 @@ def continue_epoch(
                 f"{d.world} × {cfg.batch_size}, {steps - first} steps (each sample of the epoch once)"
             )
         return first
-    first = min(steps - 1, round(step * steps / state["steps_per_epoch"]))  # as far through the epoch
+    first = min(steps, round(step * steps / state["steps_per_epoch"]))  # as far through the epoch
     loader.restore(epoch, restart, step=first)
     if moved:
         say(

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from imagenet_ais.storage import Store, download, open_store
+from imagenet_ais.storage import LocalStore, Store, download, open_store
 
 POINTER = "latest.json"
 
@@ -47,10 +47,10 @@ class Uploader:
         self.thread.start()
 
     # called from the training thread ------------------------------------------------------
-    def submit(self, path: Path, *, checkpoint_step: int | None = None) -> None:
-        """Queue ``path`` as it is now. Checkpoints (with their step) are written once and
-        snapshotted by hard link (free, and safe from local pruning); growing files (metrics,
-        logs) by copy."""
+    def submit(self, path: Path, *, checkpoint_step: int | None = None, replace: bool = False) -> None:
+        """Queue ``path`` as it is now. Checkpoints (with their step) are written once, unless
+        ``replace`` (a newer state saved under the same step), and snapshotted by hard link
+        (free, and safe from local pruning); growing files (metrics, logs) by copy."""
         snapshot = self.store.scratch_file(path.name)
         if checkpoint_step is None:
             shutil.copyfile(path, snapshot)
@@ -60,7 +60,8 @@ class Uploader:
                 os.link(path, snapshot)
             except OSError:  # another file system
                 shutil.copyfile(path, snapshot)
-        self.jobs.put(Job(snapshot, path.name, checkpoint_step is not None, checkpoint_step))
+        once = checkpoint_step is not None and not replace
+        self.jobs.put(Job(snapshot, path.name, once, checkpoint_step))
 
     def flush(self, timeout: float) -> list[str]:
         """Wait up to ``timeout`` s for everything queued, retrying failures; the names that never made it."""
@@ -144,11 +145,12 @@ def fetch_latest(source_url: str, output: Path, extra: tuple[str, ...] = ()) -> 
     if not store.exists(POINTER):
         return None
     pointer = json.loads(store.read_bytes(POINTER))
-    output.mkdir(parents=True, exist_ok=True)
+    local = LocalStore(output)
     for name in (pointer["checkpoint"], *extra):
         if store.exists(name):
             # the size here; a checkpoint's own checksum is checked when it is loaded
-            download(store, name, output / name, store.size(name))
+            # through a scratch file of its own: nodes sharing --output may fetch at once
+            download(store, name, output / name, store.size(name), partial=local.scratch_file(name))
     return output / pointer["checkpoint"]
 
 

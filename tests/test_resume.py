@@ -5,6 +5,7 @@ logs back to its checkpoint, so across both runs they hold exactly what was trai
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -169,3 +170,21 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_keeps_the_epoch_exac
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_run_stopped_on_an_epochs_last_step_resumes_at_the_next_epoch(tmp_path: Path) -> None:
+    synthetic = ["--synthetic", *TINY, "--epochs", "2", "--output", str(tmp_path / "syn"), "--resume", "auto"]
+    run_cli("train.py", *synthetic, "--max-steps", "100")  # the whole first epoch (100 steps)
+    run_cli("train.py", *synthetic)
+    assert torch.load(tmp_path / "syn" / "last.pt", weights_only=True)["step"] == 200, "no step trained twice"
+
+    # exact mode, checkpoints uploaded: the epoch ends (validated) at the step it stopped at, and
+    # that checkpoint, saved again under the same step, goes up in place of the first one
+    data, output, uploaded = tmp_path / "shards", tmp_path / "run", tmp_path / "uploaded"
+    write_shards(data, {"train": TRAIN, "val": [4]})
+    common = [*args(data, output, 8, 1), "--upload", str(uploaded)]
+    run_cli("train.py", *common, "--max-steps", "40")  # 40 steps per epoch on 1 × 8
+    assert torch.load(uploaded / "ckpt-00000040.pt", weights_only=True)["epoch"] == 0
+    run_cli("train.py", *common)  # exits 0: every upload made it
+    assert torch.load(uploaded / "ckpt-00000040.pt", weights_only=True)["epoch"] == 1, "the validated state"
+    assert json.loads((uploaded / "latest.json").read_text())["step"] == 80

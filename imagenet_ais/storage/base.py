@@ -105,12 +105,13 @@ def download(
     sha256: str | None = None,
     progress: Callable[[int], object] | None = None,
     publish: Callable[[Path, Path], object] = os.replace,
+    partial: Path | None = None,
 ) -> None:
-    """``store``'s ``name`` → the local file ``dest``, through ``.DEST.partial`` (sized in full
-    first, so a shard cache's accounting sees the whole file from the start), ``publish``-ed
-    (renamed) only once it has ``size`` bytes (and, given, that SHA-256); else an OSError, and
-    nothing at ``dest``."""
-    partial = dest.with_name(f".{dest.name}.partial")
+    """``store``'s ``name`` → the local file ``dest``, through ``partial`` (default
+    ``.DEST.partial``; sized in full first, so a shard cache's accounting sees the whole file
+    from the start), ``publish``-ed (renamed) only once it has ``size`` bytes (and, given, that
+    SHA-256); else an OSError, and nothing at ``dest``."""
+    partial = partial or dest.with_name(f".{dest.name}.partial")
     digest, got = hashlib.sha256(), 0
     try:
         partial.touch()  # (not "wb": that would zero a reservation the cache made, for a moment)
