@@ -40,9 +40,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from imagenet_ais.data import LoaderSpec, TrainLoader  # noqa: E402
+from imagenet_ais.data import TrainLoader  # noqa: E402
 from imagenet_ais.manifest import load_manifest  # noqa: E402
 from imagenet_ais.storage import open_store  # noqa: E402
+from imagenet_ais.stream import LoaderSpec  # noqa: E402
 from imagenet_ais.transforms import (  # noqa: E402
     decode_on_cpu,
     decode_on_device,

@@ -10,70 +10,47 @@ plans are in sampling.py):
   fewer than one global batch sit each epoch out, other ones every epoch. A resumed epoch
   trains what the interrupted one had not, on any topology.
 
-Workers mix their samples in a shuffle buffer and hand over whole batches: decoded uint8 HWC
-images (decode "cpu"), or JPEG bytes plus the crops to take (decode "gpu"). In the training
-process one feed thread receives and pins them (pooling workers' short last batches) while
-others make them ready on the device (decode, then crop), ahead of the step (see feed.py and
-transforms.py).
-Only image and ``.cls`` members are read: nothing in a shard is unpickled.
+Each DataLoader worker reads its share of the epoch and hands over whole batches (stream.py).
+In the training process one feed thread receives and pins them (pooling workers' short last
+batches) while others make them ready on the device (decode, then crop), ahead of the step
+(see feed.py and transforms.py).
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
 import hashlib
-import itertools
 import json
 import math
 import multiprocessing as mp
 import random
 import signal
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
 import torch
-from PIL import Image
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from webdataset.filters import shuffle
-from webdataset.tariterators import group_by_keys, tar_file_expander
+from torch.utils.data import DataLoader
 
 from imagenet_ais.cache import ShardCache
-from imagenet_ais.children import exit_with_parent
 from imagenet_ais.feed import DeviceFeed, Stage, close_all
 from imagenet_ais.manifest import SplitInfo
-from imagenet_ais.sampling import (
-    Done,
-    Piece,
-    contiguous_assignment,
-    exact_assignment,
-    resampled_pieces,
-    split_among_workers,
-    trained,
-)
-from imagenet_ais.storage import Store, is_local, open_store
+from imagenet_ais.sampling import Done, exact_assignment, trained
+from imagenet_ais.storage import is_local
+from imagenet_ais.stream import LoaderSpec, ShardStream, StreamSpec, collate_in_worker, worker_init
 from imagenet_ais.transforms import (
     Decoded,
     Encoded,
-    augment_rng,
     concat_encoded,
     crop_decoded,
     decode_encoded,
-    decode_on_cpu,
-    encode_batch,
-    encode_for_device,
     normalize,
     pin_encoded,
     take_encoded,
 )
 
-IMAGE_EXTS = ("jpg", "jpeg", "png")
 SYNTHETIC_CLASSES = 1000
 SYNTHETIC_STEPS = 100  # steps per "epoch" of --synthetic
-DECODERS = ("cpu", "gpu")
 CPU = torch.device("cpu")
 
 
@@ -90,201 +67,17 @@ class Batch(NamedTuple):
     keys: list[str]
 
 
-def _wanted_member(name: str) -> bool:
-    return name.rpartition("/")[2].partition(".")[2].lower() in (*IMAGE_EXTS, "cls")
-
-
-@functools.cache
-def _store(location: str) -> Store:
-    """One storage client per process (DataLoader workers each open their own)."""
-    return open_store(location)
-
-
-@dataclass
-class CacheSpec:
-    """Where the node's shard cache lives and how large it may grow (``--cache-dir/--cache-size``)."""
-
-    root: str
-    max_bytes: int | None = None
-
-
-@dataclass
-class LoaderSpec:
-    """What one rank's loader reads and makes of it (its train and val loaders differ in size only)."""
-
-    world: int
-    rank: int
-    batch: int
-    seed: int
-    image_size: int
-    decode: str = "cpu"  # or "gpu": workers hand over JPEG bytes, the device decodes
-    classes: int = 0  # labels must be below this (0: not checked)
-    cache: CacheSpec | None = None  # keep remote shards on the node's disk
-
-
-@dataclass(kw_only=True)
-class StreamSpec(LoaderSpec):
-    """What a worker needs to find its samples; picklable for spawned workers."""
-
-    location: str  # the shard location (a storage URL); names are relative to it
-    names: list[str]
-    counts: list[int]
-    shard_cache: ShardCache | None = None  # the node's cache, for remote shards
-    shuffle: int = 0  # samples each worker mixes before batching (0: stored order)
-
-
-class ShardStream(IterableDataset):
-    """The samples of this rank for the current epoch, split among DataLoader workers.
-
-    ``epoch`` and the skip counters live in shared memory so that persistent workers see
-    the epoch the main process set and the main process sees what workers skipped; what was
-    wrong goes to the main process through ``problems``, once per shard and worker.
-    """
-
-    def __init__(self, spec: StreamSpec, mode: str):
-        if mode not in ("resampled", "exact", "val"):
-            raise ValueError(f"unknown epoch mode {mode!r}")
-        if spec.decode not in DECODERS:
-            raise ValueError(f"unknown decode {spec.decode!r}: one of {', '.join(DECODERS)}")
-        self.spec, self.mode = spec, mode
-        self.epoch = mp.Value("q", 0)
-        self.size = mp.Value("q", spec.image_size)  # output side; changes between epochs (--progressive)
-        self.skipped = mp.Value("q", 0)  # samples that failed to decode
-        self.read_errors = mp.Value("q", 0)  # shards that failed part-way or held fewer samples than listed
-        self.problems: mp.Queue = mp.Queue()  # "where: what" lines, for the training process to name
-        self._told: set[str] = set()  # (per worker) shards already reported
-        # a resumed epoch: (epoch, samples trained before the restart, the name that makes its
-        # resampled streams fresh ones); set before the workers start, so even persistent
-        # workers see it
-        self.resumed: tuple[int, Done, str] = (-1, {}, "")
-
-    def _done(self) -> tuple[Done, str]:
-        """What a resumed epoch leaves out, and how its resampled streams are told apart."""
-        epoch, done, restart = self.resumed
-        return (done, restart) if epoch == self.epoch.value else ({}, "")
-
-    def _pieces(self, worker: int, workers: int) -> Iterator[Piece]:
-        s, epoch = self.spec, self.epoch.value
-        done, restart = self._done()
-        if self.mode == "resampled":
-            yield from resampled_pieces(s.counts, f"{s.seed}:{epoch}:{restart}:{s.rank}:{worker}")
-        if self.mode == "exact":
-            mine = exact_assignment(s.counts, s.world, s.batch, s.seed, epoch, done)[0][s.rank]
-        else:
-            mine = contiguous_assignment(s.counts, s.world)[s.rank]
-        yield from split_among_workers(mine, workers)[worker]
-
-    def _count(self, counter: mp.Value) -> None:
-        with counter.get_lock():
-            counter.value += 1
-
-    def report(self, where: str, problem: str, counter: mp.Value) -> None:
-        # the line goes first, so that the training process has it once it sees the count
-        if where not in self._told:
-            self._told.add(where)
-            self.problems.put(f"{where}: {problem}")
-        self._count(counter)
-
-    def _samples(self, piece: Piece) -> Iterator[tuple[int, dict]]:
-        name = self.spec.names[piece.shard]
-        where = f"{self.spec.location}/{name}"
-        errors: list[Exception] = []
-        try:
-            stream = (self.spec.shard_cache or _store(self.spec.location)).open(name)
-        except Exception as e:  # after the storage client's own retries
-            self.report(where, f"could not be read, skipped ({e})", self.read_errors)
-            return
-        end = piece.start  # one past the last sample seen
-        with stream:
-            # a handler returning None stops reading the shard: past a broken member, nothing is trusted
-            files = tar_file_expander(
-                [{"url": where, "stream": stream}], handler=errors.append, select_files=_wanted_member
-            )
-            done = self._done()[0].get(piece.shard, set())
-            samples = itertools.islice(enumerate(group_by_keys(files, handler=errors.append)), piece.start, piece.stop)
-            for i, sample in samples:
-                end = i + 1
-                if i not in done:
-                    yield i, sample
-        if errors:
-            self.report(where, f"read failed at sample {end}, the rest skipped ({errors[0]})", self.read_errors)
-        elif end < piece.stop:
-            listed = self.spec.counts[piece.shard]
-            self.report(where, f"ends after {end} samples, the manifest lists {listed}", self.read_errors)
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        samples = self._decoded(self._pieces(worker, workers))
-        if self.spec.shuffle > 1 and self.mode != "val":
-            seed = f"buffer:{self.spec.seed}:{self.epoch.value}:{self.spec.rank}:{worker}"
-            samples = shuffle(self.spec.shuffle, self.spec.shuffle, seed=seed)(samples)
-        return samples
-
-    def _decoded(self, pieces: Iterator[Piece]) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
-        train, size = self.mode != "val", self.size.value
-        for piece in pieces:
-            for index, sample in self._samples(piece):
-                try:
-                    image, label = self._decode(sample, train, size)
-                except (StopIteration, KeyError, ValueError, OSError, SyntaxError, Image.DecompressionBombError) as e:
-                    what = "no image member" if isinstance(e, StopIteration) else f"{type(e).__name__}: {e}"
-                    where = f"{self.spec.location}/{self.spec.names[piece.shard]}"
-                    self.report(where, f"sample {sample['__key__']!r} skipped ({what})", self.skipped)
-                    continue
-                yield image, label, sample["__key__"], piece.shard, index
-
-    def _decode(self, sample: dict, train: bool, size: int) -> tuple[torch.Tensor | tuple, int]:
-        data = next(sample[e] for e in IMAGE_EXTS if e in sample)
-        label = int(sample["cls"])
-        if self.spec.classes and not 0 <= label < self.spec.classes:
-            raise ValueError(f"label {label} is not among the manifest's {self.spec.classes} classes")
-        augment = augment_rng(self.spec.seed, self.epoch.value, sample["__key__"]) if train else None
-        if self.spec.decode == "gpu":
-            return encode_for_device(data, augment), label
-        return decode_on_cpu(data, size, augment), label
-
-
 @atexit.register
 def _stop_at_exit() -> None:
     # For loaders never shut down (say, still referenced by a crashed run): feed threads
     # first, as a thread still inside torch at interpreter shutdown aborts the process; then
-    # the workers, which ignore SIGTERM (below), so multiprocessing's own exit hook, which
+    # the workers, which ignore SIGTERM (stream.worker_init), so multiprocessing's own exit hook, which
     # terminates daemonic children and joins them, would wait forever. Runs before it (LIFO).
     close_all()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the DataLoader's handler would report the kills
     for child in mp.active_children():
         if child.daemon:
             child.kill()
-
-
-def _worker_init(_: int) -> None:
-    # Preemption signals are the training process's to handle (checkpoint, then exit); a worker
-    # dying of one first would only turn that into a DataLoader error.
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
-    exit_with_parent()  # ignoring SIGTERM, a worker must still end with a training killed outright
-
-
-def _collate_in_worker(samples: list[tuple]) -> tuple:
-    """A worker's batch in the form that crosses to the training process fastest.
-
-    Measured on the GPU machine (bench/RESULTS.md): pixels passed as a tensor, i.e. in a
-    fresh shared-memory block per batch, capped the main process at ~550-950 img/s, as
-    every first touch of a fresh mapping faults per 4 KiB page in that VM; as a numpy array,
-    through the pipe into reused memory, they reached ~2,900 img/s end to end. JPEG bytes go
-    in shared memory: they are read once, when copied into pinned memory. The small arrays
-    (labels, ids, crops) go as numpy too: a shared tensor holds a file descriptor for as long
-    as it lives, and the ids are kept for the whole epoch.
-    """
-    images, labels, keys, shards, indices = zip(*samples, strict=True)
-    ids = np.stack([np.array(shards, dtype=np.int64), np.array(indices, dtype=np.int64)], axis=1)
-    if isinstance(images[0], torch.Tensor):
-        pixels: tuple = (np.stack([image.numpy() for image in images]),)
-    else:
-        blob, sizes, boxes = encode_batch(list(images))
-        pixels = (blob, sizes, boxes.numpy())
-    return pixels, np.array(labels, dtype=np.int64), list(keys), ids
 
 
 def _received(batch: tuple) -> HostBatch:
@@ -336,8 +129,8 @@ def _loader(dataset: ShardStream, batch: int, workers: int) -> DataLoader:
         num_workers=workers,
         persistent_workers=workers > 0,
         prefetch_factor=2 if workers > 0 else None,
-        collate_fn=_collate_in_worker,
-        worker_init_fn=_worker_init,
+        collate_fn=collate_in_worker,
+        worker_init_fn=worker_init,
     )
 
 

@@ -25,12 +25,13 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from imagenet_ais import checkpoint, decentralized, distributed, keys_log, locks, upload
-from imagenet_ais.data import SYNTHETIC_CLASSES, CacheSpec, LoaderSpec, SyntheticLoader, TrainLoader, ValLoader
+from imagenet_ais.data import SYNTHETIC_CLASSES, SyntheticLoader, TrainLoader, ValLoader
 from imagenet_ais.data_health import DataHealth
 from imagenet_ais.manifest import load_manifest
 from imagenet_ais.metrics import LOG, METRICS, MetricsLog, Reporter, gpu_sample
 from imagenet_ais.sampling import merge_positions
 from imagenet_ais.storage import open_store
+from imagenet_ais.stream import CacheSpec, LoaderSpec
 
 
 @dataclass

@@ -20,10 +20,11 @@ from conftest import ROOT, tiny_jpeg, write_shards
 from PIL import Image
 
 from imagenet_ais import shards, synth
-from imagenet_ais.data import LoaderSpec, TrainLoader, ValLoader
+from imagenet_ais.data import TrainLoader, ValLoader
 from imagenet_ais.manifest import Manifest, load_manifest
 from imagenet_ais.sampling import contiguous_assignment, exact_assignment, split_among_workers
 from imagenet_ais.storage import open_store
+from imagenet_ais.stream import LoaderSpec
 from imagenet_ais.transforms import decode_on_cpu
 
 UNEVEN = [3, 11, 7, 19, 8]  # 48 samples in 5 shards of unequal sizes
@@ -206,9 +207,10 @@ def test_a_process_exits_while_its_loader_workers_are_still_busy(tmp_path: Path)
     # never shut down must still end the process instead of waiting on them forever.
     write_shards(tmp_path, {"train": UNEVEN})
     script = f"""
-from imagenet_ais.data import LoaderSpec, TrainLoader
+from imagenet_ais.data import TrainLoader
 from imagenet_ais.manifest import load_manifest
 from imagenet_ais.storage import open_store
+from imagenet_ais.stream import LoaderSpec
 split = load_manifest(open_store({str(tmp_path)!r})).split("train")
 spec = LoaderSpec(world=1, rank=0, batch=2, seed=0, image_size=32)
 batches = iter(TrainLoader(split, {str(tmp_path)!r}, "resampled", spec, 2, 4))
