@@ -16,10 +16,17 @@ classes, 500×375 JPEGs of ~110 KB), for the CPU preset a small demo-like set. W
 --ais-targets N it also converts them into an AIStore playground on this host (N targets on
 loopback, tools/ais_local.py; the conversion timed against one into a local directory) and adds
 an end-to-end row per GPU count that reads them through ``ais://``.
+
+Where NVIDIA DALI is importable (``pip install nvidia-dali-cuda130``), each GPU count also gets
+DALI's rows, the reference to beat: ``bench/dali_train.py`` (DALI's webdataset reader and
+mixed decoder with the hardware JPEG decoder feeding the same model, batch, image size and
+compile mode in a plain loop) on the same shards, and on one random batch (its own ceiling); its
+ratio is to that ceiling.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
@@ -214,6 +221,28 @@ def measure(
         e2e = [*common, "--data", location, "--workers", workers, "--decode", decode]
         e2e += ["--max-steps", str(model.e2e_steps)]
         yield variant, train(e2e, model.batch, work / variant.split()[0].strip(":/"), log, gpus)
+    if torch.cuda.is_available() and importlib.util.find_spec("nvidia") and importlib.util.find_spec("nvidia.dali"):
+        yield "DALI ceiling", dali(model, data, log, gpus, synthetic=True)
+        yield "DALI", dali(model, data, log, gpus, synthetic=False)
+
+
+def dali(model: Model, data: str, log: Path, gpus: int, synthetic: bool) -> dict[str, float]:
+    """One bench/dali_train.py run (under torchrun for several GPUs); its steady global img/s."""
+    launch = [sys.executable]
+    if gpus > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus)]
+    args = ["--data", data, "--arch", model.arch, "--batch-size", str(model.batch), "--image-size", str(model.size)]
+    args += ["--steps", str(model.e2e_steps), "--warmup", str(model.e2e_steps // 3), "--log-every", "10"]
+    args += (["--synthetic"] if synthetic else []) + ([] if model.compile else ["--no-compile"])
+    with log.open("a") as out:
+        out.write(f"\n$ {gpus} × dali_train.py {' '.join(args)}\n")
+        out.flush()
+        run = subprocess.run(
+            [*launch, str(ROOT / "bench" / "dali_train.py"), *args], check=True, stdout=subprocess.PIPE, stderr=out
+        )
+    r = json.loads(run.stdout.decode().strip().splitlines()[-1])
+    seconds = len(r["windows"]) * 10 * model.batch * gpus / r["img_per_s"]
+    return {"img_per_s": r["img_per_s"], "data_wait": r["data_wait"], "seconds": seconds, "epoch_start": 0.0}
 
 
 def stage_rates(data: str, batch: int, size: int, workers: int) -> dict[str, float]:
@@ -331,9 +360,9 @@ def main(
         for model in p.models:
             name = f"{model.arch} bs{model.batch} {model.size}px {model.compile or 'eager'}"
             for n in counts:
-                ceiling = 0.0
+                ceilings: dict[bool, float] = {}  # ours, DALI's: each loader's ratio is to its own loop's
                 for variant, r in measure(model, data, workers, root / f"{model.arch}-{n}", log, n, ais):
-                    ceiling = ceiling or r["img_per_s"]
+                    ceiling = ceilings.setdefault(variant.startswith("DALI"), r["img_per_s"])
                     ratio = r["img_per_s"] / ceiling
                     if n == 1:
                         single[f"{name} {variant}"] = r["img_per_s"]
