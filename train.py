@@ -8,8 +8,9 @@ import sys
 
 import click
 
+from imagenet_ais.config import TrainConfig
 from imagenet_ais.decentralized import TOPOLOGIES
-from imagenet_ais.training import TrainConfig, train
+from imagenet_ais.training import train
 
 DEFAULTS = TrainConfig(data=None, output="runs/train")  # the options' defaults are the config's
 

@@ -66,7 +66,8 @@ def connect_refused(address: str) -> click.ClickException:
 def worker(config: dict) -> None:
     import ray.train
 
-    from imagenet_ais.training import TrainConfig, train
+    from imagenet_ais.config import TrainConfig
+    from imagenet_ais.training import train
 
     cfg = TrainConfig(**config)
     outcome = train(cfg, report=ray.train.report)
