@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Make, check, describe and copy ImageNet WebDataset shards: synth, convert, verify, summary, preload."""
 
 from __future__ import annotations
@@ -145,7 +144,3 @@ def summary_cmd(dest: str) -> None:
             f"{name}: {pattern}  shards={len(split.shards)} samples={split.samples} "
             f"size={_human(split.bytes)} rejected={len(split.rejected)}"
         )
-
-
-if __name__ == "__main__":
-    cli()

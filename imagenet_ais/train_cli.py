@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Train a torchvision classifier on ImageNet WebDataset shards (single process or torchrun DDP)."""
 
 from __future__ import annotations
@@ -150,7 +149,3 @@ def parse(args: list[str]) -> TrainConfig:
     with main.make_context("train.py", list(args)) as ctx:
         options = dict(ctx.params)
     return TrainConfig(compile=options.pop("compile_"), **options)
-
-
-if __name__ == "__main__":
-    main()
