@@ -41,29 +41,12 @@ def resume(
     loader: TrainLoader | SyntheticLoader,
     say: Callable[..., None],
 ) -> Standing:
-    """Where the run starts: afresh, or as --resume finds (``model``, ``optimizer``, ``scaler``
-    and ``loader`` then continue from the checkpoint)."""
+    """Where the run starts: afresh, or from the checkpoint --resume finds, whose weights,
+    optimizer, scaler and RNG are loaded, with ``loader`` set to continue its epoch."""
     found = checkpoint.resume(cfg.resume, Path(cfg.output), cfg.upload, (METRICS, LOG), d.local_rank == 0, say)
     if not found:
         return Standing()
-    standing = restore(*found, cfg, d, model, optimizer, scaler, classes, say)
-    if standing.epoch < cfg.epochs:
-        standing.first_step = continue_epoch(found[1], cfg, loader, d, say)
-    return standing
-
-
-def restore(
-    path: Path,
-    state: dict[str, Any],
-    cfg: TrainConfig,
-    d: distributed.Dist,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    scaler: torch.amp.GradScaler,
-    classes: list[str],
-    say: Callable[..., None],
-) -> Standing:
-    """Loads a checkpoint's weights, optimizer, scaler and RNG; where the run stood."""
+    path, state = found
     if state["arch"] != cfg.arch or state["classes"] != classes:
         raise ValueError(
             f"{path} was trained as {state['arch']} on {len(state['classes'])} classes, "
@@ -80,7 +63,10 @@ def restore(
     if cfg.log_keys and d.main and "keys_logged" in state:  # (older checkpoints recorded none)
         keys_log.cut_back(Path(cfg.output), state["epoch"], state["keys_logged"])
     say(f"resumed from {path}: epoch {state['epoch'] + 1}, step {state['step']}")
-    return Standing(state["epoch"], state["step"], 0, state["best_top1"], state["last_val"])
+    standing = Standing(state["epoch"], state["step"], 0, state["best_top1"], state["last_val"])
+    if standing.epoch < cfg.epochs:
+        standing.first_step = continue_epoch(state, cfg, loader, d, say)
+    return standing
 
 
 def continue_epoch(
