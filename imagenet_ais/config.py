@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 @dataclass
 class TrainConfig:
-    data: str | None
-    output: str
+    data: str | None = None  # a shard location holding manifest.json (or --synthetic)
+    output: str = "runs/train"
     arch: str = "resnet50"
     epochs: int = 90
     batch_size: int = 256

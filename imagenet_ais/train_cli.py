@@ -11,7 +11,7 @@ from imagenet_ais.config import TrainConfig
 from imagenet_ais.decentralized import TOPOLOGIES
 from imagenet_ais.training import train
 
-DEFAULTS = TrainConfig(data=None, output="runs/train")  # the options' defaults are the config's
+DEFAULTS = TrainConfig()  # the options' defaults are the config's
 
 
 def parse_bytes(value: str | None) -> int | None:
