@@ -17,6 +17,10 @@ RUN torch_before=$(python -c 'import torch; print(torch.__version__)') \
 
 COPY . .
 
+# The checkout as the package imagenet-ais (its dependencies came in above); editable, so the
+# checkout ./run shell mounts over this one is the code that runs.
+RUN pip install --no-cache-dir --no-deps --no-build-isolation --editable .
+
 # Runs as any user (docker run --user, NGC): code read-only for all, caches in /tmp.
 # VENV=/usr: ./run uses the image's Python as it is, and makes no venv.
 ENV PYTHONDONTWRITEBYTECODE=1 \

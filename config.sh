@@ -18,11 +18,12 @@
 : "${AIS_ENDPOINT:=}"
 : "${AIS_ROOT:=.cache/ais}"       # the local playground's configs, data and logs
 
-# Training (train.py options). Empty = ImageNet defaults, or the demo's (small model and images
-# a CPU trains in minutes) when the demo data is used: ARCH resnet50 (demo resnet18), EPOCHS 90 (8),
-# BATCH_SIZE 256 (32) per process, IMAGE_SIZE 224 (64), LR 0.1 (0.4) per 256 images, WARMUP_EPOCHS 5 (1).
+# Training (train.py options: python train.py --help lists their defaults). Empty = train.py's
+# default (ImageNet's: resnet50, 90 epochs, batch 256 per process, 224 px, LR 0.1 per 256 images,
+# 5 warmup epochs), or on the demo data its small model and images a CPU trains in minutes
+# (run's train_args: resnet18, 8, 32, 64 px, 0.4, 1).
 : "${ARCH:=}" "${EPOCHS:=}" "${BATCH_SIZE:=}" "${IMAGE_SIZE:=}" "${LR:=}" "${WARMUP_EPOCHS:=}"
-: "${EPOCH_MODE:=resampled}"      # resampled | exact
+: "${EPOCH_MODE:=}"               # resampled (train.py's default) | exact
 : "${WORKERS:=}"                  # DataLoader workers per process; empty = auto, sized where it trains (CPUs per local rank, less 2 on a GPU)
 : "${NPROC:=2}"                   # processes for ./run local2, and per host for ./run nodes
 : "${RDZV_PORT:=29400}"           # ./run nodes: c10d rendezvous port on the first host

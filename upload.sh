@@ -5,6 +5,7 @@
 # STORAGE_EMULATOR_HOST); AIS_ENDPOINT and AIS_AUTHN_TOKEN for AIStore.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# a Python with the package imagenet-ais installed: the checkout's venv (./run venv), or the image's
 python=python3
 [ -x "$here/.venv/bin/python" ] && python=$here/.venv/bin/python
-PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" exec "$python" -m imagenet_ais.upload "$@"
+exec "$python" -m imagenet_ais.upload "$@"

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import io
 import random
-import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import click
 import torch
 import torchvision
 from torchvision.io import ImageReadMode, decode_jpeg
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from imagenet_ais.synth import draw_picture
 from imagenet_ais.transforms import RATIO, SCALE, RandomResizedCrop
 

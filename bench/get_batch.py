@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import tarfile
 import tempfile
 import time
@@ -33,7 +32,6 @@ from aistore.sdk import Client
 from aistore.sdk.archive_config import ArchiveConfig
 from shard_reads import aistore, make_shards
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from imagenet_ais.storage import open_store
 
 BUCKET = "bench-get-batch"

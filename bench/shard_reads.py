@@ -35,7 +35,6 @@ import requests
 import webdataset as wds
 from throughput import loader_rate
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from imagenet_ais.cache import ShardCache
 from imagenet_ais.manifest import Manifest, ShardInfo, SplitInfo
 from imagenet_ais.shards import file_sha256

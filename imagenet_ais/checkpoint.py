@@ -14,7 +14,7 @@ import random
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -76,10 +76,18 @@ def name_for(step: int) -> str:
     return f"ckpt-{step:08d}.pt"
 
 
-def save(state: dict[str, Any], output: Path, step: int, keep_last: int) -> Path:
+class Saved(NamedTuple):
+    path: Path
+    replaced: bool  # a checkpoint of the same step was there: its uploaded copy is out of date too
+
+
+def save(state: dict[str, Any], output: Path, step: int, keep_last: int) -> Saved:
     """Write ``ckpt-<step>.pt`` atomically, point ``last.pt`` at it, keep the newest ``keep_last``."""
     store = LocalStore(output)
     name = name_for(step)
+    # Saved again at the step of the checkpoint a run resumed from (an epoch it had stopped at
+    # the very end of, now validated): the newer state replaces the older one.
+    replaced = (output / name).exists()
     tmp = store.scratch_file(name)
     try:
         with tmp.open("wb") as f:
@@ -102,7 +110,7 @@ def save(state: dict[str, Any], output: Path, step: int, keep_last: int) -> Path
     link(path, LAST)
     for old in sorted(output.glob("ckpt-*.pt"))[:-keep_last]:
         old.unlink()  # last.pt and best.pt are links of their own: their data stays
-    return path
+    return Saved(path, replaced)
 
 
 def link(path: Path, alias: str) -> None:

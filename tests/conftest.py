@@ -18,6 +18,7 @@ import webdataset as wds
 from PIL import Image
 
 from imagenet_ais import synth
+from imagenet_ais.ais_playground import Playground
 from imagenet_ais.manifest import Manifest, ShardInfo, SplitInfo
 from imagenet_ais.shards import file_sha256
 
@@ -177,15 +178,13 @@ def ais(tmp_path_factory: pytest.TempPathFactory):
     """A real AIStore (1 proxy + 1 target, aisnode v1.5.0) on free loopback ports, for the session.
 
     Without aisnode the AIStore tests are skipped, except under CI=true, where that is a failure."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    from ais_local import DEFAULT_AISNODE, Playground
-
-    if not DEFAULT_AISNODE.exists():
-        message = f"{DEFAULT_AISNODE} missing: build it with ./run ais-install (needs Go)"
+    aisnode = ROOT / ".cache" / "bin" / "aisnode"
+    if not aisnode.exists():
+        message = f"{aisnode} missing: build it with ./run ais-install (needs Go)"
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
-    playground = Playground(tmp_path_factory.mktemp("ais"))
+    playground = Playground(tmp_path_factory.mktemp("ais"), aisnode)
     playground.up(targets=1)
     yield playground
     playground.down()

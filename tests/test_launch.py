@@ -99,7 +99,8 @@ def test_singlenode_and_ais_submit_real_ngc_flags() -> None:
     assert flag(single, "--datasetid") == ["123:/mount/imagenet"] and flag(single, "--org") == ["o"]
     assert "--replicas" not in single
     job = shlex.split(flag(single, "--commandline")[0].split("&&", 1)[1])
-    assert job[:2] == ["bash", "tools/ngc_node.sh"] and flag(job, "--arch") == ["resnet50"]
+    # ImageNet's recipe (resnet50, ...) is train.py's default: ./run passes only what differs
+    assert job[:2] == ["bash", "tools/ngc_node.sh"] and flag(job, "--arch") == []
     assert flag(job, "--upload") == ["gs://ckpt/run"] and "auto" in flag(job, "--resume")
 
     multi = dry("ais", env={**env, "AIS_BUCKET": "imagenet", "AIS_ENDPOINT": "http://ais:51080", "NGC_REPLICAS": "4"})[

@@ -156,5 +156,7 @@ def test_the_venv_holds_exactly_the_locked_versions() -> None:
         for version, marker in pins
         if not marker or Marker(marker).evaluate()
     }
+    # and this checkout, installed as the package over them
+    wanted["imagenet-ais"] = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
     installed = {canonicalize_name(d.metadata["Name"]): d.version for d in distributions()}
     assert installed == wanted

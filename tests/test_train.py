@@ -24,7 +24,7 @@ import torch
 import webdataset as wds
 from conftest import ROOT, child_pids, outliving, run_cli, tiny_jpeg, torchrun, wait_until, write_shards
 
-from imagenet_ais import checkpoint, distributed, locks, synth, training
+from imagenet_ais import checkpoint, config, distributed, locks, model, synth, train_cli, training
 from imagenet_ais.data_health import DataHealth
 
 TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--lr", "0.1", "--warmup-epochs", "0"]
@@ -652,10 +652,14 @@ def test_each_records_img_per_s_accounts_for_all_the_time_since_the_last_record(
 def test_compiled_training_uses_cuda_graphs_on_a_gpu_unless_told_otherwise() -> None:
     # Without CUDA graphs, 2 H100s ran at 0.77 of their ceiling instead of 0.92 (bench/RESULTS.md, run P)
     cfg = training.TrainConfig(data=None, output="unused")
-    assert training.compile_mode(cfg, cuda=True) == "reduce-overhead"
-    assert training.compile_mode(cfg, cuda=False) == "default"
+    assert model.compile_mode(cfg, cuda=True) == "reduce-overhead"
+    assert model.compile_mode(cfg, cuda=False) == "default"
     cfg.compile_mode = "max-autotune-no-cudagraphs"
-    assert training.compile_mode(cfg, cuda=True) == "max-autotune-no-cudagraphs"
+    assert model.compile_mode(cfg, cuda=True) == "max-autotune-no-cudagraphs"
+
+
+def test_train_py_takes_its_defaults_from_the_config() -> None:
+    assert train_cli.parse([]) == config.TrainConfig()
 
 
 def test_a_log_that_is_no_terminal_gets_one_plain_line_per_record_and_no_progress_bar(tmp_path: Path) -> None:

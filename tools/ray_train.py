@@ -19,17 +19,13 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import click
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import train as train_cli  # noqa: E402
-from imagenet_ais import checkpoint  # noqa: E402
+import imagenet_ais
+from imagenet_ais import checkpoint, train_cli
 
 
 def token_available() -> bool:
@@ -66,7 +62,8 @@ def connect_refused(address: str) -> click.ClickException:
 def worker(config: dict) -> None:
     import ray.train
 
-    from imagenet_ais.training import TrainConfig, train
+    from imagenet_ais.config import TrainConfig
+    from imagenet_ais.training import train
 
     cfg = TrainConfig(**config)
     outcome = train(cfg, report=ray.train.report)
@@ -115,7 +112,7 @@ def main(
     from ray.train.torch import TorchTrainer
 
     try:
-        ray.init(address=address or "local", runtime_env={"py_modules": [str(ROOT / "imagenet_ais")]})
+        ray.init(address=address or "local", runtime_env={"py_modules": [str(Path(imagenet_ais.__file__).parent)]})
     except ConnectionError:
         raise connect_refused(address or "local") from None
     try:

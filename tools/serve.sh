@@ -5,6 +5,9 @@
 # shellcheck disable=SC2153  # the SERVE_* settings come from config.sh, which run sources first
 # nginx serving a shard directory read-only (GET/HEAD, range requests), from SERVE_ROOT/PORT:
 # its config, pid file and logs. --stop stops the instances this checkout started, nothing else.
+#: serve [DIR] [--port P] [--addr A]  serve a shard directory (default: DATA, else the demo) read-only
+#:               over HTTP with nginx (HTTPS with SERVE_CERT/SERVE_KEY); train with --data http://HOST:P/
+#: serve --stop [--port P]  stop what ./run serve started (all ports, or P)
 cmd_serve() {
   local dir="" port=$SERVE_PORT addr=$SERVE_ADDR stop=0 only="" state pidfile pid scheme=http
   while [ $# -gt 0 ]; do

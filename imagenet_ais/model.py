@@ -1,0 +1,131 @@
+"""The model and what steps it: building it, the optimizer and LR schedule, mixed precision, and
+wrapping it for several processes (DDP or --dp decent) and torch.compile."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torchvision
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from imagenet_ais import decentralized, distributed
+from imagenet_ais.config import TrainConfig
+
+
+def build_model(arch: str, num_classes: int) -> nn.Module:
+    try:
+        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    except ValueError as e:
+        known = ", ".join(torchvision.models.list_models(module=torchvision.models))
+        raise ValueError(f"--arch {arch!r} is not a torchvision classification model; one of: {known}") from e
+
+
+def param_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict[str, Any]]:
+    """No weight decay on BatchNorm/LayerNorm parameters and biases (every 1-d parameter)."""
+    decay = [p for p in params if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in params if p.requires_grad and p.ndim <= 1]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(
+    params: list[torch.Tensor], cfg: TrainConfig, global_batch: int, fused: bool
+) -> torch.optim.Optimizer:
+    return torch.optim.SGD(
+        param_groups(params, cfg.weight_decay),
+        lr=cfg.lr * global_batch / 256,
+        momentum=cfg.momentum,
+        nesterov=True,
+        fused=fused,  # one kernel for the whole update instead of a few per tensor (on a GPU)
+    )
+
+
+def lr_lambda(warmup: int, total: int, start: int = 0) -> Callable[[int], float]:
+    """Linear warmup to the peak, then cosine to zero, per step; counting from ``start`` (a resume)."""
+
+    def factor(step: int) -> float:
+        step += start
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def autocast(cfg: TrainConfig, device: torch.device) -> AbstractContextManager:
+    amp = cfg.amp if cfg.amp != "auto" else ("bf16" if device.type == "cuda" else "off")
+    if amp == "off":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+
+
+def compile_mode(cfg: TrainConfig, cuda: bool) -> str:
+    """CUDA graphs on a GPU: one launch per graph instead of one per kernel, so the step no longer
+    waits on a Python thread that shares the GIL with the feed (bench/RESULTS.md, run P: 0.77 →
+    0.92 of the ceiling on 2 H100s). On the CPU there is nothing to graph."""
+    return cfg.compile_mode or ("reduce-overhead" if cuda else "default")
+
+
+def _compiles(device: torch.device, say: Callable[..., None]) -> bool:
+    """Whether torch.compile can work here by default: Inductor's Triton kernels need a GPU of
+    compute capability 7.0+ and a C compiler at run time."""
+    if torch.cuda.get_device_capability(device) < (7, 0):
+        say("note: this GPU is older than compute capability 7.0: training eager (torch.compile needs 7.0+)")
+        return False
+    if not any(shutil.which(cc) for cc in (os.environ.get("CC", "cc"), "gcc", "clang")):
+        say("note: no C compiler here (torch.compile needs one, e.g. apt-get install gcc): training eager")
+        return False
+    return True
+
+
+def parallelism(cfg: TrainConfig, d: distributed.Dist, say: Callable[..., None]) -> tuple[bool, bool]:
+    """Whether the model trains decentralized (--dp decent over several processes), and whether
+    it is compiled."""
+    cuda = d.device.type == "cuda"
+    decent = cfg.dp == "decent" and d.world > 1
+    if cfg.dp == "decent" and not decent:
+        say("note: --dp decent with one process trains as plain data parallel would", err=True)
+    if decent and cfg.compile:
+        raise ValueError("--dp decent does not work with --compile (its hooks re-point the parameters): drop one")
+    compiled = cfg.compile if cfg.compile is not None else cuda and not decent and _compiles(d.device, say)
+    return decent, compiled
+
+
+def wrap(
+    raw_model: nn.Module,
+    cfg: TrainConfig,
+    d: distributed.Dist,
+    decent: bool,
+    compiled: bool,
+    new_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+    schedule: Callable[[int], float],
+    scaler: torch.amp.GradScaler,
+) -> nn.Module:
+    """What steps: ``raw_model`` wrapped for several processes (DDP, or --dp decent, which takes
+    an optimizer per bucket) and maybe compiled."""
+    model = raw_model
+    cuda = d.device.type == "cuda"
+    if decent:
+        model = decentralized.wrap(raw_model, new_optimizer, schedule, cfg.topology, scaler)
+    elif d.world > 1:
+        # gradients as views into DDP's buckets: no copy into and out of them each step
+        model = DistributedDataParallel(
+            raw_model, device_ids=[d.local_rank] if cuda else None, gradient_as_bucket_view=True
+        )
+    if compiled:
+        # DDP compiled as one graph rather than split at its buckets to overlap the all-reduce
+        # with the backward pass: faster over NVLink (4 H200s: 25,319 img/s against 24,832,
+        # bench/RESULTS.md run S)
+        torch._dynamo.config.optimize_ddp = False
+        # static shapes: a new --progressive size gets its own graph, as fast as the first; by
+        # default the second size turns on dynamic shapes, and ResNet-50 at 224 px then ran at
+        # 3,800 img/s instead of 5,330 on an H100 (bench/RESULTS.md run T)
+        model = torch.compile(model, mode=compile_mode(cfg, cuda), dynamic=False)
+    return model

@@ -1,0 +1,112 @@
+"""Where a run continues from: the checkpoint's weights, optimizer and RNG restored (checkpoint.py
+finds and loads it), and the interrupted epoch continued as it would have gone on, on whatever
+topology this run has."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from imagenet_ais import checkpoint, distributed, keys_log
+from imagenet_ais.config import TrainConfig
+from imagenet_ais.data import SyntheticLoader, TrainLoader
+from imagenet_ais.metrics import LOG, METRICS
+from imagenet_ais.sampling import merge_positions
+
+
+@dataclass
+class Standing:
+    """Where a run stands: what a checkpoint carries over besides the weights."""
+
+    epoch: int = 0  # the epoch being trained
+    step: int = 0  # optimizer steps taken, over all epochs
+    first_step: int = 0  # the step of ``epoch`` the next pass starts at (> 0 after a mid-epoch resume)
+    best_top1: float = 0.0
+    last_val: dict[str, float] | None = None
+    averaged_at: int | None = None  # --dp decent: the step of the last global average
+
+
+def resume(
+    cfg: TrainConfig,
+    d: distributed.Dist,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scaler: torch.amp.GradScaler,
+    classes: list[str],
+    loader: TrainLoader | SyntheticLoader,
+    say: Callable[..., None],
+) -> Standing:
+    """Where the run starts: afresh, or from the checkpoint --resume finds, whose weights,
+    optimizer, scaler and RNG are loaded, with ``loader`` set to continue its epoch."""
+    found = checkpoint.resume(cfg.resume, Path(cfg.output), cfg.upload, (METRICS, LOG), d.local_rank == 0, say)
+    if not found:
+        return Standing()
+    path, state = found
+    if state["arch"] != cfg.arch or state["classes"] != classes:
+        raise ValueError(
+            f"{path} was trained as {state['arch']} on {len(state['classes'])} classes, "
+            f"not {cfg.arch} on {len(classes)}: use another --output or --resume"
+        )
+    model.load_state_dict(state["model"])
+    if state["optimizer"] and optimizer:
+        optimizer.load_state_dict(state["optimizer"])
+    else:
+        say("note: the optimizer's momentum starts afresh (--dp decent keeps one per rank, not checkpointed)")
+    scaler.load_state_dict(state["scaler"])
+    if len(state["rng"]) == d.world:
+        checkpoint.set_rng_state(state["rng"][d.rank])
+    if cfg.log_keys and d.main and "keys_logged" in state:  # (older checkpoints recorded none)
+        keys_log.cut_back(Path(cfg.output), state["epoch"], state["keys_logged"])
+    say(f"resumed from {path}: epoch {state['epoch'] + 1}, step {state['step']}")
+    standing = Standing(state["epoch"], state["step"], 0, state["best_top1"], state["last_val"])
+    if standing.epoch < cfg.epochs:
+        standing.first_step = continue_epoch(state, cfg, loader, d, say)
+    return standing
+
+
+def continue_epoch(
+    state: dict[str, Any], cfg: TrainConfig, loader: TrainLoader | SyntheticLoader, d: distributed.Dist, say: Callable
+) -> int:
+    """The step at which this run continues the epoch the checkpoint ``state`` stopped in (0:
+    from its start), with ``loader`` set to train what that epoch has not. The world size,
+    per-rank batch and workers may differ from the interrupted run's; where the epoch cannot
+    be continued as it would have gone on, says so in one line and what it does instead."""
+    epoch, step, steps = state["epoch"], state["step_in_epoch"], len(loader)
+    if not step or isinstance(loader, SyntheticLoader):
+        return min(step, steps)
+    world, batch, mode = len(state["rng"]), state["config"]["batch_size"], state["config"]["epoch_mode"]
+    moved = (world, batch) != (d.world, cfg.batch_size)
+    stopped = f"epoch {epoch + 1} stopped at step {step} of {state['steps_per_epoch']} on {world} × {batch}"
+    plan = loader.plan()
+    if state.get("plan", plan) != plan:
+        say(f"warning: {stopped} over other shards or another --seed: it starts over", err=True)
+        return 0
+    restart = f"{state['step']}"  # names the streams a resampled epoch draws from here on
+    if cfg.epoch_mode == "exact":
+        position = state["data_position"]
+        if isinstance(position, list):  # written before positions were topology-free: one per rank
+            position = merge_positions(epoch, position) if any(position) else None
+        if mode != "exact" or not position:
+            say(f"warning: {stopped} in {mode} mode, which keeps no record of its samples: it starts over", err=True)
+            return 0
+        first = loader.restore(epoch, restart, position)
+        if moved:
+            trained = sum(len(v) for v in position["delivered"].values())
+            say(
+                f"{stopped}: its {trained} samples trained are left out and the rest shared among "
+                f"{d.world} × {cfg.batch_size}, {steps - first} steps (each sample of the epoch once)"
+            )
+        return first
+    first = min(steps, round(step * steps / state["steps_per_epoch"]))  # as far through the epoch
+    loader.restore(epoch, restart, step=first)
+    if moved:
+        say(
+            f"{stopped}: resampled mode continues at step {first} of {steps} on {d.world} × {cfg.batch_size}, "
+            "every worker drawing a fresh stream (none of the interrupted run's is replayed)"
+        )
+    return first

@@ -1,0 +1,183 @@
+"""What one training run works with, built once before its first step: the output directory,
+the loaders, the model and its optimizer (``Parts``), then, once the run knows where it resumes,
+the schedule, the stepping model, logs, uploads and signal handling (``Run``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from imagenet_ais import checkpoint, distributed, model, upload
+from imagenet_ais.config import TrainConfig
+from imagenet_ais.data import SYNTHETIC_CLASSES, SyntheticLoader, TrainLoader, ValLoader
+from imagenet_ais.data_health import DataHealth
+from imagenet_ais.manifest import load_manifest
+from imagenet_ais.metrics import MetricsLog
+from imagenet_ais.resume import Standing
+from imagenet_ais.storage import open_store
+from imagenet_ais.stream import CacheSpec, LoaderSpec
+
+
+class StopSignal:
+    """SIGTERM / SIGUSR1 (preemption, Slurm's warning): finish the step, save, upload, exit.
+
+    Only a main thread can take signals; where training runs in another (a Ray Train worker),
+    stopping is the framework's business and this does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        main = threading.current_thread() is threading.main_thread()
+        sigs = (signal.SIGTERM, signal.SIGUSR1) if main else ()
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.received = signum
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclass
+class Parts:
+    """What a run is made of before it knows where it resumes."""
+
+    cfg: TrainConfig
+    d: distributed.Dist
+    output: Path
+    say: Callable[..., None]
+    train_loader: TrainLoader | SyntheticLoader
+    val_loader: ValLoader | None
+    classes: list[str]
+    health: DataHealth
+    raw_model: nn.Module  # the weights, as saved
+    new_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    decent: bool  # --dp decent over several processes
+    compiled: bool
+
+
+@dataclass
+class Run(Parts):
+    """A run ready to step."""
+
+    standing: Standing
+    model: nn.Module  # what steps: raw_model wrapped (DDP or --dp decent) and maybe compiled
+    criterion: nn.Module
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    log: MetricsLog
+    uploader: upload.Uploader | None
+    stop: StopSignal
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.batch_size * self.d.world
+
+
+def prepare(cfg: TrainConfig, d: distributed.Dist) -> Path:
+    """The output directory (rid of what a killed run left mid-write), seeds and cuDNN set."""
+    output = Path(cfg.output)
+    output.mkdir(parents=True, exist_ok=True)
+    if d.main:
+        checkpoint.sweep_partials(output)
+    random.seed(cfg.seed + d.rank)
+    torch.manual_seed(cfg.seed + d.rank)
+    if d.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    return output
+
+
+def loaders(
+    cfg: TrainConfig,
+    d: distributed.Dist,
+    sizes: list[int],
+    val_size: int,
+    channels_last: bool,
+    say: Callable[..., None],
+) -> tuple[TrainLoader | SyntheticLoader, ValLoader | None, list[str], str]:
+    """The training and validation loaders, the class names, and how the data is fed (for the
+    run's first line)."""
+    if cfg.synthetic:
+        classes = [str(i) for i in range(SYNTHETIC_CLASSES)]
+        return SyntheticLoader(cfg.batch_size, sizes[0], d.device, channels_last), None, classes, "synthetic data"
+    if not cfg.data:
+        raise ValueError("no --data given: point it at a shard location holding manifest.json, or use --synthetic")
+    if cfg.cache_size is not None and not cfg.cache_dir:
+        raise ValueError("--cache-size bounds --cache-dir: give --cache-dir too")
+    cuda = d.device.type == "cuda"
+    manifest = load_manifest(open_store(cfg.data))
+    if cfg.decode == "gpu" and not cuda:
+        say("note: --decode gpu without a GPU decodes in the training process, on the CPU", err=True)
+    decode = cfg.decode if cfg.decode != "auto" else "gpu" if cuda else "cpu"
+    workers = cfg.workers if cfg.workers is not None else distributed.auto_workers(d.device)
+    cache = CacheSpec(cfg.cache_dir, cfg.cache_size) if cfg.cache_dir else None
+    spec = LoaderSpec(d.world, d.rank, cfg.batch_size, cfg.seed, sizes[0], decode, len(manifest.classes), cache)
+    train_loader = TrainLoader(
+        manifest.split("train"), cfg.data, cfg.epoch_mode, spec, workers, cfg.shuffle_buffer, d.device, channels_last
+    )
+    val_loader = None
+    val_split = manifest.splits.get("val")
+    if val_split and val_split.samples:
+        val_spec = dataclasses.replace(spec, image_size=val_size)
+        val_loader = ValLoader(val_split, cfg.data, val_spec, workers, d.device, channels_last)
+    return train_loader, val_loader, manifest.classes, f"{decode} decode, {workers} workers per process"
+
+
+def build(
+    cfg: TrainConfig, d: distributed.Dist, output: Path, sizes: list[int], val_size: int, say: Callable[..., None]
+) -> Parts:
+    """The loaders, the model and its optimizer; says what trains on what in the run's first line."""
+    cuda = d.device.type == "cuda"
+    channels_last = cfg.channels_last if cfg.channels_last is not None else cuda
+    train_loader, val_loader, classes, feeding = loaders(cfg, d, sizes, val_size, channels_last, say)
+    problems = [
+        loader.dataset.problems for loader in (train_loader, val_loader) if isinstance(loader, TrainLoader | ValLoader)
+    ]
+    health = DataHealth(problems, say, cfg.max_bad)
+    raw_model = model.build_model(cfg.arch, len(classes)).to(d.device)
+    if channels_last:
+        raw_model = raw_model.to(memory_format=torch.channels_last)
+    decent, compiled = model.parallelism(cfg, d, say)
+    mode = f", compiled ({model.compile_mode(cfg, cuda)})" if compiled else ", eager"
+    say(f"{cfg.arch} on {d.world} × {d.device.type}, {feeding}{mode}")
+    new_optimizer = functools.partial(model.make_optimizer, cfg=cfg, global_batch=cfg.batch_size * d.world, fused=cuda)
+    optimizer = new_optimizer(list(raw_model.parameters()))  # --dp decent: one per bucket, inside its wrapper
+    scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.amp == "fp16")
+    return Parts(
+        cfg, d, output, say, train_loader, val_loader, classes, health, raw_model,
+        new_optimizer, optimizer, scaler, decent, compiled,
+    )  # fmt: skip
+
+
+def assemble(parts: Parts, standing: Standing, report: Callable[[dict], None] | None) -> Run:
+    """The run, continuing where ``standing`` says: its schedule, stepping model, logs, uploads."""
+    cfg, d = parts.cfg, parts.d
+    steps_per_epoch = len(parts.train_loader)
+    total_steps = steps_per_epoch * cfg.epochs
+    # the schedule is a function of the epoch's step (so of how far training is, whatever the
+    # topology), so a resumed run picks it up from its epoch and step
+    warmup = min(total_steps, round(cfg.warmup_epochs * steps_per_epoch))
+    schedule = model.lr_lambda(warmup, total_steps, start=standing.epoch * steps_per_epoch + standing.first_step)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(parts.optimizer, schedule)
+    stepping = model.wrap(
+        parts.raw_model, cfg, d, parts.decent, parts.compiled, parts.new_optimizer, schedule, parts.scaler
+    )
+    resume_step = standing.step if cfg.resume else None
+    log = MetricsLog(parts.output if d.main else None, resume_step=resume_step, report=report)
+    uploader = upload.Uploader(cfg.upload, cfg.upload_retry_seconds) if cfg.upload and d.main else None
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    return Run(
+        **vars(parts), standing=standing, model=stepping, criterion=criterion, scheduler=scheduler,
+        log=log, uploader=uploader, stop=StopSignal(),
+    )  # fmt: skip

@@ -1,0 +1,151 @@
+"""Train a torchvision classifier on ImageNet WebDataset shards (single process or torchrun DDP)."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import click
+
+from imagenet_ais.config import TrainConfig
+from imagenet_ais.decentralized import TOPOLOGIES
+from imagenet_ais.training import train
+
+DEFAULTS = TrainConfig()  # the options' defaults are the config's
+
+
+def parse_bytes(value: str | None) -> int | None:
+    """``"500G"`` → 500 × 2**30 (K, M, G, T: powers of 1024; no suffix: bytes)."""
+    if value is None:
+        return None
+    found = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)I?B?", value.strip().upper())
+    if not found:
+        raise click.BadParameter(f"{value!r} is not a size: bytes, or a number with K, M, G or T (e.g. 500G)")
+    return int(float(found[1]) * 1024 ** " KMGT".index(found[2] or " "))
+
+
+def parse_workers(value: str) -> int | None:
+    """``auto`` → None (sized on the node that trains, see distributed.auto_workers), else a count."""
+    if value == "auto":
+        return None
+    if not value.isdigit():
+        raise click.BadParameter(f"{value!r} is neither 'auto' nor a number of workers (0 or more)")
+    return int(value)
+
+
+@click.command(context_settings={"show_default": True, "max_content_width": 100})
+@click.option("--data", help="shard location holding manifest.json (directory, file://, ais://, gs://, http(s)://)")
+@click.option("--output", default=DEFAULTS.output, help="checkpoints, metrics.jsonl and logs go here")
+@click.option("--arch", default=DEFAULTS.arch, help="any torchvision classification model")
+@click.option("--epochs", default=DEFAULTS.epochs, type=click.IntRange(min=1))
+@click.option("--batch-size", default=DEFAULTS.batch_size, type=click.IntRange(min=1), help="per process")
+@click.option(
+    "--lr", default=DEFAULTS.lr, type=float, help="peak learning rate per 256 images (scaled by global batch)"
+)
+@click.option("--warmup-epochs", default=DEFAULTS.warmup_epochs, type=click.FloatRange(min=0))
+@click.option("--weight-decay", default=DEFAULTS.weight_decay, type=float, help="not applied to norm layers and biases")
+@click.option("--label-smoothing", default=DEFAULTS.label_smoothing, type=click.FloatRange(0, 1))
+@click.option(
+    "--workers",
+    default="auto",
+    callback=lambda ctx, param, value: parse_workers(value),
+    help="DataLoader workers per process; auto: this node's CPUs per local rank (less 2 on a GPU)",
+)
+@click.option(
+    "--image-size", default=DEFAULTS.image_size, type=click.IntRange(min=16), help="training (and validation) size"
+)
+@click.option(
+    "--progressive",
+    metavar="START:END",
+    help="progressive resizing: training size grows linearly from START to END over the epochs (steps of 32)",
+)
+@click.option("--val-size", type=click.IntRange(min=16), help="validation size [default: END or --image-size]")
+@click.option(
+    "--amp", default=DEFAULTS.amp, type=click.Choice(["auto", "bf16", "fp16", "off"]), help="auto: bf16 on GPU"
+)
+@click.option("--channels-last/--no-channels-last", default=None, help="[default: on for GPU]")
+@click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile the model [default: on for GPU]")
+@click.option(
+    "--compile-mode",
+    type=click.Choice(["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]),
+    help="torch.compile mode [default: reduce-overhead (CUDA graphs) on GPU, else default]",
+)
+@click.option(
+    "--decode",
+    default=DEFAULTS.decode,
+    type=click.Choice(["auto", "cpu", "gpu"]),
+    help="cpu: PIL in the DataLoader workers; gpu: nvJPEG, crop and resize on the GPU; auto: gpu where CUDA is",
+)
+@click.option(
+    "--dp",
+    default=DEFAULTS.dp,
+    type=click.Choice(["ddp", "decent"]),
+    help="ddp: all-reduce of gradients; decent: decentralized, each rank mixes with its --topology peers",
+)
+@click.option(
+    "--topology",
+    default=DEFAULTS.topology,
+    type=click.Choice(TOPOLOGIES),
+    help="--dp decent: who mixes with whom at each step",
+)
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False),
+    help="keep shards read from a remote --data here (later epochs read them locally); share it per node",
+)
+@click.option(
+    "--cache-size",
+    metavar="SIZE",
+    callback=lambda ctx, param, value: parse_bytes(value),
+    help="bound of --cache-dir, e.g. 500G (least recently used shards go first) [default: none]",
+)
+@click.option("--seed", default=DEFAULTS.seed)
+@click.option("--resume", help="'auto' (the last checkpoint in --output, if any) or a checkpoint path")
+@click.option("--max-steps", type=click.IntRange(min=1), help="stop after this global step (checkpointed)")
+@click.option("--synthetic", is_flag=True, help="random data already on the device: the throughput ceiling")
+@click.option("--epoch-mode", default=DEFAULTS.epoch_mode, type=click.Choice(["resampled", "exact"]))
+@click.option(
+    "--shuffle-buffer",
+    default=DEFAULTS.shuffle_buffer,
+    type=click.IntRange(min=1),
+    help="samples each rank mixes, split among its workers (each at least one batch)",
+)
+@click.option(
+    "--max-bad",
+    default=DEFAULTS.max_bad,
+    type=click.FloatRange(0, 1),
+    help="fraction of an epoch's samples that may be skipped or padded (damaged data) before the run stops",
+)
+@click.option("--log-every", default=DEFAULTS.log_every, type=click.IntRange(min=1), help="steps per metrics record")
+@click.option("--log-keys", is_flag=True, help="write every training key per epoch and rank under OUTPUT/keys/")
+@click.option("--upload", help="also upload checkpoints, metrics and log here (gs://, ais:// or a directory)")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), help="steps between checkpoints (besides epoch ends)")
+@click.option(
+    "--keep-last", default=DEFAULTS.keep_last, type=click.IntRange(min=1), help="step checkpoints kept in --output"
+)
+@click.option(
+    "--upload-retry-seconds",
+    default=DEFAULTS.upload_retry_seconds,
+    help="retry a failing upload this long before warning",
+)
+@click.option("--flush-timeout", default=DEFAULTS.flush_timeout, help="at exit, wait this long for pending uploads")
+def main(compile_: bool, **options: object) -> None:
+    """Train with fixed-length epochs, DDP, validation and checkpoints every epoch.
+
+    Exit status: 0 done (or --max-steps reached); 1 bad input; 3 some upload never made it
+    (local copies kept); 4 an epoch's data was damaged beyond --max-bad (checkpoint saved);
+    75 stopped by SIGTERM/SIGUSR1 after saving: continue with --resume auto.
+    """
+    cfg = TrainConfig(compile=compile_, **options)  # type: ignore[arg-type]
+    try:
+        outcome = train(cfg)
+    except (OSError, ValueError) as e:  # OSError: the data location is unreachable or refused us
+        raise click.ClickException(str(e)) from e
+    sys.exit(outcome["exit_code"])
+
+
+def parse(args: list[str]) -> TrainConfig:
+    """The config these options give, for launchers that call ``train`` themselves (tools/ray_train.py)."""
+    with main.make_context("train.py", list(args)) as ctx:
+        options = dict(ctx.params)
+    return TrainConfig(compile=options.pop("compile_"), **options)
