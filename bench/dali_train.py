@@ -133,31 +133,25 @@ def build_pipeline(args: argparse.Namespace, shards: list[str], rank: int, world
             stick_to_shard=False,
             name="Reader",
         )
-        if cpu:
-            images = fn.decoders.image_random_crop(
-                jpegs,
-                device="cpu",
-                output_type=types.RGB,
-                random_area=[0.08, 1.0],
-                random_aspect_ratio=[3 / 4, 4 / 3],
-                num_attempts=100,
-            )
-        else:
-            images = fn.decoders.image_random_crop(
-                jpegs,
-                device="mixed",
-                output_type=types.RGB,
-                random_area=[0.08, 1.0],
-                random_aspect_ratio=[3 / 4, 4 / 3],
-                num_attempts=100,
-                hw_decoder_load=args.hw_load,
-                # the buffer sizes of DALI's ResNet-50 example: no reallocation on ImageNet's
-                # largest pictures mid-run
-                device_memory_padding=211025920,
-                host_memory_padding=140544512,
-                preallocate_width_hint=5980,
-                preallocate_height_hint=6430,
-            )
+        # the mixed decoder: the hardware JPEG engine for --hw-load of the batch, nvJPEG's CUDA
+        # path for the rest; the buffer sizes of DALI's ResNet-50 example, so that ImageNet's
+        # largest pictures cause no reallocation mid-run
+        gpu_options = {
+            "hw_decoder_load": args.hw_load,
+            "device_memory_padding": 211025920,
+            "host_memory_padding": 140544512,
+            "preallocate_width_hint": 5980,
+            "preallocate_height_hint": 6430,
+        }
+        images = fn.decoders.image_random_crop(
+            jpegs,
+            device="cpu" if cpu else "mixed",
+            output_type=types.RGB,
+            random_area=[0.08, 1.0],
+            random_aspect_ratio=[3 / 4, 4 / 3],
+            num_attempts=100,
+            **({} if cpu else gpu_options),
+        )
         size = args.image_size
         images = fn.resize(images, resize_x=size, resize_y=size, interp_type=types.INTERP_TRIANGULAR)
         images = fn.crop_mirror_normalize(

@@ -44,14 +44,11 @@ from pathlib import Path
 import click
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from imagenet_ais.data import TrainLoader  # noqa: E402
-from imagenet_ais.manifest import load_manifest  # noqa: E402
-from imagenet_ais.storage import open_store  # noqa: E402
-from imagenet_ais.stream import LoaderSpec  # noqa: E402
-from imagenet_ais.transforms import (  # noqa: E402
+from imagenet_ais.data import Feeding, TrainLoader
+from imagenet_ais.manifest import load_manifest
+from imagenet_ais.storage import open_store
+from imagenet_ais.stream import LoaderSpec
+from imagenet_ais.transforms import (
     decode_on_cpu,
     decode_on_device,
     encode_batch,
@@ -59,6 +56,7 @@ from imagenet_ais.transforms import (  # noqa: E402
     pin_encoded,
 )
 
+ROOT = Path(__file__).resolve().parent.parent
 DECODES = ("cpu", "gpu")
 
 
@@ -291,7 +289,7 @@ def loader_rate(data: str, decode: str, workers: int, batch: int, size: int, on_
     split = load_manifest(open_store(data)).split("train")
     spec = LoaderSpec(world=1, rank=0, batch=batch, seed=0, image_size=size, decode=decode)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # pinned batches, as in training
-    loader = TrainLoader(split, data, "resampled", spec, workers, 2000, device, channels_last=True)
+    loader = TrainLoader(split, data, "resampled", spec, Feeding(workers, device, channels_last=True), 2000)
     stream = iter(loader) if on_device else loader.host_batches()
     for _ in range(10):  # workers start, buffer fills
         next(stream)

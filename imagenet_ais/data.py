@@ -26,6 +26,7 @@ import multiprocessing as mp
 import random
 import signal
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -164,19 +165,20 @@ class _OnDevice:
         return Batch(x, batch.labels.to(self.device, non_blocking=True), batch.keys), batch.ids
 
 
+@dataclass(frozen=True)
+class Feeding:
+    """How a rank's loader feeds its device: DataLoader workers, the device, the memory layout."""
+
+    workers: int
+    device: torch.device = CPU
+    channels_last: bool = False
+
+
 class _ShardLoader:
     """What the train and val loaders share: the worker stream and the feed to the device."""
 
     def __init__(
-        self,
-        split: SplitInfo,
-        location: str,
-        mode: str,
-        spec: LoaderSpec,
-        workers: int,
-        device: torch.device,
-        channels_last: bool,
-        shuffle: int = 0,
+        self, split: SplitInfo, location: str, mode: str, spec: LoaderSpec, feeding: Feeding, shuffle: int = 0
     ):
         cache = None
         if spec.cache and not is_local(location):  # a local location is on disk already
@@ -187,9 +189,9 @@ class _ShardLoader:
             **vars(spec), location=location, names=names, counts=counts, shard_cache=cache, shuffle=shuffle
         )
         self.dataset = ShardStream(self.spec, mode)
-        self.loader = _loader(self.dataset, self.spec.batch, workers)
-        self.device, self.pin = device, device.type == "cuda"
-        self.to_device = _OnDevice(self.dataset, device, channels_last)
+        self.loader = _loader(self.dataset, self.spec.batch, feeding.workers)
+        self.device, self.pin = feeding.device, feeding.device.type == "cuda"
+        self.to_device = _OnDevice(self.dataset, feeding.device, feeding.channels_last)
         self.feed: DeviceFeed | None = None  # the epoch's, while it is iterated
 
     def busy(self) -> dict[str, float]:
@@ -219,22 +221,14 @@ class TrainLoader(_ShardLoader):
     """
 
     def __init__(
-        self,
-        split: SplitInfo,
-        location: str,
-        mode: str,
-        spec: LoaderSpec,
-        workers: int,
-        shuffle_buffer: int,
-        device: torch.device = CPU,
-        channels_last: bool = False,
+        self, split: SplitInfo, location: str, mode: str, spec: LoaderSpec, feeding: Feeding, shuffle_buffer: int
     ):
         if split.samples == 0:
             raise ValueError("the training split has no samples")
         batch = spec.batch
         # the rank's buffer, split among its workers; each needs a batch to hand one over
-        shuffle = max(batch, shuffle_buffer // max(1, workers))
-        super().__init__(split, location, mode, spec, workers, device, channels_last, shuffle)
+        shuffle = max(batch, shuffle_buffer // max(1, feeding.workers))
+        super().__init__(split, location, mode, spec, feeding, shuffle)
         counts, world = self.spec.counts, self.spec.world
         if mode == "exact":
             self.steps = exact_assignment(counts, world, batch, self.spec.seed, 0)[1]
@@ -336,16 +330,8 @@ class TrainLoader(_ShardLoader):
 class ValLoader(_ShardLoader):
     """Every validation sample exactly once across ranks (batches may be short)."""
 
-    def __init__(
-        self,
-        split: SplitInfo,
-        location: str,
-        spec: LoaderSpec,
-        workers: int,
-        device: torch.device = CPU,
-        channels_last: bool = False,
-    ):
-        super().__init__(split, location, "val", spec, workers, device, channels_last)
+    def __init__(self, split: SplitInfo, location: str, spec: LoaderSpec, feeding: Feeding):
+        super().__init__(split, location, "val", spec, feeding)
         self.samples = split.samples
 
     def host_batches(self) -> Iterator[HostBatch]:
@@ -357,6 +343,8 @@ class ValLoader(_ShardLoader):
 
 class SyntheticLoader:
     """Random images already on the device: the rate with no input pipeline at all."""
+
+    restored = None  # no data position to continue from: every synthetic step is alike
 
     def __init__(self, batch: int, size: int, device: torch.device, channels_last: bool):
         self.fmt = torch.channels_last if channels_last else torch.contiguous_format
@@ -381,3 +369,6 @@ class SyntheticLoader:
 
     def counters(self) -> dict[str, int]:
         return {"skipped": 0, "read_errors": 0, "padded": 0}
+
+    def plan(self) -> None:
+        return None  # nothing a resumed epoch must match

@@ -77,7 +77,7 @@ def continue_epoch(
     per-rank batch and workers may differ from the interrupted run's; where the epoch cannot
     be continued as it would have gone on, says so in one line and what it does instead."""
     epoch, step, steps = state["epoch"], state["step_in_epoch"], len(loader)
-    if not step or isinstance(loader, SyntheticLoader):
+    if not step or cfg.synthetic:
         return min(step, steps)
     world, batch, mode = len(state["rng"]), state["config"]["batch_size"], state["config"]["epoch_mode"]
     moved = (world, batch) != (d.world, cfg.batch_size)

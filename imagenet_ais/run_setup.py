@@ -18,7 +18,7 @@ from torch import nn
 
 from imagenet_ais import checkpoint, distributed, model, upload
 from imagenet_ais.config import TrainConfig
-from imagenet_ais.data import SYNTHETIC_CLASSES, SyntheticLoader, TrainLoader, ValLoader
+from imagenet_ais.data import SYNTHETIC_CLASSES, Feeding, SyntheticLoader, TrainLoader, ValLoader
 from imagenet_ais.data_health import DataHealth
 from imagenet_ais.manifest import load_manifest
 from imagenet_ais.metrics import MetricsLog
@@ -123,14 +123,13 @@ def loaders(
     workers = cfg.workers if cfg.workers is not None else distributed.auto_workers(d.device)
     cache = CacheSpec(cfg.cache_dir, cfg.cache_size) if cfg.cache_dir else None
     spec = LoaderSpec(d.world, d.rank, cfg.batch_size, cfg.seed, sizes[0], decode, len(manifest.classes), cache)
-    train_loader = TrainLoader(
-        manifest.split("train"), cfg.data, cfg.epoch_mode, spec, workers, cfg.shuffle_buffer, d.device, channels_last
-    )
+    feeding = Feeding(workers, d.device, channels_last)
+    train_loader = TrainLoader(manifest.split("train"), cfg.data, cfg.epoch_mode, spec, feeding, cfg.shuffle_buffer)
     val_loader = None
     val_split = manifest.splits.get("val")
     if val_split and val_split.samples:
         val_spec = dataclasses.replace(spec, image_size=val_size)
-        val_loader = ValLoader(val_split, cfg.data, val_spec, workers, d.device, channels_last)
+        val_loader = ValLoader(val_split, cfg.data, val_spec, feeding)
     return train_loader, val_loader, manifest.classes, f"{decode} decode, {workers} workers per process"
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from imagenet_ais import checkpoint, decentralized, distributed, keys_log, locks, resume, run_setup
 from imagenet_ais.config import TrainConfig, image_sizes
-from imagenet_ais.data import TrainLoader, ValLoader
+from imagenet_ais.data import ValLoader
 from imagenet_ais.metrics import LOG, METRICS, Reporter
 from imagenet_ais.model import autocast
 from imagenet_ais.progress import Progress, Window
@@ -180,11 +180,10 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
     if run.decent and standing.averaged_at != standing.step:
         average(run)  # the model every rank continues from
     rng = distributed.gather_objects(checkpoint.rng_state())
-    exact = isinstance(loader, TrainLoader) and cfg.epoch_mode == "exact" and step_in_epoch > 0
+    exact = cfg.epoch_mode == "exact" and not cfg.synthetic and step_in_epoch > 0
     positions = distributed.gather_objects(loader.position() if exact else None)
     if not d.main:
         return
-    restored = loader.restored if isinstance(loader, TrainLoader) else None
     state = {
         "model": run.raw_model.state_dict(),
         "optimizer": None if run.decent else run.optimizer.state_dict(),
@@ -197,8 +196,8 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
         "last_val": standing.last_val,
         "rng": rng,
         # the samples of the epoch trained so far, whichever rank trained them
-        "data_position": merge_positions(epoch, [restored, *positions]) if exact else None,
-        "plan": loader.plan() if isinstance(loader, TrainLoader) else None,
+        "data_position": merge_positions(epoch, [loader.restored, *positions]) if exact else None,
+        "plan": loader.plan(),
         "keys_logged": keys_log.sizes(run.output, epoch) if cfg.log_keys else {},
         "arch": cfg.arch,
         "classes": run.classes,
@@ -218,7 +217,7 @@ def finish(run: Run, complete: bool, exit_code: int = 0) -> dict[str, Any]:
     """Closes the run (signals, logs, pending uploads); its outcome."""
     cfg = run.cfg
     run.stop.restore()
-    if isinstance(run.train_loader, TrainLoader):
+    if not cfg.synthetic:
         run.say(run.health.summary())
     run.log.close()
     if run.uploader:

@@ -20,7 +20,7 @@ from conftest import ROOT, tiny_jpeg, write_shards
 from PIL import Image
 
 from imagenet_ais import shards, synth
-from imagenet_ais.data import TrainLoader, ValLoader
+from imagenet_ais.data import Feeding, TrainLoader, ValLoader
 from imagenet_ais.manifest import Manifest, load_manifest
 from imagenet_ais.sampling import contiguous_assignment, exact_assignment, split_among_workers
 from imagenet_ais.storage import open_store
@@ -39,7 +39,7 @@ def loaders(
 ) -> list[TrainLoader]:
     split = manifest.split("train")
     specs = [spec(r, world, batch, decode=decode) for r in range(world)]
-    return [TrainLoader(split, str(root), mode, s, workers, 16) for s in specs]
+    return [TrainLoader(split, str(root), mode, s, Feeding(workers), 16) for s in specs]
 
 
 @pytest.mark.parametrize(("world", "batch"), [(1, 5), (2, 4), (3, 4), (4, 2), (8, 1)])
@@ -167,7 +167,7 @@ def test_validation_two_ranks_cover_the_split_exactly(tmp_path: Path) -> None:
     split = manifest.split("val")
     keys: list[str] = []
     for rank in range(2):
-        for batch in ValLoader(split, str(tmp_path), spec(rank, 2, 3), workers=2):
+        for batch in ValLoader(split, str(tmp_path), spec(rank, 2, 3), Feeding(2)):
             assert batch.images.shape[1:] == (3, 32, 32)
             keys += batch.keys
     assert sorted(keys) == sorted(f"val-{s}-{i}" for s, n in enumerate([5, 2, 9]) for i in range(n))
@@ -207,13 +207,13 @@ def test_a_process_exits_while_its_loader_workers_are_still_busy(tmp_path: Path)
     # never shut down must still end the process instead of waiting on them forever.
     write_shards(tmp_path, {"train": UNEVEN})
     script = f"""
-from imagenet_ais.data import TrainLoader
+from imagenet_ais.data import Feeding, TrainLoader
 from imagenet_ais.manifest import load_manifest
 from imagenet_ais.storage import open_store
 from imagenet_ais.stream import LoaderSpec
 split = load_manifest(open_store({str(tmp_path)!r})).split("train")
 spec = LoaderSpec(world=1, rank=0, batch=2, seed=0, image_size=32)
-batches = iter(TrainLoader(split, {str(tmp_path)!r}, "resampled", spec, 2, 4))
+batches = iter(TrainLoader(split, {str(tmp_path)!r}, "resampled", spec, Feeding(2), 4))
 next(batches)
 print("leaving", flush=True)
 """
@@ -248,7 +248,7 @@ def test_a_samples_crop_and_flip_follow_seed_epoch_and_key_whatever_the_ranks_wo
         out: dict[str, torch.Tensor] = {}
         for rank in range(world):
             loader = TrainLoader(
-                split, str(tmp_path / "shards"), "exact", spec(rank, world, 2, decode=decode), workers, 16
+                split, str(tmp_path / "shards"), "exact", spec(rank, world, 2, decode=decode), Feeding(workers), 16
             )
             loader.set_epoch(epoch)
             for batch, _, keys in loader:
