@@ -18,6 +18,16 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 1e-4
     label_smoothing: float = 0.1
+    mixup_alpha: float = 0.0  # > 0: Mixup on the device batches (recipe.py)
+    cutmix_alpha: float = 0.0  # > 0: CutMix; with both, one of the two per batch
+    model_ema: bool = False  # keep an exponential moving average of the weights, validated and saved too
+    model_ema_steps: int = 32  # steps between EMA updates
+    model_ema_decay: float = 0.99998  # per image of a 256-batch epoch scale, adjusted as torchvision's recipe does
+    model_ema_best: bool = False  # best.pt chosen on the EMA's top-1 rather than the model's
+    clip_grad_norm: float | None = None  # clip the gradients' global L2 norm to this
+    sync_bn: bool = False  # BatchNorm statistics over all ranks (GPUs)
+    weights: str | None = None  # start from this state dict or checkpoint file (a --resume checkpoint wins)
+    test_only: bool = False  # only validate the model (--weights or --resume) on the val split, then stop
     workers: int | None = None  # None = auto: the node's CPUs per local rank (distributed.auto_workers)
     image_size: int = 224
     progressive: str | None = None  # "START:END": train size grows over epochs (steps of 32)

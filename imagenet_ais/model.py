@@ -6,8 +6,10 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +17,7 @@ import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from imagenet_ais import decentralized, distributed
+from imagenet_ais import checkpoint, decentralized, distributed
 from imagenet_ais.config import TrainConfig
 
 
@@ -25,6 +27,36 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
     except ValueError as e:
         known = ", ".join(torchvision.models.list_models(module=torchvision.models))
         raise ValueError(f"--arch {arch!r} is not a torchvision classification model; one of: {known}") from e
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """Start ``model`` from the weights in ``path``: a train.py checkpoint (its digest checked) or
+    a plain state dict such as torchvision's released weights; one line if they do not fit."""
+    with warnings.catch_warnings():  # torch's notes on foreign pickles: the error below says it all
+        warnings.simplefilter("ignore")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # damaged, or a pickle of more than tensors (never run its code)
+            raise ValueError(f"--weights {path}: not a state dict or checkpoint ({type(e).__name__})") from None
+    if isinstance(state, dict) and "model" in state:
+        state = checkpoint.load(Path(path))["model"]
+    if not isinstance(state, dict):
+        raise ValueError(f"--weights {path}: holds no state dict")
+    state = {k.removeprefix("module."): v for k, v in state.items()}  # saved from inside DDP
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        problem = str(e).strip().splitlines()[-1].strip()
+        raise ValueError(f"--weights {path}: does not fit this model ({problem})") from None
+
+
+def sync_batchnorm(model: nn.Module, cfg: TrainConfig, d: distributed.Dist) -> nn.Module:
+    """``model`` with BatchNorm over all ranks (--sync-bn): torch's SyncBatchNorm runs on GPUs only."""
+    if not cfg.sync_bn or d.world == 1:
+        return model
+    if d.device.type != "cuda":
+        raise ValueError("--sync-bn: SyncBatchNorm runs on GPUs only; leave it out on CPU")
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
 def param_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict[str, Any]]:

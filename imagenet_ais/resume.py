@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 from imagenet_ais import checkpoint, distributed, keys_log
 from imagenet_ais.config import TrainConfig
@@ -40,9 +41,11 @@ def resume(
     classes: list[str],
     loader: TrainLoader | SyntheticLoader,
     say: Callable[..., None],
+    ema: AveragedModel | None = None,
 ) -> Standing:
     """Where the run starts: afresh, or from the checkpoint --resume finds, whose weights,
-    optimizer, scaler and RNG are loaded, with ``loader`` set to continue its epoch."""
+    optimizer, scaler, RNG (and --model-ema average) are loaded, with ``loader`` set to continue
+    its epoch."""
     found = checkpoint.resume(cfg.resume, Path(cfg.output), cfg.upload, (METRICS, LOG), d.local_rank == 0, say)
     if not found:
         return Standing()
@@ -58,6 +61,12 @@ def resume(
     else:
         say("note: the optimizer's momentum starts afresh (--dp decent keeps one per rank, not checkpointed)")
     scaler.load_state_dict(state["scaler"])
+    if ema is not None:
+        if state.get("model_ema"):
+            ema.load_state_dict(state["model_ema"])
+        else:
+            ema.module.load_state_dict(model.state_dict())
+            say("note: the checkpoint keeps no --model-ema average: it starts from the resumed weights")
     if len(state["rng"]) == d.world:
         checkpoint.set_rng_state(state["rng"][d.rank])
     if cfg.log_keys and d.main and "keys_logged" in state:  # (older checkpoints recorded none)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from imagenet_ais import checkpoint, distributed, model, upload
+from imagenet_ais import checkpoint, distributed, model, recipe, upload
 from imagenet_ais.config import TrainConfig
 from imagenet_ais.data import SYNTHETIC_CLASSES, Feeding, SyntheticLoader, TrainLoader, ValLoader
 from imagenet_ais.data_health import DataHealth
@@ -66,6 +66,7 @@ class Parts:
     scaler: torch.amp.GradScaler
     decent: bool  # --dp decent over several processes
     compiled: bool
+    ema: recipe.ModelEma | None  # --model-ema
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Run(Parts):
     standing: Standing
     model: nn.Module  # what steps: raw_model wrapped (DDP or --dp decent) and maybe compiled
     criterion: nn.Module
+    mixer: recipe.Mixer | None  # --mixup-alpha, --cutmix-alpha
     scheduler: torch.optim.lr_scheduler.LambdaLR
     log: MetricsLog
     uploader: upload.Uploader | None
@@ -144,10 +146,17 @@ def build(
         loader.dataset.problems for loader in (train_loader, val_loader) if isinstance(loader, TrainLoader | ValLoader)
     ]
     health = DataHealth(problems, say, cfg.max_bad)
-    raw_model = model.build_model(cfg.arch, len(classes)).to(d.device)
+    raw_model = model.build_model(cfg.arch, len(classes))
+    if cfg.weights:
+        model.load_weights(raw_model, cfg.weights)
+    raw_model = model.sync_batchnorm(raw_model.to(d.device), cfg, d)
     if channels_last:
         raw_model = raw_model.to(memory_format=torch.channels_last)
     decent, compiled = model.parallelism(cfg, d, say)
+    if decent and cfg.clip_grad_norm:
+        raise ValueError("--clip-grad-norm with --dp decent: its wrapper steps inside backward; leave one out")
+    decay = recipe.ema_decay(cfg.model_ema_decay, cfg.model_ema_steps, cfg.batch_size * d.world, cfg.epochs)
+    ema = recipe.ModelEma(raw_model, decay) if cfg.model_ema else None
     mode = f", compiled ({model.compile_mode(cfg, cuda)})" if compiled else ", eager"
     say(f"{cfg.arch} on {d.world} × {d.device.type}, {feeding}{mode}")
     new_optimizer = functools.partial(model.make_optimizer, cfg=cfg, global_batch=cfg.batch_size * d.world, fused=cuda)
@@ -155,7 +164,7 @@ def build(
     scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.amp == "fp16")
     return Parts(
         cfg, d, output, say, train_loader, val_loader, classes, health, raw_model,
-        new_optimizer, optimizer, scaler, decent, compiled,
+        new_optimizer, optimizer, scaler, decent, compiled, ema,
     )  # fmt: skip
 
 
@@ -177,6 +186,7 @@ def assemble(parts: Parts, standing: Standing, report: Callable[[dict], None] | 
     uploader = upload.Uploader(cfg.upload, cfg.upload_retry_seconds) if cfg.upload and d.main else None
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     return Run(
-        **vars(parts), standing=standing, model=stepping, criterion=criterion, scheduler=scheduler,
+        **vars(parts), standing=standing, model=stepping, criterion=criterion,
+        mixer=recipe.batch_mixer(cfg.mixup_alpha, cfg.cutmix_alpha, len(parts.classes)), scheduler=scheduler,
         log=log, uploader=uploader, stop=StopSignal(),
     )  # fmt: skip

@@ -45,6 +45,32 @@ def parse_workers(value: str) -> int | None:
 @click.option("--warmup-epochs", default=DEFAULTS.warmup_epochs, type=click.FloatRange(min=0))
 @click.option("--weight-decay", default=DEFAULTS.weight_decay, type=float, help="not applied to norm layers and biases")
 @click.option("--label-smoothing", default=DEFAULTS.label_smoothing, type=click.FloatRange(0, 1))
+@click.option("--mixup-alpha", default=DEFAULTS.mixup_alpha, type=click.FloatRange(min=0), help="Mixup (0: off)")
+@click.option(
+    "--cutmix-alpha",
+    default=DEFAULTS.cutmix_alpha,
+    type=click.FloatRange(min=0),
+    help="CutMix (0: off; both: one per batch)",
+)
+@click.option("--model-ema", is_flag=True, help="keep an exponential moving average of the weights (validated, saved)")
+@click.option(
+    "--model-ema-steps", default=DEFAULTS.model_ema_steps, type=click.IntRange(min=1), help="steps per update"
+)
+@click.option(
+    "--model-ema-decay",
+    default=DEFAULTS.model_ema_decay,
+    type=click.FloatRange(0, 1),
+    help="decay, adjusted to the global batch, --model-ema-steps and --epochs as torchvision's recipe does",
+)
+@click.option("--model-ema-best", is_flag=True, help="choose best.pt on the EMA's validation top-1")
+@click.option("--clip-grad-norm", type=click.FloatRange(min=0, min_open=True), help="clip the gradients' global norm")
+@click.option("--sync-bn", is_flag=True, help="BatchNorm statistics over all ranks (GPUs only)")
+@click.option(
+    "--weights",
+    type=click.Path(dir_okay=False, exists=True),
+    help="start from this state dict or checkpoint file (torchvision's or train.py's; --resume's checkpoint wins)",
+)
+@click.option("--test-only", is_flag=True, help="validate --weights or --resume's model on the val split, then stop")
 @click.option(
     "--workers",
     default="auto",

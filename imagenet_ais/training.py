@@ -22,7 +22,9 @@ from imagenet_ais.data import ValLoader
 from imagenet_ais.metrics import LOG, METRICS, Reporter
 from imagenet_ais.model import autocast
 from imagenet_ais.progress import Progress, Window
-from imagenet_ais.run_setup import Run
+from imagenet_ais.recipe import ModelEma
+from imagenet_ais.resume import Standing
+from imagenet_ais.run_setup import Parts, Run
 from imagenet_ais.sampling import merge_positions
 
 EXIT_UPLOAD_FAILED = 3  # trained (or stopped cleanly), but some upload never made it: see stderr
@@ -55,7 +57,11 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
     sizes, val_size = image_sizes(cfg)
     parts = run_setup.build(cfg, d, output, sizes, val_size, say)
     optimizer = None if parts.decent else parts.optimizer
-    standing = resume.resume(cfg, d, parts.raw_model, optimizer, parts.scaler, parts.classes, parts.train_loader, say)
+    standing = resume.resume(
+        cfg, d, parts.raw_model, optimizer, parts.scaler, parts.classes, parts.train_loader, say, parts.ema
+    )
+    if cfg.test_only:
+        return test_only(parts, standing)
     if standing.epoch >= cfg.epochs:
         say(f"{output}: already trained {cfg.epochs} epochs; use a new --output or more --epochs")
         return {"step": standing.step, "val": standing.last_val, "complete": True, "exit_code": 0}
@@ -106,6 +112,8 @@ def train_epoch(run: Run) -> Stopped | None:
         window.waited += time.perf_counter() - t0
         loss = train_step(run, x, y)
         standing.step += 1
+        if run.ema and standing.step % cfg.model_ema_steps == 0:
+            update_ema(run, run.ema)
         window.steps += 1
         window.losses.append(loss.detach())
         if keys_out:
@@ -138,6 +146,8 @@ def train_epoch(run: Run) -> Stopped | None:
 
 def train_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """One optimizer step on a batch; its loss."""
+    if run.mixer:
+        x, y = run.mixer(x, y)  # y: class probabilities from here on
     with autocast(run.cfg, run.d.device):
         loss = run.criterion(run.model(x), y)
     if run.decent:  # the wrapper's backward hooks step, zero and mix each bucket
@@ -145,10 +155,35 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return loss
     run.optimizer.zero_grad(set_to_none=True)
     run.scaler.scale(loss).backward()
+    if run.cfg.clip_grad_norm:
+        run.scaler.unscale_(run.optimizer)  # the norm of the true gradients, not the scaled ones
+        nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.cfg.clip_grad_norm)
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.scheduler.step()
     return loss
+
+
+def update_ema(run: Run, ema: ModelEma) -> None:
+    """--model-ema: the average takes a step towards the weights; during the warmup epochs it
+    only follows them (the early weights are not worth remembering), as torchvision's recipe."""
+    ema.update_parameters(run.raw_model)
+    if run.standing.epoch < run.cfg.warmup_epochs:
+        ema.n_averaged.fill_(0)
+
+
+def test_only(parts: Parts, standing: Standing) -> dict[str, Any]:
+    """--test-only: validates the model as loaded (and its EMA, if kept), says it, trains nothing."""
+    if not (parts.cfg.weights or standing.step):
+        raise ValueError("--test-only: nothing to test; give --weights or --resume (a checkpoint)")
+    if parts.val_loader is None:
+        raise ValueError(f"--test-only: {parts.cfg.data} has no val split to evaluate on")
+    val = validate(parts.raw_model, parts.val_loader, parts.cfg, parts.d)
+    parts.say(f"test: top-1 {val['top1']:.4f}% top-5 {val['top5']:.4f}% over {val['samples']} images")
+    if parts.ema and standing.step:
+        ema = validate(parts.ema.module, parts.val_loader, parts.cfg, parts.d)
+        parts.say(f"test, EMA weights: top-1 {ema['top1']:.4f}% top-5 {ema['top5']:.4f}%")
+    return {"step": standing.step, "val": val, "complete": True, "exit_code": 0}
 
 
 def evaluate(run: Run) -> bool:
@@ -157,12 +192,18 @@ def evaluate(run: Run) -> bool:
     # decentralized ranks agree on one model first (the average); record how far apart they were
     agreement = average(run) if run.decent else {}
     val = standing.last_val = validate(run.raw_model, run.val_loader, run.cfg, run.d)
-    run.log.write(kind="val", epoch=standing.epoch, step=standing.step, **val, **agreement)
     top = f"val top-1 {val['top1']:.2f}% top-5 {val['top5']:.2f}%"
+    best_of = val["top1"]
+    if run.ema:
+        ema = validate(run.ema.module, run.val_loader, run.cfg, run.d)
+        val = {**val, "ema_top1": ema["top1"], "ema_top5": ema["top5"]}
+        top += f" (EMA {ema['top1']:.2f}% / {ema['top5']:.2f}%)"
+        best_of = ema["top1"] if run.cfg.model_ema_best else best_of
+    run.log.write(kind="val", epoch=standing.epoch, step=standing.step, **val, **agreement)
     run.say(f"epoch {standing.epoch + 1}: {top} over {val['samples']} images")
-    if val["top1"] <= standing.best_top1:
+    if best_of <= standing.best_top1:
         return False
-    standing.best_top1 = val["top1"]
+    standing.best_top1 = best_of
     return True
 
 
@@ -186,6 +227,7 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
         return
     state = {
         "model": run.raw_model.state_dict(),
+        "model_ema": run.ema.state_dict() if run.ema else None,
         "optimizer": None if run.decent else run.optimizer.state_dict(),
         "scaler": run.scaler.state_dict(),
         "epoch": epoch,

@@ -1,0 +1,175 @@
+"""The recipe's extras on real tensors and real training runs: batch mixing, weight EMA."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from conftest import run_cli, torchrun, write_shards
+
+from imagenet_ais.recipe import ModelEma, batch_mixer, ema_decay
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    # each picture one constant value, its class: what went where can be read back from the pixels
+    y = torch.tensor([0, 1, 2, 3, 4, 5])
+    x = (10.0 * y + 1).view(-1, 1, 1, 1).expand(-1, 3, 16, 16).contiguous()
+    return x, y
+
+
+def test_mixup_blends_each_picture_with_another_and_their_labels_alike() -> None:
+    torch.manual_seed(0)
+    x, y = batch()
+    mixed, probs = batch_mixer(0.4, 0.0, 10)(x, y)  # type: ignore[misc]
+    assert probs.shape == (6, 10) and torch.allclose(probs.sum(1), torch.ones(6))
+    # one λ per batch: picture i = λ·x_i + (1-λ)·x_(i-1), labels likewise
+    lam = float(probs[0, 0])
+    assert 0 <= lam <= 1
+    assert torch.allclose(mixed, lam * x + (1 - lam) * x.roll(1, 0))
+    assert torch.allclose(probs, lam * F.one_hot(y, 10) + (1 - lam) * F.one_hot(y.roll(1), 10))
+
+
+def test_cutmix_pastes_a_box_and_weighs_the_labels_by_its_area() -> None:
+    torch.manual_seed(1)
+    x, y = batch()
+    for _ in range(5):
+        mixed, probs = batch_mixer(0.0, 1.0, 10)(x, y)  # type: ignore[misc]
+        pasted = (mixed[0, 0] != x[0, 0, 0, 0]).float().mean()  # the area taken from picture 5
+        assert torch.equal(mixed[0, 0][mixed[0, 0] != x[0, 0, 0, 0]].unique(), x[5, 0, 0, 0].view(1)) or pasted == 0
+        assert torch.allclose(probs[0, 0], 1 - pasted) and torch.allclose(probs[0, 5], pasted)
+
+
+def test_no_mixing_unless_asked() -> None:
+    assert batch_mixer(0.0, 0.0, 10) is None
+
+
+def test_ema_follows_the_model_slowly_and_keeps_its_batchnorm_statistics() -> None:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    ema = ModelEma(net, decay=0.9)
+    ema.update_parameters(net)  # the first update copies
+    start = net[0].weight.detach().clone()
+    with torch.no_grad():
+        net[0].weight.add_(1.0)
+    net(torch.randn(2, 3, 8, 8))  # training mode: BatchNorm's running mean moves
+    ema.update_parameters(net)
+    assert torch.allclose(ema.module[0].weight, start + 0.1)  # 0.9 · old + 0.1 · new
+    assert torch.allclose(ema.module[1].running_mean, 0.1 * net[1].running_mean)
+
+
+@pytest.mark.parametrize(("world", "every"), [(1, 32), (8, 32), (8, 1)])
+def test_ema_decay_keeps_the_horizon_in_images(world: int, every: int) -> None:
+    decay = ema_decay(0.99998, every, 256 * world, 600)
+    images_per_update = 256 * world * every
+    # (1 - decay) per image is the same whatever the world size or update interval
+    assert (1 - decay) / images_per_update == pytest.approx((1 - 0.99998) / 600)
+
+
+# --- the options in real training runs (tiny shards, CPU) ------------------------------------
+
+TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--workers", "1", "--warmup-epochs", "0"]
+RECIPE = ["--model-ema", "--model-ema-steps", "2", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"]
+
+
+def records(output: Path, kind: str) -> list[dict]:
+    lines = (output / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def scores(proc: subprocess.CompletedProcess) -> tuple[float, float]:
+    found = re.search(r"^test: top-1 ([\d.]+)% top-5 ([\d.]+)%", proc.stdout + proc.stderr, re.M)
+    assert found, proc.stdout + proc.stderr
+    return float(found[1]), float(found[2])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Shards, and a 2-epoch run with EMA and mixing stopped after 5 steps then resumed."""
+    root = tmp_path_factory.mktemp("recipe")
+    data, output = root / "shards", root / "run"
+    write_shards(data, {"train": [12, 12, 8], "val": [6, 6]})  # 8 steps an epoch
+    common = ["--data", data, "--output", output, *TINY, *RECIPE, "--epochs", "2", "--log-every", "4"]
+    run_cli("train.py", *common, "--max-steps", "5")
+    stopped = torch.load(output / "last.pt", weights_only=True)
+    assert int(stopped["model_ema"]["n_averaged"]) == 2  # updates at steps 2 and 4
+    run_cli("train.py", *common, "--resume", "auto")
+    return data, output
+
+
+def test_ema_weights_are_validated_saved_and_carried_across_a_resume(trained: tuple[Path, Path]) -> None:
+    _, output = trained
+    state = torch.load(output / "last.pt", weights_only=True)
+    # updates every 2 of the 16 steps: 8 if the resumed run went on with the saved average (6 if it began anew)
+    assert int(state["model_ema"]["n_averaged"]) == 8
+    ema, model = state["model_ema"], state["model"]
+    assert any(not torch.equal(ema[f"module.{k}"], v) for k, v in model.items() if v.is_floating_point())
+    val = records(output, "val")
+    assert len(val) == 2 and all({"ema_top1", "ema_top5"} <= r.keys() for r in val)
+
+
+def test_mixing_changes_what_the_model_is_trained_on(trained: tuple[Path, Path], tmp_path: Path) -> None:
+    data, _ = trained
+    losses = []
+    for extra in ([], ["--mixup-alpha", "0.4"], ["--cutmix-alpha", "1.0"]):
+        output = tmp_path / f"run{len(losses)}"
+        run_cli("train.py", "--data", data, "--output", output, *TINY, "--epochs", "1", "--log-every", "2", *extra)
+        losses.append([r["loss"] for r in records(output, "train")])
+    assert losses[0] != losses[1] and losses[0] != losses[2] and losses[1] != losses[2]
+
+
+def test_test_only_reproduces_the_last_validation_at_any_world_size(trained: tuple[Path, Path], tmp_path: Path) -> None:
+    data, output = trained
+    last = records(output, "val")[-1]
+    expected = (round(last["top1"], 4), round(last["top5"], 4))
+    args = ["--data", data, *TINY, "--test-only", "--resume", output / "last.pt"]
+    assert scores(run_cli("train.py", *args, "--output", tmp_path / "one")) == expected
+    assert scores(torchrun(2, *args, "--output", tmp_path / "two")) == expected
+    # nothing to test: a fresh output and no weights
+    refused = run_cli("train.py", "--data", data, *TINY, "--test-only", "--output", tmp_path / "none", check=False)
+    assert refused.returncode == 1 and "--test-only: nothing to test" in refused.stderr
+
+
+def test_a_model_started_from_weights_validates_as_the_run_it_came_from(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    data, output = trained
+    last = records(output, "val")[-1]
+    plain = tmp_path / "resnet18.pth"  # a bare state dict, as torchvision's released weights are
+    torch.save(torch.load(output / "last.pt", weights_only=True)["model"], plain)
+    for weights in (plain, output / "last.pt"):
+        test = ["--test-only", "--weights", weights, "--output", tmp_path / "t"]
+        proc = run_cli("train.py", "--data", data, *TINY, *test)
+        assert scores(proc) == (round(last["top1"], 4), round(last["top5"], 4))
+    wrong = run_cli(
+        "train.py", "--data", data, *TINY, "--arch", "resnet34", "--test-only", "--weights", plain,
+        "--output", tmp_path / "w", check=False,
+    )  # fmt: skip
+    assert wrong.returncode == 1 and f"--weights {plain}: does not fit this model" in wrong.stderr
+
+
+def test_clipped_gradients_move_the_weights_less(trained: tuple[Path, Path], tmp_path: Path) -> None:
+    data, _ = trained
+    torch.manual_seed(0)
+    start = tmp_path / "start.pth"
+    torch.save(torchvision.models.resnet18(num_classes=4).state_dict(), start)
+    moved = []
+    for clip in ([], ["--clip-grad-norm", "0.001"]):
+        output = tmp_path / f"clip{len(moved)}"
+        run_cli("train.py", "--data", data, "--output", output, *TINY, "--weights", start, "--max-steps", "3", *clip)
+        end = torch.load(output / "last.pt", weights_only=True)["model"]
+        begin = torch.load(start, weights_only=True)
+        moved.append(sum(float((end[k] - begin[k]).norm()) for k in begin if begin[k].is_floating_point()))
+    assert moved[1] < moved[0] / 10, moved
+
+
+def test_sync_bn_is_refused_without_gpus(trained: tuple[Path, Path], tmp_path: Path) -> None:
+    data, _ = trained
+    args = ["--data", data, "--output", tmp_path / "run", *TINY, "--sync-bn", "--max-steps", "1"]
+    proc = torchrun(2, *args, check=False)
+    assert proc.returncode != 0 and "--sync-bn: SyncBatchNorm runs on GPUs only" in proc.stderr
