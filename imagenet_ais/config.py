@@ -32,6 +32,7 @@ class TrainConfig:
     image_size: int = 224
     progressive: str | None = None  # "START:END": train size grows over epochs (steps of 32)
     val_size: int | None = None  # default: END with --progressive, else image_size
+    val_resize_size: int | None = None  # validation resizes the short side to this, then takes the centre val_size
     amp: str = "auto"  # auto = bf16 on GPU, off on CPU
     channels_last: bool | None = None  # None = on for GPU
     compile: bool | None = None  # None = on for GPU (off with --dp decent)

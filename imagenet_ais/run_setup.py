@@ -25,6 +25,7 @@ from imagenet_ais.metrics import MetricsLog
 from imagenet_ais.resume import Standing
 from imagenet_ais.storage import open_store
 from imagenet_ais.stream import CacheSpec, LoaderSpec
+from imagenet_ais.transforms import VAL_CROP
 
 
 class StopSignal:
@@ -130,7 +131,10 @@ def loaders(
     val_loader = None
     val_split = manifest.splits.get("val")
     if val_split and val_split.samples:
-        val_spec = dataclasses.replace(spec, image_size=val_size)
+        resize = cfg.val_resize_size or val_size / VAL_CROP
+        if resize < val_size:
+            raise ValueError(f"--val-resize-size {resize} is smaller than the validation crop ({val_size})")
+        val_spec = dataclasses.replace(spec, image_size=val_size, val_crop=val_size / resize)
         val_loader = ValLoader(val_split, cfg.data, val_spec, feeding)
     return train_loader, val_loader, manifest.classes, f"{decode} decode, {workers} workers per process"
 

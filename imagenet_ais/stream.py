@@ -34,7 +34,7 @@ from imagenet_ais.sampling import (
     split_among_workers,
 )
 from imagenet_ais.storage import Store, open_store
-from imagenet_ais.transforms import augment_rng, decode_on_cpu, encode_batch, encode_for_device
+from imagenet_ais.transforms import VAL_CROP, augment_rng, decode_on_cpu, encode_batch, encode_for_device
 
 IMAGE_EXTS = ("jpg", "jpeg", "png")
 DECODERS = ("cpu", "gpu")
@@ -70,6 +70,7 @@ class LoaderSpec:
     decode: str = "cpu"  # or "gpu": workers hand over JPEG bytes, the device decodes
     classes: int = 0  # labels must be below this (0: not checked)
     cache: CacheSpec | None = None  # keep remote shards on the node's disk
+    val_crop: float = VAL_CROP  # validation's centre square, of the short side (--val-resize-size)
 
 
 @dataclass(kw_only=True)
@@ -191,8 +192,8 @@ class ShardStream(IterableDataset):
             raise ValueError(f"label {label} is not among the manifest's {self.spec.classes} classes")
         augment = augment_rng(self.spec.seed, self.epoch.value, sample["__key__"]) if train else None
         if self.spec.decode == "gpu":
-            return encode_for_device(data, augment), label
-        return decode_on_cpu(data, size, augment), label
+            return encode_for_device(data, augment, self.spec.val_crop), label
+        return decode_on_cpu(data, size, augment, self.spec.val_crop), label
 
 
 def worker_init(_: int) -> None:

@@ -85,7 +85,16 @@ def parse_workers(value: str) -> int | None:
     metavar="START:END",
     help="progressive resizing: training size grows linearly from START to END over the epochs (steps of 32)",
 )
-@click.option("--val-size", type=click.IntRange(min=16), help="validation size [default: END or --image-size]")
+@click.option(
+    "--val-size",
+    type=click.IntRange(min=16),
+    help="validation crop (torchvision's val-crop-size) [default: END or --image-size]",
+)
+@click.option(
+    "--val-resize-size",
+    type=click.IntRange(min=16),
+    help="validation resizes the short side to this, then takes the centre --val-size [default: --val-size / 0.875]",
+)
 @click.option(
     "--amp", default=DEFAULTS.amp, type=click.Choice(["auto", "bf16", "fp16", "off"]), help="auto: bf16 on GPU"
 )

@@ -29,7 +29,7 @@ from torchvision.ops import roi_align
 
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
-VAL_RESIZE_RATIO = 0.875
+VAL_CROP = 0.875  # validation: the centre square's side, of the short side (224 of 256)
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 PAD_LIMIT = 1024  # device decode: pictures up to this many pixels a side are resized as one batch
@@ -81,20 +81,21 @@ def train_box(img: Image.Image, rng: random.Random) -> Box:
     return Box((w - cw) // 2, (h - ch) // 2, cw, ch, rng.random() < 0.5)
 
 
-def val_box(img: Image.Image) -> Box:
+def val_box(img: Image.Image, crop: float = VAL_CROP) -> Box:
+    """The centre square of side ``crop`` × the short side (the resize-then-centre-crop rule)."""
     w, h = img.size
-    side = round(min(w, h) * VAL_RESIZE_RATIO)
+    side = round(min(w, h) * crop)
     return Box((w - side) // 2, (h - side) // 2, side, side)
 
 
 # --- decode "cpu": PIL in the workers --------------------------------------------------------
 
 
-def decode_on_cpu(data: bytes, size: int, augment: random.Random | None) -> torch.Tensor:
+def decode_on_cpu(data: bytes, size: int, augment: random.Random | None, val_crop: float = VAL_CROP) -> torch.Tensor:
     """JPEG/PNG bytes → the cropped, resized (and maybe flipped) uint8 size × size × 3 image:
     a training crop drawn from ``augment``, or with None validation's centre crop."""
     img = Image.open(io.BytesIO(data))
-    box = train_box(img, augment) if augment else val_box(img)
+    box = train_box(img, augment) if augment else val_box(img, val_crop)
     out = _crop_resize(img, box, size)
     if box.flip:
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
@@ -136,11 +137,11 @@ def _mean_std(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 # --- decode "gpu": header and crop in the workers, pixels on the device -----------------------
 
 
-def encode_for_device(data: bytes, augment: random.Random | None) -> tuple[bytes, Box]:
+def encode_for_device(data: bytes, augment: random.Random | None, val_crop: float = VAL_CROP) -> tuple[bytes, Box]:
     """What a worker hands over for device decoding: RGB JPEG bytes and the crop to take (as
     ``decode_on_cpu`` chooses it)."""
     img = Image.open(io.BytesIO(data))
-    box = train_box(img, augment) if augment else val_box(img)
+    box = train_box(img, augment) if augment else val_box(img, val_crop)
     if img.format != "JPEG" or img.mode != "RGB":
         # nvJPEG gets plain RGB JPEGs only: CMYK, grayscale and PNG are rare enough in
         # ImageNet (well under 2%) to re-encode here rather than branch on the GPU.

@@ -173,3 +173,12 @@ def test_sync_bn_is_refused_without_gpus(trained: tuple[Path, Path], tmp_path: P
     args = ["--data", data, "--output", tmp_path / "run", *TINY, "--sync-bn", "--max-steps", "1"]
     proc = torchrun(2, *args, check=False)
     assert proc.returncode != 0 and "--sync-bn: SyncBatchNorm runs on GPUs only" in proc.stderr
+
+
+def test_a_validation_resize_below_its_crop_is_refused(trained: tuple[Path, Path], tmp_path: Path) -> None:
+    data, output = trained
+    args = ["--data", data, *TINY, "--test-only", "--resume", output / "last.pt", "--output", tmp_path / "t"]
+    proc = run_cli("train.py", *args, "--val-resize-size", "24", check=False)
+    assert proc.returncode == 1 and "--val-resize-size 24 is smaller than the validation crop (32)" in proc.stderr
+    whole = scores(run_cli("train.py", *args, "--val-resize-size", "32"))  # the whole short side, at 32 px
+    assert 0 <= whole[0] <= 100

@@ -159,3 +159,14 @@ def test_crops_at_the_picture_edge_are_not_darkened() -> None:
     batch = encode_batch([*((white, b) for b in boxes), larger])
     got, _ = decode_on_device(batch, 32, torch.device("cpu"), channels_last=False)
     assert pixels(got).min() > 250
+
+
+def test_validation_takes_the_centre_square_the_resize_size_leaves() -> None:
+    data = jpeg(photo(200, 150))
+    # 224 of 256 (the default), 224 of 232 (torchvision's V2 weights), the whole short side
+    for crop, side in ((0.875, 131), (224 / 232, 145), (1.0, 150)):
+        _, box = encode_for_device(data, None, crop)
+        assert box == Box((200 - side) // 2, (150 - side) // 2, side, side)
+        on_cpu = decode_on_cpu(data, 32, None, crop).float()
+        on_device, _ = decode_on_device(encode_batch([(data, box)]), 32, torch.device("cpu"), channels_last=False)
+        assert (pixels(on_device)[0] - on_cpu).abs().mean() < 3.0
