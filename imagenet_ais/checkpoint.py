@@ -8,9 +8,11 @@ any error from torch, and must not be trained on.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +26,7 @@ from imagenet_ais.storage import LocalStore
 LAST = "last.pt"  # hard links to the newest and the best ckpt-<step>.pt
 BEST = "best.pt"
 DIGEST = "sha256"  # the state's own key for its checksum
+PARTIAL_STALE_S = 600  # a temp file untouched this long has no writer left
 
 
 class DamagedCheckpoint(ValueError):
@@ -122,9 +125,14 @@ def link(path: Path, alias: str) -> None:
 
 
 def sweep_partials(output: Path) -> None:
-    """Remove temp files a killed run left mid-write (never under a final name)."""
+    """Remove temp files a killed run left mid-write (never under a final name): those untouched
+    for PARTIAL_STALE_S. Where nodes share --output, another node may be writing one right now
+    (fetching the checkpoint it resumes from); its writer keeps touching it, debris does not."""
+    now = time.time()
     for debris in output.glob(".*.partial"):
-        debris.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):  # its writer renamed it meanwhile
+            if now - debris.stat().st_mtime > PARTIAL_STALE_S:
+                debris.unlink()
 
 
 def find(resume: str | None, output: Path) -> Path | None:

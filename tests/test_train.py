@@ -670,3 +670,13 @@ def test_a_log_that_is_no_terminal_gets_one_plain_line_per_record_and_no_progres
     assert [line.split(" loss ")[0] for line in steps] == [f"epoch 1/1 step {n}/100" for n in (2, 4, 6)]
     assert all(" lr " in line and " img/s " in line and " data wait " in line for line in steps)
     assert "\r" not in proc.stderr and "step/s" not in proc.stderr, "no progress-bar frames"
+
+
+def test_a_killed_runs_temp_files_are_swept_but_not_one_being_written(tmp_path: Path) -> None:
+    debris, live = tmp_path / ".ckpt-000040.pt.a1b2.partial", tmp_path / ".last.pt.c3d4.partial"
+    debris.write_bytes(b"half a checkpoint")
+    live.write_bytes(b"a download under way")  # another node fetching into a shared --output
+    hour_ago = time.time() - 3600
+    os.utime(debris, (hour_ago, hour_ago))
+    checkpoint.sweep_partials(tmp_path)
+    assert not debris.exists() and live.exists()

@@ -284,3 +284,13 @@ def test_upload_sh_twice_uploads_nothing_the_second_time(gcs, tmp_path: Path) ->
     assert "uploaded metrics.jsonl" in third and "1 uploaded, 2 already there" in third
     assert GCSStore(dest).matches("ckpt-00000001.pt", results / "ckpt-00000001.pt")
     assert file_crc32c(results / "ckpt-00000001.pt")
+
+
+def test_no_gcs_call_reaches_outside_the_run_prefix(gcs, tmp_path: Path) -> None:
+    store, path = GCSStore(f"gs://{gcs.make_bucket()}/run"), tmp_path / "last.pt"
+    path.write_bytes(b"weights")
+    for name in ("../other-run/last.pt", "/last.pt", ""):
+        with pytest.raises(ValueError, match="invalid object name"):
+            store.matches(name, path)
+        with pytest.raises(ValueError, match="invalid object name"):
+            store.put_file(path, name)

@@ -124,5 +124,5 @@ class GCSStore(_StoreBase):
                 src.unlink(missing_ok=True)
 
     def matches(self, name: str, path: Path) -> bool:
-        blob = self.bucket.get_blob(self.prefix + name, retry=self.retry)
+        blob = self.bucket.get_blob(self.prefix + _checked(name, self.url), retry=self.retry)
         return blob is not None and (int(blob.size), blob.crc32c) == (path.stat().st_size, file_crc32c(path))
