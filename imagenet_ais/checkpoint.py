@@ -182,6 +182,11 @@ def load(path: Path) -> dict[str, Any]:
         raise DamagedCheckpoint(
             f"{path}: not a checkpoint this tool can load ({type(e).__name__}): damaged, or not written by train.py"
         ) from None
+    return verified(state, path)
+
+
+def verified(state: Any, path: Path) -> dict[str, Any]:
+    """``state`` as read from ``path``, if it is a train.py checkpoint matching its checksum."""
     if not isinstance(state, dict) or "model" not in state:
         raise DamagedCheckpoint(f"{path}: not a checkpoint written by train.py (no model state in it)")
     expected = state.pop(DIGEST, None)

@@ -38,8 +38,8 @@ def load_weights(model: nn.Module, path: str) -> None:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # damaged, or a pickle of more than tensors (never run its code)
             raise ValueError(f"--weights {path}: not a state dict or checkpoint ({type(e).__name__})") from None
-    if isinstance(state, dict) and "model" in state:
-        state = checkpoint.load(Path(path))["model"]
+    if isinstance(state, dict) and "model" in state:  # a train.py checkpoint: read once, checked here
+        state = checkpoint.verified(state, Path(path))["model"]
     if not isinstance(state, dict):
         raise ValueError(f"--weights {path}: holds no state dict")
     state = {k.removeprefix("module."): v for k, v in state.items()}  # saved from inside DDP

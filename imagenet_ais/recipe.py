@@ -38,7 +38,6 @@ class ModelEma(AveragedModel):
 
     def __init__(self, model: nn.Module, decay: float):
         super().__init__(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
-        self.decay = decay
 
 
 def ema_decay(decay: float, every: int, global_batch: int, epochs: int) -> float:
