@@ -31,6 +31,7 @@ import itertools
 import json
 import os
 import random
+import shlex
 import shutil
 import subprocess
 import sys
@@ -44,11 +45,14 @@ from pathlib import Path
 import click
 import torch
 
+from imagenet_ais.augment import NO_AUGMENT, POLICIES, Augment
 from imagenet_ais.data import Feeding, TrainLoader
 from imagenet_ais.manifest import load_manifest
 from imagenet_ais.storage import open_store
 from imagenet_ais.stream import LoaderSpec
 from imagenet_ais.transforms import (
+    crop_decoded,
+    decode_encoded,
     decode_on_cpu,
     decode_on_device,
     encode_batch,
@@ -204,19 +208,27 @@ def train(args: list[str], batch: int, output: Path, log: Path, gpus: int = 1) -
 
 
 def measure(
-    model: Model, data: str, workers: str, work: Path, log: Path, gpus: int = 1, ais: str | None = None
+    model: Model,
+    data: str,
+    workers: str,
+    work: Path,
+    log: Path,
+    gpus: int = 1,
+    ais: str | None = None,
+    augment: list[str] | None = None,
 ) -> Iterator[tuple[str, dict[str, float]]]:
-    """The ceiling, then each end-to-end variant (and the first one reading from ``ais``), as
-    each is measured."""
+    """The ceiling, then each end-to-end variant (and the first one reading from ``ais``, and
+    the first one with the ``augment`` options), as each is measured."""
     common = ["--arch", model.arch, "--batch-size", str(model.batch), "--image-size", str(model.size)]
     common += ["--epochs", "1000", "--log-every", "10", "--keep-last", "1"]
     common += ["--compile", "--compile-mode", model.compile] if model.compile else ["--no-compile"]
     ceiling = [*common, "--synthetic", "--max-steps", str(model.steps)]
     yield "ceiling", train(ceiling, model.batch, work / "ceiling", log, gpus)
-    variants = [(f"{decode} decode", data, decode) for decode in model.decodes]
-    variants += [("ais://", ais, model.decodes[0])] if ais else []
-    for variant, location, decode in variants:
-        e2e = [*common, "--data", location, "--workers", workers, "--decode", decode]
+    variants = [(f"{decode} decode", data, decode, []) for decode in model.decodes]
+    variants += [("ais://", ais, model.decodes[0], [])] if ais else []
+    variants += [("augmented", data, model.decodes[0], augment)] if augment else []
+    for variant, location, decode, extra in variants:
+        e2e = [*common, "--data", location, "--workers", workers, "--decode", decode, *extra]
         e2e += ["--max-steps", str(model.e2e_steps)]
         yield variant, train(e2e, model.batch, work / variant.split()[0].strip(":/"), log, gpus)
     if torch.cuda.is_available() and importlib.util.find_spec("nvidia") and importlib.util.find_spec("nvidia.dali"):
@@ -253,7 +265,13 @@ def stage_rates(data: str, batch: int, size: int, workers: int) -> dict[str, flo
         samples = group_by_keys(tar_file_expander([{"url": str(shard), "stream": stream}]))
         jpegs = [s["jpg"] for _, s in zip(range(batch), samples, strict=False)]
     device = torch.device("cuda")
-    encoded = pin_encoded(encode_batch([encode_for_device(raw, random.Random(i)) for i, raw in enumerate(jpegs)]))
+    crops = [encode_for_device(raw, random.Random(i)) for i, raw in enumerate(jpegs)]
+    encoded = pin_encoded(encode_batch(crops))
+    augments = [Augment(policy) for policy in POLICIES] + [Augment(erase=0.1)]
+    decoded = {  # the same batch, each with plans for one augmentation
+        a: decode_encoded(encode_batch(crops, [a.draw(random.Random(i), size) for i in range(len(crops))]), device)
+        for a in [NO_AUGMENT, *augments]
+    }
     jpeg_list = list(encoded.blob.split(encoded.sizes))
     pixels = torch.empty(len(jpegs), size, size, 3, dtype=torch.uint8, pin_memory=True)
 
@@ -273,6 +291,12 @@ def stage_rates(data: str, batch: int, size: int, workers: int) -> dict[str, flo
     return {
         "nvJPEG decode": rate(lambda: decode_jpeg(jpeg_list, mode=ImageReadMode.RGB, device=device)),
         "nvJPEG decode + crop/resize/flip/normalise": rate(lambda: decode_on_device(encoded, size, device, True)),
+        **{
+            f"crop/resize/flip/normalise, augment: {a}": rate(
+                lambda a=a: crop_decoded(decoded[a], size, device, True, a)
+            )
+            for a in decoded
+        },
         "H2D copy of decoded uint8 (pinned)": rate(lambda: pixels.to(device, non_blocking=True)),
         "PIL decode + crop/resize/flip, 1 core": pil,
         **{
@@ -316,6 +340,11 @@ def _sync() -> None:
 @click.option("--workers", default="auto", show_default=True, help="DataLoader workers per process (train.py's)")
 @click.option("--gpus", default="1", show_default=True, help="GPU counts to run each model on, e.g. 1,2,4 (torchrun)")
 @click.option("--ais-targets", default=0, show_default=True, help="add the ais:// rows (needs ./run ais-install)")
+@click.option(
+    "--augment",
+    metavar="OPTIONS",
+    help="add an end-to-end row with these train.py options, e.g. '--auto-augment ta_wide --random-erase 0.1'",
+)
 @click.option("--breakdown/--no-breakdown", default=True, help="per-stage rates on the GPU, after the runs")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), help="also write the numbers here")
 def main(
@@ -325,6 +354,7 @@ def main(
     workers: str,
     gpus: str,
     ais_targets: int,
+    augment: str | None,
     breakdown: bool,
     json_out: Path | None,
 ) -> None:
@@ -359,7 +389,9 @@ def main(
             name = f"{model.arch} bs{model.batch} {model.size}px {model.compile or 'eager'}"
             for n in counts:
                 ceilings: dict[bool, float] = {}  # ours, DALI's: each loader's ratio is to its own loop's
-                for variant, r in measure(model, data, workers, root / f"{model.arch}-{n}", log, n, ais):
+                extra = shlex.split(augment or "")
+                runs = measure(model, data, workers, root / f"{model.arch}-{n}", log, n, ais, extra)
+                for variant, r in runs:
                     ceiling = ceilings.setdefault(variant.startswith("DALI"), r["img_per_s"])
                     ratio = r["img_per_s"] / ceiling
                     if n == 1:
@@ -380,7 +412,7 @@ def main(
             results["breakdown"] = stages
             click.echo("\nper stage, batch 256 → 224 px (img/s):")
             for k, v in stages.items():
-                click.echo(f"  {k:44} {v:10.0f}")
+                click.echo(f"  {k:50} {v:10.0f}")
         if json_out:
             json_out.write_text(json.dumps(results, indent=2))
 

@@ -86,8 +86,8 @@ def _received(batch: tuple) -> HostBatch:
     if len(pixels) == 1:
         images: torch.Tensor | Encoded = torch.from_numpy(pixels[0])
     else:
-        blob, sizes, boxes = pixels
-        images = Encoded(blob, sizes, torch.from_numpy(boxes))
+        blob, sizes, boxes, plans = pixels
+        images = Encoded(blob, sizes, torch.from_numpy(boxes), torch.from_numpy(plans))
     return HostBatch(images, torch.from_numpy(labels), keys, torch.from_numpy(ids))
 
 
@@ -161,7 +161,7 @@ class _OnDevice:
 
     def crop(self, item: tuple[Decoded, HostBatch]) -> tuple[Batch, torch.Tensor]:
         decoded, batch = item
-        x = crop_decoded(decoded, self.dataset.size.value, self.device, self.channels_last)
+        x = crop_decoded(decoded, self.dataset.size.value, self.device, self.channels_last, self.dataset.spec.augment)
         return Batch(x, batch.labels.to(self.device, non_blocking=True), batch.keys), batch.ids
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from imagenet_ais import checkpoint, distributed, model, recipe, upload
+from imagenet_ais.augment import NO_AUGMENT, Augment
 from imagenet_ais.config import TrainConfig
 from imagenet_ais.data import SYNTHETIC_CLASSES, Feeding, SyntheticLoader, TrainLoader, ValLoader
 from imagenet_ais.data_health import DataHealth
@@ -125,7 +126,10 @@ def loaders(
     decode = cfg.decode if cfg.decode != "auto" else "gpu" if cuda else "cpu"
     workers = cfg.workers if cfg.workers is not None else distributed.auto_workers(d.device)
     cache = CacheSpec(cfg.cache_dir, cfg.cache_size) if cfg.cache_dir else None
-    spec = LoaderSpec(d.world, d.rank, cfg.batch_size, cfg.seed, sizes[0], decode, len(manifest.classes), cache)
+    spec = LoaderSpec(
+        d.world, d.rank, cfg.batch_size, cfg.seed, sizes[0], decode, len(manifest.classes), cache,
+        augment=Augment(cfg.auto_augment, cfg.random_erase),
+    )  # fmt: skip
     feeding = Feeding(workers, d.device, channels_last)
     train_loader = TrainLoader(manifest.split("train"), cfg.data, cfg.epoch_mode, spec, feeding, cfg.shuffle_buffer)
     val_loader = None
@@ -134,7 +138,7 @@ def loaders(
         resize = cfg.val_resize_size or val_size / VAL_CROP
         if resize < val_size:
             raise ValueError(f"--val-resize-size {resize} is smaller than the validation crop ({val_size})")
-        val_spec = dataclasses.replace(spec, image_size=val_size, val_crop=val_size / resize)
+        val_spec = dataclasses.replace(spec, image_size=val_size, val_crop=val_size / resize, augment=NO_AUGMENT)
         val_loader = ValLoader(val_split, cfg.data, val_spec, feeding)
     return train_loader, val_loader, manifest.classes, f"{decode} decode, {workers} workers per process"
 

@@ -23,6 +23,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from webdataset.filters import shuffle
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
+from imagenet_ais.augment import NO_AUGMENT, Augment
 from imagenet_ais.cache import ShardCache
 from imagenet_ais.children import exit_with_parent
 from imagenet_ais.sampling import (
@@ -34,7 +35,14 @@ from imagenet_ais.sampling import (
     split_among_workers,
 )
 from imagenet_ais.storage import Store, open_store
-from imagenet_ais.transforms import VAL_CROP, augment_rng, decode_on_cpu, encode_batch, encode_for_device
+from imagenet_ais.transforms import (
+    VAL_CROP,
+    augment_on_cpu,
+    augment_rng,
+    decode_on_cpu,
+    encode_batch,
+    encode_for_device,
+)
 
 IMAGE_EXTS = ("jpg", "jpeg", "png")
 DECODERS = ("cpu", "gpu")
@@ -71,6 +79,7 @@ class LoaderSpec:
     classes: int = 0  # labels must be below this (0: not checked)
     cache: CacheSpec | None = None  # keep remote shards on the node's disk
     val_crop: float = VAL_CROP  # validation's centre square, of the short side (--val-resize-size)
+    augment: Augment = NO_AUGMENT  # training only: --auto-augment, --random-erase
 
 
 @dataclass(kw_only=True)
@@ -190,10 +199,16 @@ class ShardStream(IterableDataset):
         label = int(sample["cls"])
         if self.spec.classes and not 0 <= label < self.spec.classes:
             raise ValueError(f"label {label} is not among the manifest's {self.spec.classes} classes")
-        augment = augment_rng(self.spec.seed, self.epoch.value, sample["__key__"]) if train else None
+        rng = augment_rng(self.spec.seed, self.epoch.value, sample["__key__"]) if train else None
+        augment = self.spec.augment if train else NO_AUGMENT
         if self.spec.decode == "gpu":
-            return encode_for_device(data, augment, self.spec.val_crop), label
-        return decode_on_cpu(data, size, augment, self.spec.val_crop), label
+            raw, box = encode_for_device(data, rng, self.spec.val_crop)
+            # drawn after the crop, from the same generator, as on the CPU path
+            return (raw, box, augment.draw(rng, size) if rng and augment else []), label
+        pixels = decode_on_cpu(data, size, rng, self.spec.val_crop)
+        if rng and augment:
+            pixels = augment_on_cpu(pixels, augment, augment.draw(rng, size))
+        return pixels, label
 
 
 def worker_init(_: int) -> None:
@@ -220,6 +235,6 @@ def collate_in_worker(samples: list[tuple]) -> tuple:
     if isinstance(images[0], torch.Tensor):
         pixels: tuple = (np.stack([image.numpy() for image in images]),)
     else:
-        blob, sizes, boxes = encode_batch(list(images))
-        pixels = (blob, sizes, boxes.numpy())
+        blob, sizes, boxes, plans = encode_batch([(raw, box) for raw, box, _ in images], [p for *_, p in images])
+        pixels = (blob, sizes, boxes.numpy(), plans.numpy())
     return pixels, np.array(labels, dtype=np.int64), list(keys), ids

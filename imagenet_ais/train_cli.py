@@ -6,8 +6,10 @@ import re
 import sys
 
 import click
+from click.core import ParameterSource
 
-from imagenet_ais.config import TrainConfig
+from imagenet_ais.augment import POLICIES
+from imagenet_ais.config import RECIPES, TrainConfig, with_recipe
 from imagenet_ais.decentralized import TOPOLOGIES
 from imagenet_ais.training import train
 
@@ -35,6 +37,11 @@ def parse_workers(value: str) -> int | None:
 
 @click.command(context_settings={"show_default": True, "max_content_width": 100})
 @click.option("--data", help="shard location holding manifest.json (directory, file://, ais://, gs://, http(s)://)")
+@click.option(
+    "--recipe",
+    type=click.Choice(list(RECIPES)),
+    help="settings of a known recipe (fast: FFCV's; v2: torchvision's V2) for the options not given; see the README",
+)
 @click.option("--output", default=DEFAULTS.output, help="checkpoints, metrics.jsonl and logs go here")
 @click.option("--arch", default=DEFAULTS.arch, help="any torchvision classification model")
 @click.option("--epochs", default=DEFAULTS.epochs, type=click.IntRange(min=1))
@@ -51,6 +58,17 @@ def parse_workers(value: str) -> int | None:
     default=DEFAULTS.cutmix_alpha,
     type=click.FloatRange(min=0),
     help="CutMix (0: off; both: one per batch)",
+)
+@click.option(
+    "--auto-augment",
+    type=click.Choice(POLICIES),
+    help="per-sample policy after the crop: AutoAugment's imagenet, RandAugment, TrivialAugmentWide, AugMix",
+)
+@click.option(
+    "--random-erase",
+    default=DEFAULTS.random_erase,
+    type=click.FloatRange(0, 1),
+    help="probability of erasing a random box of each training image",
 )
 @click.option("--model-ema", is_flag=True, help="keep an exponential moving average of the weights (validated, saved)")
 @click.option(
@@ -171,7 +189,7 @@ def main(compile_: bool, **options: object) -> None:
     (local copies kept); 4 an epoch's data was damaged beyond --max-bad (checkpoint saved);
     75 stopped by SIGTERM/SIGUSR1 after saving: continue with --resume auto.
     """
-    cfg = TrainConfig(compile=compile_, **options)  # type: ignore[arg-type]
+    cfg = config(click.get_current_context())
     try:
         outcome = train(cfg)
     except (OSError, ValueError) as e:  # OSError: the data location is unreachable or refused us
@@ -179,8 +197,14 @@ def main(compile_: bool, **options: object) -> None:
     sys.exit(outcome["exit_code"])
 
 
+def config(ctx: click.Context) -> TrainConfig:
+    """The config of the parsed options in ``ctx``: a --recipe's settings where no option was given."""
+    options = dict(ctx.params)
+    given = {name for name in options if ctx.get_parameter_source(name) != ParameterSource.DEFAULT}
+    return with_recipe(TrainConfig(compile=options.pop("compile_"), **options), given)
+
+
 def parse(args: list[str]) -> TrainConfig:
     """The config these options give, for launchers that call ``train`` themselves (tools/ray_train.py)."""
     with main.make_context("train.py", list(args)) as ctx:
-        options = dict(ctx.params)
-    return TrainConfig(compile=options.pop("compile_"), **options)
+        return config(ctx)

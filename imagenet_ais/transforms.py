@@ -27,6 +27,8 @@ from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.ops import roi_align
 
+from imagenet_ais.augment import NO_AUGMENT, Augment
+
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
 VAL_CROP = 0.875  # validation: the centre square's side, of the short side (224 of 256)
@@ -46,11 +48,12 @@ class Box(NamedTuple):
 
 
 class Encoded(NamedTuple):
-    """A batch still in JPEG form: bytes on the host, crops to apply once decoded."""
+    """A batch still in JPEG form: bytes on the host, crops and augmentations to apply once decoded."""
 
     blob: torch.Tensor  # uint8: the batch's JPEGs end to end
     sizes: list[int]  # bytes of each JPEG in ``blob``
     boxes: torch.Tensor  # int64 N × 5: left, top, width, height, flip
+    plans: torch.Tensor  # float32 N × Augment.width (N × 0 without augmentation)
 
 
 def augment_rng(seed: int, epoch: int, key: str) -> random.Random:
@@ -102,6 +105,15 @@ def decode_on_cpu(data: bytes, size: int, augment: random.Random | None, val_cro
     return torch.frombuffer(bytearray(out.tobytes()), dtype=torch.uint8).view(size, size, 3)
 
 
+def augment_on_cpu(pixels: torch.Tensor, augment: Augment, plan: list[float]) -> torch.Tensor:
+    """``decode_on_cpu``'s image with ``augment``'s ops of ``plan``, its erased box filled with the
+    mean colour (what the device's normalisation turns into 0, as the device path erases)."""
+    plans = torch.tensor([plan], dtype=torch.float32)
+    x = augment.apply(pixels.permute(2, 0, 1)[None].float(), plans)
+    x = augment.erase_boxes(x, plans, torch.tensor(MEAN).view(1, 3, 1, 1) * 255)
+    return x.round().clamp(0, 255).to(torch.uint8)[0].permute(1, 2, 0).contiguous()
+
+
 def _crop_resize(img: Image.Image, box: Box, size: int) -> Image.Image:
     """Resize ``box`` of ``img`` to size × size RGB.
 
@@ -151,22 +163,31 @@ def encode_for_device(data: bytes, augment: random.Random | None, val_crop: floa
     return data, box
 
 
-def encode_batch(samples: list[tuple[bytes, Box]]) -> Encoded:
-    """A worker's batch as one uint8 tensor (one shared-memory block to hand over), sizes, boxes."""
+def encode_batch(samples: list[tuple[bytes, Box]], plans: list[list[float]] | None = None) -> Encoded:
+    """A worker's batch as one uint8 tensor (one shared-memory block to hand over), sizes, boxes,
+    and each sample's augmentation plan (augment.py), if any."""
     blob = torch.frombuffer(bytearray(b"".join(raw for raw, _ in samples)), dtype=torch.uint8)
     boxes = torch.tensor([tuple(box) for _, box in samples], dtype=torch.int64).view(-1, 5)
-    return Encoded(blob, [len(raw) for raw, _ in samples], boxes)
+    width = len(plans[0]) if plans else 0
+    drawn = torch.tensor(plans, dtype=torch.float32) if width else torch.zeros(len(samples), 0)
+    return Encoded(blob, [len(raw) for raw, _ in samples], boxes, drawn)
 
 
 def concat_encoded(batches: list[Encoded]) -> Encoded:
     sizes = [n for b in batches for n in b.sizes]
-    return Encoded(torch.cat([b.blob for b in batches]), sizes, torch.cat([b.boxes for b in batches]))
+    return Encoded(
+        torch.cat([b.blob for b in batches]),
+        sizes,
+        torch.cat([b.boxes for b in batches]),
+        torch.cat([b.plans for b in batches]),
+    )
 
 
 def take_encoded(batch: Encoded, rows: list[int]) -> Encoded:
     """The samples ``rows`` of ``batch`` (repeats allowed), packed again."""
     jpegs = batch.blob.split(batch.sizes)
-    return Encoded(torch.cat([jpegs[r] for r in rows]), [batch.sizes[r] for r in rows], batch.boxes[rows])
+    picked = torch.cat([jpegs[r] for r in rows])
+    return Encoded(picked, [batch.sizes[r] for r in rows], batch.boxes[rows], batch.plans[rows])
 
 
 def pin_encoded(batch: Encoded) -> Encoded:
@@ -185,35 +206,41 @@ class Decoded(NamedTuple):
 
     images: list[torch.Tensor]  # uint8 3×H×W each
     boxes: torch.Tensor  # the crop of each image
+    plans: torch.Tensor  # its augmentation (augment.py)
     rows: list[int] | None  # None, or which sample each image is (failures replaced by others)
 
 
 def decode_on_device(
-    batch: Encoded, size: int, device: torch.device, channels_last: bool
+    batch: Encoded, size: int, device: torch.device, channels_last: bool, augment: Augment = NO_AUGMENT
 ) -> tuple[torch.Tensor, list[int] | None]:
-    """Decode (nvJPEG on CUDA, libjpeg on CPU), crop, resize, flip and normalise a batch.
+    """Decode (nvJPEG on CUDA, libjpeg on CPU), crop, resize, flip, augment and normalise a batch.
 
     Returns float N×3×size×size on ``device``, and None, or, when some samples failed to
     decode, which sample each row holds instead (failures replaced by others of the batch).
     """
     decoded = decode_encoded(batch, device)
-    return crop_decoded(decoded, size, device, channels_last), decoded.rows
+    return crop_decoded(decoded, size, device, channels_last, augment), decoded.rows
 
 
 def decode_encoded(batch: Encoded, device: torch.device) -> Decoded:
     images, rows = _decode(list(batch.blob.split(batch.sizes)), device)
-    return Decoded(images, batch.boxes[rows] if rows else batch.boxes, rows)
+    if rows:
+        return Decoded(images, batch.boxes[rows], batch.plans[rows], rows)
+    return Decoded(images, batch.boxes, batch.plans, None)
 
 
-def crop_decoded(decoded: Decoded, size: int, device: torch.device, channels_last: bool) -> torch.Tensor:
-    """Crop, resize, flip and normalise: float N×3×size×size on ``device``."""
+def crop_decoded(
+    decoded: Decoded, size: int, device: torch.device, channels_last: bool, augment: Augment = NO_AUGMENT
+) -> torch.Tensor:
+    """Crop, resize, flip, augment (``augment``'s ops, normalisation, erasing): float N×3×size×size on ``device``."""
     boxes = decoded.boxes
     out = _resize_crops(decoded.images, boxes, size, device)
     flip = boxes[:, 4].bool().to(device, non_blocking=True).view(-1, 1, 1, 1)
-    out = torch.where(flip, out.flip(-1), out).float()
+    out = augment.apply(torch.where(flip, out.flip(-1), out).float(), decoded.plans)
     mean, std = _mean_std(device)
+    out = augment.erase_boxes((out - mean) / std, decoded.plans, 0.0)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    return ((out - mean) / std).contiguous(memory_format=fmt)
+    return out.contiguous(memory_format=fmt)
 
 
 def _resize_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: int, device: torch.device) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The recipe's extras on real tensors and real training runs: batch mixing, weight EMA."""
+"""The recipe's extras on real tensors and real training runs: batch mixing, weight EMA, augmentation, --recipe."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import torch.nn.functional as F
 import torchvision
 from conftest import run_cli, torchrun, write_shards
 
+from imagenet_ais.config import TrainConfig
 from imagenet_ais.recipe import ModelEma, batch_mixer, ema_decay
+from imagenet_ais.train_cli import parse
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,11 +118,32 @@ def test_ema_weights_are_validated_saved_and_carried_across_a_resume(trained: tu
 def test_mixing_changes_what_the_model_is_trained_on(trained: tuple[Path, Path], tmp_path: Path) -> None:
     data, _ = trained
     losses = []
-    for extra in ([], ["--mixup-alpha", "0.4"], ["--cutmix-alpha", "1.0"]):
+    variants = (
+        [],
+        ["--mixup-alpha", "0.4"],
+        ["--cutmix-alpha", "1.0"],
+        ["--auto-augment", "ta_wide"],
+        ["--random-erase", "0.5"],
+        ["--decode", "gpu"],
+        ["--decode", "gpu", "--auto-augment", "augmix", "--random-erase", "0.5"],
+    )
+    for extra in variants:
         output = tmp_path / f"run{len(losses)}"
         run_cli("train.py", "--data", data, "--output", output, *TINY, "--epochs", "1", "--log-every", "2", *extra)
         losses.append([r["loss"] for r in records(output, "train")])
-    assert losses[0] != losses[1] and losses[0] != losses[2] and losses[1] != losses[2]
+    assert len({tuple(run) for run in losses[:5]}) == 5
+    assert losses[5] != losses[6]  # the device path augments too
+
+
+def test_recipes_fill_in_what_the_command_line_leaves_out() -> None:
+    v2 = parse(["--recipe", "v2", "--epochs", "3", "--lr", "0.1"])
+    assert (v2.epochs, v2.lr, v2.auto_augment, v2.random_erase, v2.model_ema) == (3, 0.1, "ta_wide", 0.1, True)
+    assert (v2.image_size, v2.val_size, v2.val_resize_size, v2.mixup_alpha) == (176, 224, 232, 0.2)
+    fast = parse(["--recipe", "fast", "--label-smoothing", "0"])
+    assert (fast.epochs, fast.progressive, fast.val_size, fast.label_smoothing) == (16, "160:192", 256, 0)
+    # an option given at its default value still counts as given
+    assert parse(["--recipe", "v2", "--random-erase", "0"]).random_erase == 0
+    assert parse([]) == TrainConfig()
 
 
 def test_test_only_reproduces_the_last_validation_at_any_world_size(trained: tuple[Path, Path], tmp_path: Path) -> None:
@@ -129,6 +152,9 @@ def test_test_only_reproduces_the_last_validation_at_any_world_size(trained: tup
     expected = (round(last["top1"], 4), round(last["top5"], 4))
     args = ["--data", data, *TINY, "--test-only", "--resume", output / "last.pt"]
     assert scores(run_cli("train.py", *args, "--output", tmp_path / "one")) == expected
+    # training's augmentation is not validation's
+    augmented = ["--auto-augment", "augmix", "--random-erase", "1"]
+    assert scores(run_cli("train.py", *args, *augmented, "--output", tmp_path / "aug")) == expected
     assert scores(torchrun(2, *args, "--output", tmp_path / "two")) == expected
     # nothing to test: a fresh output and no weights
     refused = run_cli("train.py", "--data", data, *TINY, "--test-only", "--output", tmp_path / "none", check=False)
