@@ -24,6 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def convert(tree: Path, dest: str, workers: int, env: dict[str, str], *extra: str) -> float:
+    # Each conversion starts with nothing left to write back (the generated tree, the previous
+    # conversion): in run AA, AIS uploads stalled for seconds at a time behind such writes.
+    os.sync()
     start = time.perf_counter()
     cmd = [sys.executable, str(ROOT / "imagenet_shards.py"), "convert", str(tree), dest, "--splits", "train"]
     subprocess.run([*cmd, "--workers", str(workers), *extra], check=True, env=env, stdout=subprocess.DEVNULL)
