@@ -38,17 +38,17 @@ labels with the raw ``.cls`` bytes and prints the first batch's layout and value
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any, NoReturn
 
+import click
 import torch
 import torch.distributed as dist
 import torchvision
@@ -102,7 +102,7 @@ def read_train_split(data: Path) -> tuple[list[str], int, int]:
     return paths, samples, classes
 
 
-def build_pipeline(args: argparse.Namespace, shards: list[str], rank: int, world: int, device_id: int | None) -> Any:
+def build_pipeline(args: SimpleNamespace, shards: list[str], rank: int, world: int, device_id: int | None) -> Any:
     """One rank's DALI pipeline: outputs "data" (batch of HWC images) and "label" (int64), plus
     "raw" (the .cls bytes, zero-padded to the batch's longest) with --check."""
     import_dali()
@@ -256,7 +256,7 @@ def setup_distributed(cuda: bool) -> tuple[int, int, torch.device]:
 
 
 def build_step(
-    args: argparse.Namespace, classes: int, world: int, device: torch.device
+    args: SimpleNamespace, classes: int, world: int, device: torch.device
 ) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """train.py's fast path (imagenet_ais/training.py, mirrored rather than imported)."""
     cuda = device.type == "cuda"
@@ -299,7 +299,7 @@ def build_step(
 def measure(
     batches: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     step: Callable[[torch.Tensor, torch.Tensor], None] | None,
-    args: argparse.Namespace,
+    args: SimpleNamespace,
     sync: Callable[[], None],
 ) -> tuple[list[float], list[float]]:
     """Seconds and seconds waited in next(batches), per steady window of --log-every steps."""
@@ -326,36 +326,33 @@ def measure(
     return seconds, waits
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", type=Path, help="directory with manifest.json and the imagenet-train-*.tar shards")
-    p.add_argument("--arch", default="resnet50", help="torchvision model (resnet50, resnet18, ...)")
-    p.add_argument("--batch-size", type=int, default=256, help="per GPU")
-    p.add_argument("--image-size", type=int, default=224)
-    p.add_argument("--threads", type=int, default=6, help="DALI CPU threads per pipeline (per GPU)")
-    p.add_argument("--prefetch", type=int, default=2, help="DALI prefetch queue depth (batches)")
-    p.add_argument("--initial-fill", type=int, default=4096, help="the reader's shuffle buffer (samples)")
-    p.add_argument("--hw-load", type=float, default=0.65, help="share of JPEGs for the hardware decoder (A100/H100)")
-    p.add_argument("--steps", type=int, default=300, help="total steps, warm-up included")
-    p.add_argument("--warmup", type=int, default=60, help="steps not timed (compilation included)")
-    p.add_argument("--log-every", type=int, default=20, help="steps per timed window")
-    p.add_argument("--synthetic", action="store_true", help="one random batch already on the GPU: the ceiling")
-    p.add_argument("--loader-only", action="store_true", help="iterate the DALI pipeline without a model")
-    p.add_argument("--no-compile", dest="compile", action="store_false", help="eager, no torch.compile")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help=argparse.SUPPRESS)  # testing
-    p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)  # testing: labels against .cls
-    args = p.parse_args(argv)
+@click.command(help=__doc__.split("\n\n")[0], context_settings={"show_default": True})
+@click.option(
+    "--data", type=click.Path(path_type=Path), help="directory with manifest.json and the imagenet-train-*.tar shards"
+)
+@click.option("--arch", default="resnet50", help="torchvision model (resnet50, resnet18, ...)")
+@click.option("--batch-size", default=256, help="per GPU")
+@click.option("--image-size", default=224)
+@click.option("--threads", default=6, help="DALI CPU threads per pipeline (per GPU)")
+@click.option("--prefetch", default=2, help="DALI prefetch queue depth (batches)")
+@click.option("--initial-fill", default=4096, help="the reader's shuffle buffer (samples)")
+@click.option("--hw-load", default=0.65, help="share of JPEGs for the hardware decoder (A100/H100)")
+@click.option("--steps", default=300, help="total steps, warm-up included")
+@click.option("--warmup", default=60, help="steps not timed (compilation included)")
+@click.option("--log-every", default=20, help="steps per timed window")
+@click.option("--synthetic", is_flag=True, help="one random batch already on the GPU: the ceiling")
+@click.option("--loader-only", is_flag=True, help="iterate the DALI pipeline without a model")
+@click.option("--compile/--no-compile", default=True, help="torch.compile the model")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", hidden=True)  # testing
+@click.option("--check", is_flag=True, hidden=True)  # testing: labels against .cls
+def main(**options: Any) -> None:
+    args = SimpleNamespace(**options)
     if args.synthetic and args.loader_only:
-        p.error("--synthetic and --loader-only exclude each other")
+        raise click.UsageError("--synthetic and --loader-only exclude each other")
     if args.data is None and not args.synthetic:
-        p.error("--data is required (except with --synthetic)")
+        raise click.UsageError("--data is required (except with --synthetic)")
     if args.steps - args.warmup < args.log_every or min(args.warmup, args.log_every - 1) < 0:
-        p.error("--steps must leave at least one --log-every window after --warmup")
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
+        raise click.UsageError("--steps must leave at least one --log-every window after --warmup")
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         fail("no CUDA GPU visible to PyTorch (torch.cuda.is_available() is False)")
