@@ -823,3 +823,36 @@ def test_a_dest_inside_src_is_refused(inside: str, tmp_path: Path) -> None:
         "choose a DEST outside SRC (nothing was changed)"
     )
     assert sorted(src.rglob("*")) == before
+
+
+def test_scratch_files_of_a_process_killed_outright_are_removed_by_the_next_one(tmp_path: Path) -> None:
+    """A converter into a remote store builds whole shards in TMPDIR; SIGKILL leaves them there."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    build = (
+        "import sys, time\n"
+        "from imagenet_ais.storage.scratch import scratch_file\n"
+        "p = scratch_file('imagenet-train-000000.tar'); p.write_bytes(b'x' * 100_000)\n"
+        "print(p, flush=True)\n"
+        "time.sleep(float(sys.argv[1]))\n"
+    )
+
+    def builder(seconds: float) -> tuple[subprocess.Popen, Path]:
+        proc = subprocess.Popen([sys.executable, "-c", build, str(seconds)], env=env, stdout=subprocess.PIPE, text=True)
+        return proc, Path(proc.stdout.readline().strip())  # type: ignore[union-attr]
+
+    (alive, kept), (killed, left) = builder(60), builder(60)
+    try:
+        killed.kill()
+        killed.wait()
+        assert left.exists() and kept.exists()
+        finished, done = builder(0)
+        finished.wait()
+        assert not left.parent.exists(), "the killed builder's folder is swept"
+        assert kept.exists(), "a live builder's file stays"
+        assert not done.parent.exists(), "a process that exits removes its own folder"
+    finally:
+        alive.kill()
+        alive.wait()
+    last, _ = builder(0)
+    last.wait()
+    assert [p.name for p in (tmp_path / "imagenet-ais-scratch").iterdir()] == []

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
+
+from imagenet_ais.storage import scratch
 
 BLOCK = 1 << 20
 
@@ -80,10 +81,8 @@ class _StoreBase:
         self.put_file(tmp, name)
 
     def scratch_file(self, name: str) -> Path:
-        """A new empty temp file to build ``name`` in before it goes up."""
-        fd, tmp = tempfile.mkstemp(prefix=f".{Path(name).name}.", suffix=".partial")
-        os.close(fd)
-        return Path(tmp)
+        """A new empty temp file to build ``name`` in before it goes up (see scratch.py)."""
+        return scratch.scratch_file(name)
 
     def matches(self, name: str, path: Path) -> bool:
         return _same_bytes(self, name, path)

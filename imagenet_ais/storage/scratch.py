@@ -1,0 +1,64 @@
+"""Temp files for objects on their way to a remote store, in a folder per process.
+
+A process killed outright (SIGKILL, OOM) cannot delete its temp files, and a converter's are
+whole shards (2 × --workers of them at a time). So each process builds in a folder of its own
+under ``$TMPDIR/imagenet-ais-scratch``, holding an flock on the folder's ``.owner`` file for as
+long as it lives (the kernel lets go of it however the process ends); the first scratch file a
+process asks for removes the folders whose owner is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import functools
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+_owners: list[int] = []  # the open .owner files: their locks last as long as this process
+
+
+def root() -> Path:
+    return Path(tempfile.gettempdir()) / "imagenet-ais-scratch"
+
+
+def scratch_file(name: str) -> Path:
+    """A new empty temp file to build ``name`` in before it goes up."""
+    fd, tmp = tempfile.mkstemp(dir=_own_folder(), prefix=f".{Path(name).name}.", suffix=".partial")
+    os.close(fd)
+    return Path(tmp)
+
+
+@functools.cache
+def _own_folder() -> Path:
+    sweep()
+    root().mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(dir=root(), prefix=f"{os.getpid()}-"))
+    fd = os.open(folder / ".owner", os.O_CREAT | os.O_WRONLY, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _owners.append(fd)
+    creator = os.getpid()  # forked children share the folder; only its creator removes it, at exit
+    atexit.register(lambda: os.getpid() == creator and shutil.rmtree(folder, ignore_errors=True))
+    return folder
+
+
+def sweep() -> list[Path]:
+    """Remove the folders of processes that are gone (their .owner lock is free); the removed."""
+    removed = []
+    for folder in root().glob("*-*"):
+        try:
+            fd = os.open(folder / ".owner", os.O_WRONLY)
+        except OSError:  # no .owner yet: a process between creating its folder and locking it
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its process lives
+            continue
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+        finally:
+            os.close(fd)
+    return removed
