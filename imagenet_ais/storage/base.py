@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from imagenet_ais.storage import scratch
+from imagenet_ais.storage.scratch import scratch_file
 
 BLOCK = 1 << 20
 
@@ -82,7 +82,7 @@ class _StoreBase:
 
     def scratch_file(self, name: str) -> Path:
         """A new empty temp file to build ``name`` in before it goes up (see scratch.py)."""
-        return scratch.scratch_file(name)
+        return scratch_file(name)
 
     def matches(self, name: str, path: Path) -> bool:
         return _same_bytes(self, name, path)
