@@ -96,7 +96,12 @@ def parse_workers(value: str) -> int | None:
     help="DataLoader workers per process; auto: this node's CPUs per local rank (less 2 on a GPU)",
 )
 @click.option(
-    "--image-size", default=DEFAULTS.image_size, type=click.IntRange(min=16), help="training (and validation) size"
+    "--image-size",
+    "--train-crop-size",  # torchvision's name
+    "image_size",
+    default=DEFAULTS.image_size,
+    type=click.IntRange(min=16),
+    help="training (and validation) size",
 )
 @click.option(
     "--progressive",
@@ -105,8 +110,10 @@ def parse_workers(value: str) -> int | None:
 )
 @click.option(
     "--val-size",
+    "--val-crop-size",  # torchvision's name
+    "val_size",
     type=click.IntRange(min=16),
-    help="validation crop (torchvision's val-crop-size) [default: END or --image-size]",
+    help="validation crop [default: END or --image-size]",
 )
 @click.option(
     "--val-resize-size",

@@ -144,6 +144,9 @@ def test_recipes_fill_in_what_the_command_line_leaves_out() -> None:
     # an option given at its default value still counts as given
     assert parse(["--recipe", "v2", "--random-erase", "0"]).random_erase == 0
     assert parse([]) == TrainConfig()
+    # torchvision's names for the sizes
+    named = parse(["--train-crop-size", "176", "--val-crop-size", "224", "--val-resize-size", "232"])
+    assert (named.image_size, named.val_size, named.val_resize_size) == (176, 224, 232)
 
 
 def test_test_only_reproduces_the_last_validation_at_any_world_size(trained: tuple[Path, Path], tmp_path: Path) -> None:
