@@ -154,7 +154,7 @@ class Augment:
 
     def apply(self, x: torch.Tensor, plans: torch.Tensor) -> torch.Tensor:
         """The policy's ops of ``plans`` (N × width, on the host) on float pixels ``x`` (0-255,
-        N × 3 × H × W, any device); erasing is left to ``erase``, after normalisation."""
+        N × 3 × H × W, any device); erasing is left to ``erase_boxes``, after normalisation."""
         if self.policy is None:
             return x
         x = x.round()
@@ -194,7 +194,8 @@ def apply_step(x: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     geometric = torch.isin(ops, torch.tensor([OP[g] for g in GEOMETRIC]))
     if geometric.any():
         rows = geometric.nonzero()[:, 0]
-        x = x.index_copy(0, rows.to(x.device), _affine(x[rows.to(x.device)], step[rows]))
+        on_device = rows.to(x.device, non_blocking=True)
+        x = x.index_copy(0, on_device, _affine(x[on_device], step[rows]))
     for op in ops.unique().tolist():
         fn = _COLOR_OPS.get(OPS[op])
         if fn is None:

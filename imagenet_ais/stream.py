@@ -200,7 +200,7 @@ class ShardStream(IterableDataset):
         if self.spec.classes and not 0 <= label < self.spec.classes:
             raise ValueError(f"label {label} is not among the manifest's {self.spec.classes} classes")
         rng = augment_rng(self.spec.seed, self.epoch.value, sample["__key__"]) if train else None
-        augment = self.spec.augment if train else NO_AUGMENT
+        augment = self.spec.augment  # drawn and applied only with rng, i.e. in training
         if self.spec.decode == "gpu":
             raw, box = encode_for_device(data, rng, self.spec.val_crop)
             # drawn after the crop, from the same generator, as on the CPU path

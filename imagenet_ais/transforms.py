@@ -110,7 +110,7 @@ def augment_on_cpu(pixels: torch.Tensor, augment: Augment, plan: list[float]) ->
     mean colour (what the device's normalisation turns into 0, as the device path erases)."""
     plans = torch.tensor([plan], dtype=torch.float32)
     x = augment.apply(pixels.permute(2, 0, 1)[None].float(), plans)
-    x = augment.erase_boxes(x, plans, torch.tensor(MEAN).view(1, 3, 1, 1) * 255)
+    x = augment.erase_boxes(x, plans, _mean_std(pixels.device)[0])
     return x.round().clamp(0, 255).to(torch.uint8)[0].permute(1, 2, 0).contiguous()
 
 

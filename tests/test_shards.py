@@ -856,3 +856,20 @@ def test_scratch_files_of_a_process_killed_outright_are_removed_by_the_next_one(
     last, _ = builder(0)
     last.wait()
     assert [p.name for p in (tmp_path / "imagenet-ais-scratch").iterdir()] == []
+
+
+def test_worker_processes_remove_their_scratch_folders_when_they_exit(tmp_path: Path) -> None:
+    """The converter's building workers are multiprocessing children, where atexit does not run."""
+    pool = (
+        "from concurrent.futures import ProcessPoolExecutor\n"
+        "from imagenet_ais.storage.scratch import scratch_file\n"
+        "def build(i):\n"
+        "    return str(scratch_file(f'imagenet-train-{i:06d}.tar').parent)\n"
+        "if __name__ == '__main__':\n"
+        "    with ProcessPoolExecutor(2) as pool:\n"
+        "        assert len(set(pool.map(build, range(4)))) == 2\n"
+    )
+    script = tmp_path / "pool.py"
+    script.write_text(pool)
+    subprocess.run([sys.executable, script], env={**os.environ, "TMPDIR": str(tmp_path)}, check=True)
+    assert list((tmp_path / "imagenet-ais-scratch").iterdir()) == []

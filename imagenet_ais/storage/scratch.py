@@ -9,12 +9,12 @@ process asks for removes the folders whose owner is gone.
 
 from __future__ import annotations
 
-import atexit
 import fcntl
 import functools
 import os
 import shutil
 import tempfile
+from multiprocessing import util
 from pathlib import Path
 
 _owners: list[int] = []  # the open .owner files: their locks last as long as this process
@@ -39,14 +39,20 @@ def _own_folder() -> Path:
     fd = os.open(folder / ".owner", os.O_CREAT | os.O_WRONLY, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     _owners.append(fd)
-    creator = os.getpid()  # forked children share the folder; only its creator removes it, at exit
-    atexit.register(lambda: os.getpid() == creator and shutil.rmtree(folder, ignore_errors=True))
+    creator = os.getpid()
+
+    def remove() -> None:
+        if os.getpid() == creator:  # a forked child shares the folder: its creator removes it
+            shutil.rmtree(folder, ignore_errors=True)
+
+    # at exit, of the main process and of multiprocessing's children (the converter's workers)
+    # alike: atexit handlers do not run in the latter, multiprocessing's finalizers do
+    util.Finalize(None, remove, exitpriority=0)
     return folder
 
 
-def sweep() -> list[Path]:
-    """Remove the folders of processes that are gone (their .owner lock is free); the removed."""
-    removed = []
+def sweep() -> None:
+    """Remove the folders of processes that are gone (their .owner lock is free)."""
     for folder in root().glob("*-*"):
         try:
             fd = os.open(folder / ".owner", os.O_WRONLY)
@@ -58,7 +64,5 @@ def sweep() -> list[Path]:
             continue
         else:
             shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
         finally:
             os.close(fd)
-    return removed
