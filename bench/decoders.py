@@ -2,10 +2,12 @@
 """GPU JPEG decoders compared: torchvision's nvJPEG against nvImageCodec's backends.
 
 Each decoder takes one batch of ImageNet-like JPEGs (500×375, quality 95, ~110 KB) on a side
-stream: alone, then in a thread beside an eager ResNet-50 bf16 training loop (the ceiling
-printed next to it is the same loop alone). Needs a CUDA GPU and nvImageCodec with nvJPEG
-(``pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg``, or the -cu12 builds), which the
-training path does not use yet: this measures whether it should.
+stream: alone, then from ``--threads`` threads (each with a decoder of its own) beside a
+training loop of ``--model`` (bf16, channels_last, eager; the ceiling printed next to it is
+the same loop alone). With ``--compile`` (CUDA graphs, as train.py trains) the decoding threads
+hardly run at all in this loop (80 img/s in run AB): that mode shows the starvation, not a rate. Needs a CUDA GPU and
+nvImageCodec with nvJPEG (``pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg``, or the -cu12
+builds), which the training path does not use yet: this measures whether it should.
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ import click
 import torch
 import torchvision
 from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import RandomResizedCrop
 
 from imagenet_ais.synth import draw_picture
-from imagenet_ais.transforms import RATIO, SCALE, RandomResizedCrop
-
-BATCH = 256
+from imagenet_ais.transforms import RATIO, SCALE
 
 
 def jpegs(n: int) -> list[bytes]:
@@ -38,7 +39,8 @@ def jpegs(n: int) -> list[bytes]:
 
 
 def decoders(data: list[bytes], stream: torch.cuda.Stream) -> dict[str, Callable[[], object]]:
-    """One batch decode per call, on ``stream``, for each decoder that can be built here."""
+    """One batch decode per call, on ``stream``, for each decoder that can be built here (a
+    decoder object of its own at each call of this function)."""
     from nvidia import nvimgcodec as nic
 
     tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data]
@@ -90,15 +92,16 @@ def rate(fn: Callable[[], object], images: int, seconds: float) -> float:
     return calls * images / (time.perf_counter() - start)
 
 
-def resnet50_step() -> Callable[[], None]:
-    model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x = torch.randn(BATCH, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
-    y = torch.randint(0, 1000, (BATCH,), device="cuda")
+def training_step(arch: str, batch: int, compiled: bool) -> Callable[[], None]:
+    model = getattr(torchvision.models, arch)().cuda().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    x = torch.randn(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device="cuda")
+    forward = torch.compile(model, mode="reduce-overhead", dynamic=False) if compiled else model
 
     def step() -> None:
         with torch.autocast("cuda", torch.bfloat16):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss = torch.nn.functional.cross_entropy(forward(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -106,32 +109,39 @@ def resnet50_step() -> Callable[[], None]:
     return step
 
 
-def beside_training(
-    decode: Callable[[], object], stream: torch.cuda.Stream, step: Callable[[], None]
-) -> tuple[float, float]:
-    """Decode rate in a thread while the training loop runs, and the training rate meanwhile."""
+def beside_training(decodes: list[Callable[[], object]], batch: int, step: Callable[[], None]) -> tuple[float, float]:
+    """Decode rate of one thread per decoder (each on a stream of its own) while the training
+    loop runs, and the training rate meanwhile."""
     stop, done = threading.Event(), [0]
 
-    def loop() -> None:
+    def loop(decode: Callable[[], object], stream: torch.cuda.Stream) -> None:
         while not stop.is_set():
             decode()
             stream.synchronize()
-            done[0] += BATCH
+            done[0] += batch
 
-    thread = threading.Thread(target=loop)
-    thread.start()
+    threads = [threading.Thread(target=loop, args=pair) for pair in decodes]
+    for thread in threads:
+        thread.start()
     time.sleep(1)
     before, start = done[0], time.perf_counter()
-    trained = rate(step, BATCH, 6.0)
+    trained = rate(step, batch, 6.0)
     decoded = (done[0] - before) / (time.perf_counter() - start)
     stop.set()
-    thread.join()
+    for thread in threads:
+        thread.join()
     return decoded, trained
 
 
 @click.command()
 @click.option("--seconds", default=4.0, show_default=True, help="per decoder, alone")
-def main(seconds: float) -> None:
+@click.option("--model", "arch", default="resnet50", show_default=True, help="a torchvision model to train beside")
+@click.option("--batch", default=256, show_default=True, help="images per step")
+@click.option("--decode-batch", default="", help="images per decode call, e.g. 128,256,512 (default: --batch)")
+@click.option("--compile", "compiled", is_flag=True, help="train compiled with CUDA graphs (default: eager)")
+@click.option("--threads", default="1", show_default=True, help="decoding threads beside training, e.g. 1,2")
+@click.option("--only", default="", help="decoders whose names contain one of these, e.g. torchvision,HW_GPU_ONLY")
+def main(seconds: float, arch: str, batch: int, decode_batch: str, compiled: bool, threads: str, only: str) -> None:
     if not torch.cuda.is_available():
         raise click.ClickException("bench/decoders.py needs a CUDA GPU")
     try:
@@ -139,23 +149,33 @@ def main(seconds: float) -> None:
     except ImportError as e:
         hint = "pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg (or the -cu12 builds)"
         raise click.ClickException(f"{e}: {hint}") from e
-    data = jpegs(BATCH)
-    stream = torch.cuda.Stream(priority=-1)
-    click.echo(f"{torch.cuda.get_device_name()}, batch {BATCH}, {sum(map(len, data)) / BATCH / 1e3:.0f} KB a JPEG")
-    alone = {}
-    for name, fn in decoders(data, stream).items():
-        try:
-            alone[name] = (fn, rate(fn, BATCH, seconds))
-        except RuntimeError as e:
-            click.echo(f"{name:44} failed: {e}")
+    data = jpegs(batch)
+    counts = [int(n) for n in threads.split(",")]
+    # a decoder (and a high-priority stream) per decoding thread
+    streams = [torch.cuda.Stream(priority=-1) for _ in range(max(counts))]
+    sets = [decoders(data, stream) for stream in streams]
+    click.echo(f"{torch.cuda.get_device_name()}, batch {batch}, {sum(map(len, data)) / batch / 1e3:.0f} KB a JPEG")
+    working = [name for name in sets[0] if any(part in name for part in only.split(","))]
+    for size in [int(n) for n in decode_batch.split(",")] if decode_batch else [batch]:
+        alone = decoders(jpegs(size), streams[0]) if size != batch else sets[0]
+        for name in list(working):
+            try:
+                click.echo(f"{name:44} alone, {size} a call {rate(alone[name], size, seconds):8.0f} img/s")
+            except (RuntimeError, ValueError, TypeError) as e:
+                click.echo(f"{name:44} failed: {e}")
+                working.remove(name)
+    step = training_step(arch, batch, compiled)
+    label = f"{arch} {'compiled' if compiled else 'eager'} bf16 bs{batch}, no decoding"
+    rate(step, batch, 10.0)  # compiling, CUDA graphs recorded
+    click.echo(f"{label:44} {rate(step, batch, 6.0):8.0f} img/s (ceiling)")
+    for name in working:
+        if "16 threads" in name:  # the loader workers want the other cores
             continue
-        click.echo(f"{name:44} alone {alone[name][1]:8.0f} img/s")
-    step = resnet50_step()
-    click.echo(f"{'ResNet-50 eager bf16 bs256, no decoding':44} {rate(step, BATCH, 6.0):8.0f} img/s (ceiling)")
-    for name, (fn, _) in alone.items():
-        if "16 threads" not in name:  # the loader workers want the other cores
-            decoded, trained = beside_training(fn, stream, step)
-            click.echo(f"{name:44} beside training {decoded:8.0f} img/s, ResNet-50 meanwhile {trained:6.0f} img/s")
+        for n in counts:
+            pairs = [(sets[i][name], streams[i]) for i in range(n)]
+            decoded, trained = beside_training(pairs, batch, step)
+            meanwhile = f"{arch} meanwhile {trained:6.0f} img/s"
+            click.echo(f"{name + f' ×{n}':44} beside training {decoded:8.0f} img/s, {meanwhile}")
 
 
 if __name__ == "__main__":

@@ -256,20 +256,20 @@ def test_a_shard_goes_up_while_the_worker_builds_the_next(
     """With one worker, the first shard's upload waits until the next shard is being built: an
     upload that held up the building (a build then its upload, in turn) never sees that."""
     dest = tmp_path / "shards"
-    put_file, waited = LocalStore.put_file, []
+    put_file, waited = LocalStore.put_file, tmp_path / "waited"  # a file: uploads run in processes of their own
 
     def slow_put_file(self: LocalStore, src: Path, name: str, **kw: bool) -> None:
-        if name.endswith(".tar") and not waited:
+        if name.endswith(".tar") and not waited.exists():
             deadline = time.monotonic() + 60
             while not [p for p in self.root.glob(".imagenet-*.partial") if p != src]:
                 assert time.monotonic() < deadline, "the next shard was not built while this one went up"
                 time.sleep(0.01)
-            waited.append(name)
+            waited.write_text(name)
         put_file(self, src, name, **kw)
 
     monkeypatch.setattr(LocalStore, "put_file", slow_put_file)
     manifest = shards.convert(tree, str(dest), ["train"], 10, int(1e9), 1, 0)
-    assert waited and len(manifest.splits["train"].shards) >= 7
+    assert waited.exists() and len(manifest.splits["train"].shards) >= 7
     assert not list(dest.glob(".*.partial")), "no scratch file left"
     assert all(file_sha256(dest / s.name) == s.sha256 for s in manifest.splits["train"].shards)
 

@@ -16,7 +16,9 @@ from typing import Any, BinaryIO
 import xxhash
 from aistore.sdk import Client
 from aistore.sdk.errors import AISError
-from requests import RequestException
+from aistore.sdk.request_client import RequestClient
+from aistore.sdk.response_handler import AISResponseHandler
+from requests import RequestException, Response
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 from urllib3.exceptions import ProtocolError, ReadTimeoutError
 
@@ -35,9 +37,32 @@ class _VerifyFailed(OSError):
 
 
 def _ais_retryable(e: BaseException) -> bool:
-    """Worth another PUT: a copy that failed verification, a 5xx, or a 404 for a PUT (a target
-    racing a dropped client's PUT of the same name answers "work file does not exist")."""
-    return isinstance(e, _VerifyFailed) or (isinstance(e, AISError) and (e.status_code == 404 or e.status_code >= 500))
+    """Worth another PUT: a copy that failed verification, a dropped connection, a 5xx or 429, or a
+    404 for a PUT (a target racing a dropped client's PUT of the same name answers "work file does
+    not exist")."""
+    if isinstance(e, AISError):
+        return e.status_code in (404, 429) or e.status_code >= 500
+    return isinstance(e, _VerifyFailed | RequestException)
+
+
+def _put_on_target(client: RequestClient, obj: Any, body: BinaryIO, size: int) -> Response:
+    """PUT ``body`` to the target that stores ``obj``, asking the proxy where that is first.
+
+    A proxy answers an object's PUT with a redirect to its target. Over plain HTTP the SDK
+    sends the body along, so every byte goes to the proxy, which drops it, before going to the
+    target: 0.60 s against 0.13 s for a 106 MiB shard on loopback. Over HTTPS the SDK asks with
+    an empty body first; this does the same whatever the scheme.
+    """
+    session, handler = client.session_manager.session, AISResponseHandler()
+    auth = {"Authorization": f"Bearer {client.token}"} if client.token else {}
+    # the length, as the SDK sends it: a cluster with authentication signs the redirect with it
+    asking = {**auth, "Content-Length": str(size), "Connection": "close"}
+    answer = session.put(obj.get_url(), data=b"", headers=asking, allow_redirects=False, timeout=client.timeout)
+    target = answer.headers.get("Location") if answer.is_redirect else None
+    if target is None:
+        handler.handle_response(answer)  # raises the cluster's error
+        raise AISError(answer.status_code, "the proxy did not redirect the PUT to a target", answer.url, answer.request)
+    return handler.handle_response(session.put(target, data=body, headers=auth, timeout=client.timeout))
 
 
 def _ais_message(e) -> str:
@@ -147,7 +172,7 @@ class AISStore(_StoreBase):
     MULTIPART_PART = 64 << 20
     MAX_RESUME = 10  # re-GETs from the last offset per stream before a read fails
     READ_CHUNK = 1 << 20  # bytes per network read, at most
-    PUT_TRIES = 5  # on top of the SDK's own retries of 429/5xx and network errors
+    PUT_TRIES = 5  # on top of the SDK session's retries of 429/5xx
 
     def __init__(self, url: str):
         bucket, self.prefix = _bucket_and_prefix(url, "ais")
@@ -234,7 +259,8 @@ class AISStore(_StoreBase):
         if size > self.MULTIPART_THRESHOLD:
             self._put_multipart(obj, src)  # the parts' checksums are not the whole's
         else:
-            headers = obj.get_writer().put_file(src).headers
+            with src.open("rb") as body:
+                headers = _put_on_target(self.bucket.client, obj, body, size).headers
             stored = (headers.get("ais-checksum-type", ""), headers.get("ais-checksum-value", ""))
         if stored and stored[0] in _CHECKSUMS:  # no read-back
             same = self.size(name) == size and _file_checksum(src, stored[0]) == stored[1]
