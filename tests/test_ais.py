@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -218,6 +220,56 @@ def test_an_upload_is_checked_by_the_target_not_read_back(
     with monkeypatch.context() as m:
         m.setattr(AISStore, "open", no_read_back)
         store.put_file(src, "shard.tar", keep=True)
+    assert store.read_bytes("shard.tar") == payload
+
+
+class CountingRelay:
+    """A TCP relay on loopback to ``port`` that counts the bytes its clients send through it."""
+
+    def __init__(self, port: int):
+        self.port, self.sent = port, 0
+        self.server = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server.getsockname()[1]}"
+
+    def _accept(self) -> None:
+        while True:
+            client, _ = self.server.accept()
+            upstream = socket.create_connection(("127.0.0.1", self.port))
+            threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                self.sent += len(data) if count else 0
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.mark.parametrize("how", ["whole", "in parts"])
+def test_an_upload_sends_its_bytes_to_the_target_not_to_the_proxy(
+    how: str, ais, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if how == "in parts":
+        monkeypatch.setattr(AISStore, "MULTIPART_THRESHOLD", 1 << 20)
+        monkeypatch.setattr(AISStore, "MULTIPART_PART", 512 << 10)
+    relay = CountingRelay(int(ais.endpoint.rsplit(":", 1)[1]))  # in front of the proxy; targets are direct
+    monkeypatch.setenv("AIS_ENDPOINT", relay.endpoint)
+    store = AISStore(bucket_url())
+    payload = os.urandom(4 << 20)
+    src = tmp_path / "shard.tar"
+    src.write_bytes(payload)
+    store.put_file(src, "shard.tar", keep=True)
+    assert relay.sent < 64 << 10, f"{relay.sent} bytes went to the proxy for a 4 MiB upload"
     assert store.read_bytes("shard.tar") == payload
 
 

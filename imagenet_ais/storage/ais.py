@@ -45,19 +45,20 @@ def _ais_retryable(e: BaseException) -> bool:
     return isinstance(e, _VerifyFailed | RequestException)
 
 
-def _put_on_target(client: RequestClient, obj: Any, body: BinaryIO, size: int) -> Response:
-    """PUT ``body`` to the target that stores ``obj``, asking the proxy where that is first.
+def _put_on_target(client: RequestClient, url: str, body: BinaryIO | bytes, size: int) -> Response:
+    """PUT ``body`` (an object, or a part of one) at ``url`` to the target that stores it, asking
+    the proxy where that is first.
 
     A proxy answers an object's PUT with a redirect to its target. Over plain HTTP the SDK
     sends the body along, so every byte goes to the proxy, which drops it, before going to the
-    target: 0.60 s against 0.13 s for a 106 MiB shard on loopback. Over HTTPS the SDK asks with
+    target: 0.60 s against 0.08 s for a 106 MiB shard on loopback. Over HTTPS the SDK asks with
     an empty body first; this does the same whatever the scheme.
     """
     session, handler = client.session_manager.session, AISResponseHandler()
     auth = {"Authorization": f"Bearer {client.token}"} if client.token else {}
     # the length, as the SDK sends it: a cluster with authentication signs the redirect with it
     asking = {**auth, "Content-Length": str(size), "Connection": "close"}
-    answer = session.put(obj.get_url(), data=b"", headers=asking, allow_redirects=False, timeout=client.timeout)
+    answer = session.put(url, data=b"", headers=asking, allow_redirects=False, timeout=client.timeout)
     target = answer.headers.get("Location") if answer.is_redirect else None
     if target is None:
         handler.handle_response(answer)  # raises the cluster's error
@@ -260,7 +261,7 @@ class AISStore(_StoreBase):
             self._put_multipart(obj, src)  # the parts' checksums are not the whole's
         else:
             with src.open("rb") as body:
-                headers = _put_on_target(self.bucket.client, obj, body, size).headers
+                headers = _put_on_target(self.bucket.client, obj.get_url(), body, size).headers
             stored = (headers.get("ais-checksum-type", ""), headers.get("ais-checksum-value", ""))
         if stored and stored[0] in _CHECKSUMS:  # no read-back
             same = self.size(name) == size and _file_checksum(src, stored[0]) == stored[1]
@@ -275,7 +276,8 @@ class AISStore(_StoreBase):
         try:
             with src.open("rb") as f:
                 for number, part in enumerate(iter(lambda: f.read(self.MULTIPART_PART), b""), start=1):
-                    upload.add_part(number).put_content(part)
+                    url = upload.client.get_full_url(upload.object_path, upload.add_part(number).query_params)
+                    _put_on_target(upload.client, url, part, len(part))
             upload.complete()
         except BaseException:
             with contextlib.suppress(Exception):
