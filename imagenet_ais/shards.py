@@ -321,7 +321,7 @@ def _build(
     Worker processes build shards while as many other processes put the built ones up, so
     uploads overlap the building of the next shards; at most twice ``workers`` shards are built or
     going up at once (scratch space). Uploads were threads of this process, whose lock (the GIL)
-    16 of them share: each 110 MB PUT took 3.6-4 s on a 32-core host (RESULTS run AD)."""
+    16 of them share: each 110 MB PUT took 3.6-4 s on a 32-core host (RESULTS run AB)."""
     results: dict[str, Record] = {}
     todo: list[ShardPlan] = []
     for plan in plans:
