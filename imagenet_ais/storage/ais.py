@@ -18,7 +18,9 @@ from aistore.sdk import Client
 from aistore.sdk.errors import AISError
 from aistore.sdk.request_client import RequestClient
 from aistore.sdk.response_handler import AISResponseHandler
-from requests import RequestException, Response
+from requests import ConnectionError as RequestsConnectionError
+from requests import RequestException, Response, Timeout
+from requests.exceptions import ChunkedEncodingError
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 from urllib3.exceptions import ProtocolError, ReadTimeoutError
 
@@ -42,7 +44,7 @@ def _ais_retryable(e: BaseException) -> bool:
     not exist")."""
     if isinstance(e, AISError):
         return e.status_code in (404, 429) or e.status_code >= 500
-    return isinstance(e, _VerifyFailed | RequestException)
+    return isinstance(e, _VerifyFailed | RequestsConnectionError | Timeout | ChunkedEncodingError)
 
 
 def _put_on_target(client: RequestClient, url: str, body: BinaryIO | bytes, size: int) -> Response:
