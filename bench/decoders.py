@@ -112,21 +112,21 @@ def training_step(arch: str, batch: int, compiled: bool) -> Callable[[], None]:
 def beside_training(decodes: list[Callable[[], object]], batch: int, step: Callable[[], None]) -> tuple[float, float]:
     """Decode rate of one thread per decoder (each on a stream of its own) while the training
     loop runs, and the training rate meanwhile."""
-    stop, done = threading.Event(), [0]
+    stop, done = threading.Event(), [0] * len(decodes)  # images decoded, a count per thread
 
-    def loop(decode: Callable[[], object], stream: torch.cuda.Stream) -> None:
+    def loop(i: int, decode: Callable[[], object], stream: torch.cuda.Stream) -> None:
         while not stop.is_set():
             decode()
             stream.synchronize()
-            done[0] += batch
+            done[i] += batch
 
-    threads = [threading.Thread(target=loop, args=pair) for pair in decodes]
+    threads = [threading.Thread(target=loop, args=(i, *pair)) for i, pair in enumerate(decodes)]
     for thread in threads:
         thread.start()
     time.sleep(1)
-    before, start = done[0], time.perf_counter()
+    before, start = sum(done), time.perf_counter()
     trained = rate(step, batch, 6.0)
-    decoded = (done[0] - before) / (time.perf_counter() - start)
+    decoded = (sum(done) - before) / (time.perf_counter() - start)
     stop.set()
     for thread in threads:
         thread.join()
@@ -137,7 +137,7 @@ def beside_training(decodes: list[Callable[[], object]], batch: int, step: Calla
 @click.option("--seconds", default=4.0, show_default=True, help="per decoder, alone")
 @click.option("--model", "arch", default="resnet50", show_default=True, help="a torchvision model to train beside")
 @click.option("--batch", default=256, show_default=True, help="images per step")
-@click.option("--decode-batch", default="", help="images per decode call, e.g. 128,256,512 (default: --batch)")
+@click.option("--decode-batch", default="", help="images per decode call alone, e.g. 128,256,512 (default: --batch)")
 @click.option("--compile", "compiled", is_flag=True, help="train compiled with CUDA graphs (default: eager)")
 @click.option("--threads", default="1", show_default=True, help="decoding threads beside training, e.g. 1,2")
 @click.option("--only", default="", help="decoders whose names contain one of these, e.g. torchvision,HW_GPU_ONLY")
@@ -166,7 +166,7 @@ def main(seconds: float, arch: str, batch: int, decode_batch: str, compiled: boo
                 working.remove(name)
     step = training_step(arch, batch, compiled)
     label = f"{arch} {'compiled' if compiled else 'eager'} bf16 bs{batch}, no decoding"
-    rate(step, batch, 10.0)  # compiling, CUDA graphs recorded
+    rate(step, batch, 10.0)  # warm-up (compiled: compiling, CUDA graphs recorded)
     click.echo(f"{label:44} {rate(step, batch, 6.0):8.0f} img/s (ceiling)")
     for name in working:
         if "16 threads" in name:  # the loader workers want the other cores

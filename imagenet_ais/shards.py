@@ -74,7 +74,7 @@ def _disk_full(e: OSError, path: object, store: Store) -> OSError:
     )
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=1)
 def _worker_store(dest_url: str) -> Store:
     """A worker process's store for ``dest_url``, kept for its next shards (its connections too)."""
     return open_store(dest_url)
@@ -320,8 +320,8 @@ def _build(
 
     Worker processes build shards while as many other processes put the built ones up, so
     uploads overlap the building of the next shards; at most twice ``workers`` shards are built or
-    going up at once (scratch space). Uploads were threads of this process, whose lock (the GIL)
-    16 of them share: each 110 MB PUT took 3.6-4 s on a 32-core host (RESULTS run AB)."""
+    going up at once (scratch space). Processes, not threads here: 16 uploading threads sharing
+    this process's interpreter lock were the conversion's limit."""
     results: dict[str, Record] = {}
     todo: list[ShardPlan] = []
     for plan in plans:
@@ -350,10 +350,16 @@ def _build(
                         if future in building:
                             plan = building.pop(future)
                             tmp, record = future.result()
-                            publishing[uploads.submit(publish_shard, store.url, tmp, record, read_back)] = (plan, tmp)
+                            try:
+                                upload = uploads.submit(publish_shard, store.url, tmp, record, read_back)
+                                publishing[upload] = (plan, tmp)
+                            except BaseException:
+                                tmp.unlink(missing_ok=True)
+                                raise
                         else:
-                            plan, _ = publishing.pop(future)
-                            results[plan.name] = future.result()
+                            plan, _ = publishing[future]
+                            results[plan.name] = future.result()  # if it raises, its scratch file is removed below
+                            del publishing[future]
                             bar.update(len(plan.items))
             except BaseException:
                 for future in [*building, *publishing]:  # fail now, not after building every shard still queued
@@ -364,9 +370,10 @@ def _build(
         for future in building:
             if future.done() and not future.cancelled() and future.exception() is None:
                 future.result()[0].unlink(missing_ok=True)
-        for future, (_, tmp) in publishing.items():
-            if future.cancelled():
-                tmp.unlink(missing_ok=True)
+        # the pools are shut down by now: an upload that ran removed its own; one cancelled, or
+        # lost with its process (killed, or its error unpicklable), did not
+        for _, tmp in publishing.values():
+            tmp.unlink(missing_ok=True)
         raise
     return results
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -143,6 +144,26 @@ def test_a_read_cut_off_by_a_target_restart_resumes_where_it_broke_off(ais, env:
     assert resumed >= 1, "the rest came with a second, ranged GET"
 
 
+def test_a_resumed_read_that_fails_is_a_one_line_oserror(ais, env: dict, tmp_path: Path) -> None:
+    """Raised mid-read, as in a worker process reading a shard back: the SDK's error would not
+    come back to the parent (it cannot be unpickled), this one names the object."""
+    src = tmp_path / "big.bin"
+    src.write_bytes(os.urandom(64 << 20))
+    store = AISStore(bucket_url())
+    store.put_file(src, "big.bin", keep=True)
+    target = next(n for n in ais.nodes() if n.role == "target")
+    with store.open("big.bin") as f:
+        f.read(1 << 20)
+        ais.stop_node(target, signal.SIGKILL)  # the GET breaks off
+        ais.start_node(target)
+        ais.wait_healthy()
+        store.delete("big.bin")  # so the rest, asked for again, is not there
+        with pytest.raises(OSError, match=r"/big\.bin: AIStore answered 404") as caught:
+            f.read()
+    assert "\n" not in str(caught.value)
+    assert pickle.loads(pickle.dumps(caught.value)).args == caught.value.args
+
+
 def test_killed_upload_resumes_to_exactly_the_manifest_shards(tree: Path, env: dict) -> None:
     url = bucket_url("killed")
     args = [tree, url, "--maxcount", "1", "--workers", "1", "--seed", "9"]
@@ -235,9 +256,15 @@ class CountingRelay:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.server.getsockname()[1]}"
 
+    def close(self) -> None:
+        self.server.close()
+
     def _accept(self) -> None:
         while True:
-            client, _ = self.server.accept()
+            try:
+                client, _ = self.server.accept()
+            except OSError:  # closed
+                return
             upstream = socket.create_connection(("127.0.0.1", self.port))
             threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
@@ -253,6 +280,7 @@ class CountingRelay:
             for sock in (src, dst):
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
 
 
 @pytest.mark.parametrize("how", ["whole", "in parts"])
@@ -263,14 +291,17 @@ def test_an_upload_sends_its_bytes_to_the_target_not_to_the_proxy(
         monkeypatch.setattr(AISStore, "MULTIPART_THRESHOLD", 1 << 20)
         monkeypatch.setattr(AISStore, "MULTIPART_PART", 512 << 10)
     relay = CountingRelay(int(ais.endpoint.rsplit(":", 1)[1]))  # in front of the proxy; targets are direct
-    monkeypatch.setenv("AIS_ENDPOINT", relay.endpoint)
-    store = AISStore(bucket_url())
-    payload = os.urandom(4 << 20)
+    url, payload = bucket_url(), os.urandom(4 << 20)
     src = tmp_path / "shard.tar"
     src.write_bytes(payload)
-    store.put_file(src, "shard.tar", keep=True)
+    try:
+        monkeypatch.setenv("AIS_ENDPOINT", relay.endpoint)
+        AISStore(url).put_file(src, "shard.tar", keep=True)
+    finally:
+        relay.close()
     assert relay.sent < 64 << 10, f"{relay.sent} bytes went to the proxy for a 4 MiB upload"
-    assert store.read_bytes("shard.tar") == payload
+    monkeypatch.setenv("AIS_ENDPOINT", ais.endpoint)
+    assert AISStore(url).read_bytes("shard.tar") == payload
 
 
 def test_a_stored_copy_whose_checksum_differs_is_deleted_and_the_upload_fails(

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -272,6 +273,24 @@ def test_a_shard_goes_up_while_the_worker_builds_the_next(
     assert waited.exists() and len(manifest.splits["train"].shards) >= 7
     assert not list(dest.glob(".*.partial")), "no scratch file left"
     assert all(file_sha256(dest / s.name) == s.sha256 for s in manifest.splits["train"].shards)
+
+
+def test_an_upload_process_killed_outright_leaves_no_scratch_file(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dest = tmp_path / "shards"
+    put_file = LocalStore.put_file
+
+    def killed(self: LocalStore, src: Path, name: str, **kw: bool) -> None:
+        if name.endswith(".tar"):  # in an upload process: as the OOM killer would
+            os.kill(os.getpid(), signal.SIGKILL)
+        put_file(self, src, name, **kw)
+
+    monkeypatch.setattr(LocalStore, "put_file", killed)
+    with pytest.raises(BrokenProcessPool):
+        shards.convert(tree, str(dest), ["train"], 10, int(1e9), 2, 0)
+    assert not list(dest.glob(".*.partial")), "built shards never put up are removed"
+    assert not list(dest.glob("imagenet-*.tar"))
 
 
 def test_a_convert_killed_outright_leaves_no_pool_workers(tree: Path, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import time
+from collections.abc import Iterator
 from http.client import IncompleteRead
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -20,8 +21,8 @@ from aistore.sdk.request_client import RequestClient
 from aistore.sdk.response_handler import AISResponseHandler
 from requests import ConnectionError as RequestsConnectionError
 from requests import RequestException, Response, Timeout
-from requests.exceptions import ChunkedEncodingError
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+from requests.exceptions import ChunkedEncodingError, SSLError
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 from urllib3.exceptions import ProtocolError, ReadTimeoutError
 
 from imagenet_ais.storage.base import _bucket_and_prefix, _checked, _hexdigest, _same_bytes, _StoreBase
@@ -39,12 +40,15 @@ class _VerifyFailed(OSError):
 
 
 def _ais_retryable(e: BaseException) -> bool:
-    """Worth another PUT: a copy that failed verification, a dropped connection, a 5xx or 429, or a
-    404 for a PUT (a target racing a dropped client's PUT of the same name answers "work file does
-    not exist")."""
+    """Worth another PUT: a copy that failed verification, a dropped connection or a timeout (not
+    a TLS failure: a certificate does not mend itself), or a 404 for a PUT (a target racing a
+    dropped client's PUT of the same name answers "work file does not exist"). A 429 or 5xx the
+    SDK's session has already retried (for 93 s)."""
     if isinstance(e, AISError):
-        return e.status_code in (404, 429) or e.status_code >= 500
-    return isinstance(e, _VerifyFailed | RequestsConnectionError | Timeout | ChunkedEncodingError)
+        return e.status_code == 404
+    return isinstance(e, _VerifyFailed | RequestsConnectionError | Timeout | ChunkedEncodingError) and not isinstance(
+        e, SSLError
+    )
 
 
 def _put_on_target(client: RequestClient, url: str, body: BinaryIO | bytes, size: int) -> Response:
@@ -58,7 +62,8 @@ def _put_on_target(client: RequestClient, url: str, body: BinaryIO | bytes, size
     """
     session, handler = client.session_manager.session, AISResponseHandler()
     auth = {"Authorization": f"Bearer {client.token}"} if client.token else {}
-    # the length, as the SDK sends it: a cluster with authentication signs the redirect with it
+    # The length, as the SDK sends it: a cluster with authentication signs the redirect with it.
+    # The proxy never reads the body announced, so that connection cannot serve another request.
     asking = {**auth, "Content-Length": str(size), "Connection": "close"}
     answer = session.put(url, data=b"", headers=asking, allow_redirects=False, timeout=client.timeout)
     target = answer.headers.get("Location") if answer.is_redirect else None
@@ -81,20 +86,26 @@ def _not_found(e: Exception) -> bool:
     return isinstance(e, AISError) and e.status_code == 404
 
 
+@contextlib.contextmanager
+def _one_line_errors(where: str) -> Iterator[None]:
+    """The SDK's errors as an OSError naming ``where``: one line, and picklable (the SDK's and
+    requests' errors carry the request, so they cannot come back from a worker process)."""
+    try:
+        yield
+    except AISError as e:
+        raise OSError(f"{where}: AIStore answered {e.status_code}: {_ais_message(e)}") from e
+    except (RequestException, ProtocolError, ReadTimeoutError, IncompleteRead) as e:
+        raise OSError(f"{where}: {e}") from e
+
+
 def _ais_errors(method):
-    """The SDK's errors as an OSError naming the object: one line, and picklable (the SDK's and
-    requests' errors carry the request, so they cannot come back from a worker process).
-    Every wrapped method takes the object name (or prefix) as its last positional argument."""
+    """``_one_line_errors`` around a method that takes the object name (or prefix) as its last
+    positional argument."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        where = f"{self.url}/{args[-1] if args else ''}"
-        try:
+        with _one_line_errors(f"{self.url}/{args[-1] if args else ''}"):
             return method(self, *args, **kwargs)
-        except AISError as e:
-            raise OSError(f"{where}: AIStore answered {e.status_code}: {_ais_message(e)}") from e
-        except RequestException as e:
-            raise OSError(f"{where}: {e}") from e
 
     return wrapper
 
@@ -109,8 +120,8 @@ class _ResumingGet(io.BufferedIOBase):
     (bench/shard_reads.py, RESULTS.md).
     """
 
-    def __init__(self, obj: Any, max_resume: int, chunk: int):
-        self.obj, self.max_resume, self.chunk = obj, max_resume, chunk
+    def __init__(self, obj: Any, where: str, max_resume: int, chunk: int):
+        self.obj, self.where, self.max_resume, self.chunk = obj, where, max_resume, chunk
         self.broken = (ProtocolError, ReadTimeoutError, IncompleteRead, ConnectionError)
         self.fetched = 0  # bytes taken off the responses so far
         self.resumed = 0
@@ -121,20 +132,21 @@ class _ResumingGet(io.BufferedIOBase):
         return True
 
     def _fill(self) -> bool:
-        while True:
-            try:
-                data = self.response.read(self.chunk)
-            except self.broken:
-                if self.resumed == self.max_resume:
-                    raise
-                self.resumed += 1
-                self.response.close()
-                time.sleep(min(5.0, 0.5 * self.resumed))  # besides the SDK's own retries: a target restarts
-                self.response = self.obj.get_reader(byte_range=f"bytes={self.fetched}-").raw()
-                continue
-            self.fetched += len(data)
-            self.data, self.view = data, memoryview(data)
-            return bool(data)
+        with _one_line_errors(self.where):  # as the store's methods: read in worker processes too
+            while True:
+                try:
+                    data = self.response.read(self.chunk)
+                except self.broken:
+                    if self.resumed == self.max_resume:
+                        raise
+                    self.resumed += 1
+                    self.response.close()
+                    time.sleep(min(5.0, 0.5 * self.resumed))  # besides the SDK's own retries: a target restarts
+                    self.response = self.obj.get_reader(byte_range=f"bytes={self.fetched}-").raw()
+                    continue
+                self.fetched += len(data)
+                self.data, self.view = data, memoryview(data)
+                return bool(data)
 
     def read(self, size: int | None = -1) -> bytes:
         if size is None or size < 0:
@@ -175,7 +187,7 @@ class AISStore(_StoreBase):
     MULTIPART_PART = 64 << 20
     MAX_RESUME = 10  # re-GETs from the last offset per stream before a read fails
     READ_CHUNK = 1 << 20  # bytes per network read, at most
-    PUT_TRIES = 5  # on top of the SDK session's retries of 429/5xx
+    PUT_TRIES = 7  # on top of the SDK session's retries of 429/5xx
 
     def __init__(self, url: str):
         bucket, self.prefix = _bucket_and_prefix(url, "ais")
@@ -223,7 +235,8 @@ class AISStore(_StoreBase):
 
     @_ais_errors
     def open(self, name: str) -> BinaryIO:
-        return _ResumingGet(self._obj(name), self.MAX_RESUME, self.READ_CHUNK)  # type: ignore[return-value]
+        where = f"{self.url}/{name}"
+        return _ResumingGet(self._obj(name), where, self.MAX_RESUME, self.READ_CHUNK)  # type: ignore[return-value]
 
     @_ais_errors
     def read_bytes(self, name: str) -> bytes:
@@ -242,9 +255,9 @@ class AISStore(_StoreBase):
                 self._bucket_ready = True
             if once and self.exists(name):
                 raise FileExistsError(f"{self.url}/{name} exists")
-            retrying = Retrying(
+            retrying = Retrying(  # the SDK's own policy for network errors (7 tries, 1-30 s apart)
                 stop=stop_after_attempt(self.PUT_TRIES),
-                wait=wait_exponential(multiplier=0.5, max=8),
+                wait=wait_random_exponential(multiplier=1, min=1, max=30),
                 retry=retry_if_exception(_ais_retryable),
                 reraise=True,
             )
