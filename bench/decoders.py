@@ -5,9 +5,10 @@ Each decoder takes one batch of ImageNet-like JPEGs (500×375, quality 95, ~110 
 stream: alone, then from ``--threads`` threads (each with a decoder of its own) beside a
 training loop of ``--model`` (bf16, channels_last, eager; the ceiling printed next to it is
 the same loop alone). With ``--compile`` (CUDA graphs, as train.py trains) the decoding threads
-hardly run at all in this loop (80 img/s in run AB): that mode shows the starvation, not a rate. Needs a CUDA GPU and
-nvImageCodec with nvJPEG (``pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg``, or the -cu12
-builds), which the training path does not use yet: this measures whether it should.
+hardly run at all in this loop (80 img/s in run AB): that mode shows the starvation, not a
+rate. Needs a CUDA GPU and nvImageCodec with nvJPEG (``pip install nvidia-nvimgcodec-cu13
+nvidia-nvjpeg``, or the -cu12 builds), which the training path does not use yet: this measures
+whether it should.
 """
 
 from __future__ import annotations
@@ -109,7 +110,9 @@ def training_step(arch: str, batch: int, compiled: bool) -> Callable[[], None]:
     return step
 
 
-def beside_training(decodes: list[Callable[[], object]], batch: int, step: Callable[[], None]) -> tuple[float, float]:
+def beside_training(
+    decodes: list[tuple[Callable[[], object], torch.cuda.Stream]], batch: int, step: Callable[[], None]
+) -> tuple[float, float]:
     """Decode rate of one thread per decoder (each on a stream of its own) while the training
     loop runs, and the training rate meanwhile."""
     stop, done = threading.Event(), [0] * len(decodes)  # images decoded, a count per thread
