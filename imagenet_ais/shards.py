@@ -386,8 +386,9 @@ def iter_members(stream: io.BufferedIOBase) -> Iterator[tuple[str, bytes]]:
 
 
 def check_shard(dest_url: str, info: ShardInfo, num_classes: int) -> str | None:
-    """None when the shard matches its manifest entry and every image decodes; else the problem."""
-    store = open_store(dest_url)
+    """None when the shard matches its manifest entry and every image decodes; else the problem
+    (in a worker process)."""
+    store = _worker_store(dest_url)
     if problem := info.problem(store):
         return problem
     samples: dict[str, set[str]] = {}
