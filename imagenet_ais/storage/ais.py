@@ -86,6 +86,10 @@ def _not_found(e: Exception) -> bool:
     return isinstance(e, AISError) and e.status_code == 404
 
 
+# a GET's body breaking off mid-read (a target restarted, a dropped connection, a short body)
+BROKEN_READ = (ProtocolError, ReadTimeoutError, IncompleteRead, ConnectionError)
+
+
 @contextlib.contextmanager
 def _one_line_errors(where: str) -> Iterator[None]:
     """The SDK's errors as an OSError naming ``where``: one line, and picklable (the SDK's and
@@ -94,7 +98,7 @@ def _one_line_errors(where: str) -> Iterator[None]:
         yield
     except AISError as e:
         raise OSError(f"{where}: AIStore answered {e.status_code}: {_ais_message(e)}") from e
-    except (RequestException, ProtocolError, ReadTimeoutError, IncompleteRead) as e:
+    except (RequestException, *BROKEN_READ) as e:
         raise OSError(f"{where}: {e}") from e
 
 
@@ -122,7 +126,6 @@ class _ResumingGet(io.BufferedIOBase):
 
     def __init__(self, obj: Any, where: str, max_resume: int, chunk: int):
         self.obj, self.where, self.max_resume, self.chunk = obj, where, max_resume, chunk
-        self.broken = (ProtocolError, ReadTimeoutError, IncompleteRead, ConnectionError)
         self.fetched = 0  # bytes taken off the responses so far
         self.resumed = 0
         self.response = obj.get_reader().raw()  # urllib3's response, streaming
@@ -136,7 +139,7 @@ class _ResumingGet(io.BufferedIOBase):
             while True:
                 try:
                     data = self.response.read(self.chunk)
-                except self.broken:
+                except BROKEN_READ:
                     if self.resumed == self.max_resume:
                         raise
                     self.resumed += 1
