@@ -23,10 +23,12 @@ from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, load_manifest
 from imagenet_ais.storage import LocalStore, Store, download, open_store
 
 
-def _identity(path: Path) -> str:
-    """What changes when a file is rewritten in place: a copy with the same identity was verified."""
+def _identity(path: Path, sha256: str) -> str:
+    """A copy as verified against a manifest's ``sha256``: a copy with the same identity was
+    verified against that digest (a re-converted dataset's new digest, or a file rewritten in
+    place, gives another identity, so the copy is checked again)."""
     st = path.stat()
-    return f"{st.st_ino} {st.st_size} {st.st_mtime_ns}"
+    return f"{sha256} {st.st_ino} {st.st_size} {st.st_mtime_ns}"
 
 
 @contextlib.contextmanager
@@ -52,16 +54,25 @@ def _listing(root: Path) -> list[tuple[Path, int, float]]:
     return out
 
 
-def _counted(path: Path) -> bool:
-    """Whether ``path`` counts against the cache's bound: shards and downloads, not lock files."""
-    return not path.name.endswith(".lock")
+def _lock_of(path: Path) -> Path:
+    """A cached shard's lock file (``.NAME.lock`` beside it); a download's ``.NAME.partial`` shares it."""
+    name = path.name[1 : -len(".partial")] if path.name.endswith(".partial") else path.name
+    return path.with_name(f".{name}.lock")
+
+
+def _cached(files: list[tuple[Path, int, float]]) -> list[tuple[Path, int, float]]:
+    """The cache's own files among ``files``: shards and downloads with their lock file beside
+    them. Anything else under the root (someone's own data in --cache-dir) is neither counted
+    against the bound nor evicted."""
+    locks = {path for path, _, _ in files if path.name.endswith(".lock")}
+    return [f for f in files if f[0] not in locks and _lock_of(f[0]) in locks]
 
 
 def usage(root: Path) -> int:
     """The bytes under ``root`` that count against the bound, seen as the cache sees them: under
     its lock, so a download renamed meanwhile is counted once, neither twice nor not at all."""
     with _locked(root / ".evict.lock"):
-        return sum(size for path, size, _ in _listing(root) if _counted(path))
+        return sum(size for _, size, _ in _cached(_listing(root)))
 
 
 def _slug(location: str) -> str:
@@ -103,15 +114,15 @@ class ShardCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         with _locked(lock):
             if path.exists():
-                if lock.read_text() == _identity(path) or not info.problem(LocalStore(self.dir)):
-                    lock.write_text(_identity(path))
+                if lock.read_text() == _identity(path, info.sha256) or not info.problem(LocalStore(self.dir)):
+                    lock.write_text(_identity(path, info.sha256))
                     return path.open("rb")
                 print(f"warning: cached {path} differs from the manifest: fetching it again", file=sys.stderr)
                 path.unlink()
             if not self._make_room(info.bytes, path):
                 return self.store.open(name)
             download(self.store, info.name, path, info.bytes, info.sha256, publish=self._publish)
-            lock.write_text(_identity(path))  # and its mtime: when it was last used
+            lock.write_text(_identity(path, info.sha256))  # and its mtime: when it was last used
             return path.open("rb")
 
     def _publish(self, partial: Path, path: Path) -> None:
@@ -126,22 +137,22 @@ class ShardCache:
         if self.max_bytes is None:
             return True
         with _locked(self.root / ".evict.lock"):
-            files = _listing(self.root)  # other downloads rename and drop files meanwhile: a snapshot
-            used = sum(size for p, size, _ in files if _counted(p))
-            used_at = {p.name[1 : -len(".lock")]: mtime for p, _, mtime in files if p.name.endswith(".lock")}
+            everything = _listing(self.root)  # other downloads rename and drop files meanwhile: a snapshot
+            files = _cached(everything)
+            used = sum(size for _, size, _ in files)
+            used_at = {p: mtime for p, _, mtime in everything if p.name.endswith(".lock")}
             shards = (f for f in files if not f[0].name.startswith("."))
-            for victim, size, _ in sorted(shards, key=lambda f: used_at.get(f[0].name, f[2])):
+            for victim, size, _ in sorted(shards, key=lambda f: used_at[_lock_of(f[0])]):
                 if used + need <= self.max_bytes:
                     break
                 # a shard being read or verified right now keeps its lock: skip it
-                with _locked(victim.with_name(f".{victim.name}.lock"), wait=False) as free:
+                with _locked(_lock_of(victim), wait=False) as free:
                     if free and victim.exists():
                         victim.unlink()
                         used -= size
             for partial, size, _ in (f for f in files if f[0].name.endswith(".partial")):
                 # left by a killed download: its shard's lock is free again
-                shard = partial.name[1 : -len(".partial")]
-                with _locked(partial.with_name(f".{shard}.lock"), wait=False) as free:
+                with _locked(_lock_of(partial), wait=False) as free:
                     if free and partial.exists():
                         partial.unlink()
                         used -= size

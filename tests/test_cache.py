@@ -48,6 +48,12 @@ def test_the_cache_stays_within_its_size_bound(serve, tmp_path: Path) -> None:
     manifest = write_shards(data, {"train": [10] * 8, "val": [6]})
     bound = manifest.splits["train"].bytes // 2
     server = serve(data)
+    # someone's own files in the cache folder, older than any shard: not the cache's to evict
+    (cache / "mydata").mkdir(parents=True)
+    theirs = [cache / "notes.txt", cache / "mydata" / "important.bin"]
+    for path in theirs:
+        path.write_bytes(os.urandom(bound))
+        os.utime(path, (0, 0))
     proc = subprocess.Popen(
         [sys.executable, ROOT / "train.py", "--data", server.url, "--output", tmp_path / "run", *TINY,
          "--epochs", "3", "--workers", "2", "--cache-dir", cache, "--cache-size", str(bound)],
@@ -61,6 +67,23 @@ def test_the_cache_stays_within_its_size_bound(serve, tmp_path: Path) -> None:
     assert 0 < largest <= bound
     assert usage(cache) <= bound
     assert sum(server.gets().values()) > len(manifest.splits["train"].shards) + 2, "evicted shards came again"
+    assert all(path.stat().st_size == bound for path in theirs), "their files are still there, whole"
+
+
+def test_a_dataset_converted_again_is_fetched_again_not_read_from_the_cache(serve, tmp_path: Path) -> None:
+    data, cache = tmp_path / "shards", tmp_path / "cache"
+    sizes = {"train": [8, 8], "val": [4]}
+    write_shards(data, sizes)
+    server = serve(data)
+    common = ["--data", server.url, *TINY, "--workers", "1", "--cache-dir", cache, "--epochs", "1"]
+    run_cli("train.py", *common, "--output", tmp_path / "first")
+    write_shards(data, sizes, classes=3)  # converted again: the same names, other pictures and labels
+    out = run_cli("train.py", *common, "--output", tmp_path / "second")
+    cached = sorted(cache.rglob("imagenet-*.tar"))
+    assert len(cached) == 3
+    for copy in cached:
+        assert f"cached {copy} differs from the manifest: fetching it again" in out.stderr
+        assert copy.read_bytes() == (data / copy.name).read_bytes()
 
 
 def test_preload_killed_midway_and_rerun_ends_with_a_verified_copy(serve, tmp_path: Path) -> None:
