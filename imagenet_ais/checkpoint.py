@@ -135,13 +135,23 @@ def sweep_partials(output: Path) -> None:
                 debris.unlink()
 
 
+def held(output: Path) -> str | None:
+    """What in ``output`` shows a run is there to continue (its checkpoints), or None."""
+    found = [name for name in (LAST, BEST) if (output / name).is_file()]
+    found += [p.name for p in sorted(output.glob("ckpt-*.pt"))[-1:]]
+    return ", ".join(found) or None
+
+
 def find(resume: str | None, output: Path) -> Path | None:
-    """The checkpoint to resume from: ``auto`` → ``output/last.pt`` if any; a path must exist."""
+    """The checkpoint to resume from: ``auto`` → ``output/last.pt``, or without it (a run killed
+    between a checkpoint and its link, a copy that dropped it) the newest ``ckpt-*.pt``; a path
+    must exist."""
     if resume is None:
         return None
     if resume == "auto":
         last = output / LAST
-        return last if last.is_file() else None
+        newest = sorted(output.glob("ckpt-*.pt"))[-1:]
+        return last if last.is_file() else newest[0] if newest else None
     path = Path(resume)
     if not path.is_file():
         raise FileNotFoundError(f"--resume {resume}: no such checkpoint file")
@@ -158,6 +168,8 @@ def resume(
     ``uploaded``, with the ``extra`` files that continue (downloaded by the one process per node
     that ``fetches``; all processes call this)."""
     path = find(how, output)
+    if how == "auto" and path is not None and path.name != LAST:
+        say(f"warning: {output / LAST} is missing; resuming from {path}, the newest checkpoint there", err=True)
     if path is None and how == "auto" and uploaded:
         if fetches:
             fetched = upload.fetch_latest(uploaded, output, extra=extra)

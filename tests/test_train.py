@@ -594,8 +594,31 @@ def test_a_second_training_into_one_output_is_refused(tmp_path: Path) -> None:
     finally:
         first.kill()
         first.wait()
-    again = run_cli("train.py", *args, "--max-steps", "2")
+    again = run_cli("train.py", *args, "--max-steps", "2", "--resume", "auto")
     assert again.returncode == 0, "a killed holder's lock is free"
+
+
+def test_a_fresh_run_into_an_output_holding_one_is_refused_and_one_without_last_pt_resumes(tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [16]})
+    args = ["--data", data, "--output", output, *TINY, "--workers", "1", "--keep-last", "5"]
+    run_cli("train.py", *args, "--epochs", "2")  # checkpoints at steps 4 and 8; last.pt is step 8
+    files = {p: p.read_bytes() for p in output.iterdir() if p.is_file()}
+
+    fresh = run_cli("train.py", *args, "--epochs", "1", "--seed", "5", check=False)
+    assert fresh.returncode == 1 and "Traceback" not in fresh.stderr
+    assert fresh.stderr.strip().splitlines()[-1] == (
+        f"Error: {output} holds a run (last.pt, ckpt-00000008.pt): continue it with --resume auto, "
+        "or use another --output"
+    )
+    assert {p: p.read_bytes() for p in output.iterdir() if p.is_file()} == files, "nothing was changed"
+
+    (output / "last.pt").unlink()  # a kill between a checkpoint and its link, or a copy that left it out
+    out = run_cli("train.py", *args, "--epochs", "3", "--resume", "auto")
+    newest = output / "ckpt-00000008.pt"
+    assert f"{output / 'last.pt'} is missing; resuming from {newest}, the newest checkpoint there" in out.stderr
+    assert "resumed from" in out.stdout and "step 8" in out.stdout
+    assert torch.load(output / "last.pt", weights_only=True)["step"] == 12, "epoch 3 only, after the first two"
 
 
 def test_an_output_on_a_file_system_without_locks_trains_with_a_warning(
