@@ -38,6 +38,7 @@ class DataHealth:
     totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     named: set[str] = field(default_factory=set)
     _epoch_start: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    val_missing: int = 0  # validation images the manifest lists that the last validation could not read
 
     def poll(self, totals: dict[str, int], always: bool = False) -> None:
         """``totals``: the counters summed over ranks (the same on every rank, so every rank
@@ -70,10 +71,14 @@ class DataHealth:
         )
 
     def summary(self) -> str:
-        if not any(self.totals.values()):
+        t, parts = self.totals, []
+        if any(t.values()):
+            parts.append(
+                f"{t['skipped']} samples skipped, {t['padded']} padded with repeats, "
+                f"{t['read_errors']} shard read errors over the run"
+            )
+        if self.val_missing:
+            parts.append(f"{self.val_missing} validation images missing from the last validation")
+        if not parts:
             return "data: every sample was read as the manifest lists it"
-        t = self.totals
-        return (
-            f"data: {t['skipped']} samples skipped, {t['padded']} padded with repeats, "
-            f"{t['read_errors']} shard read errors over the run (named above and in metrics.jsonl)"
-        )
+        return f"data: {'; '.join(parts)} (named above and in metrics.jsonl)"

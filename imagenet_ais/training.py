@@ -19,6 +19,7 @@ from torch import nn
 from imagenet_ais import checkpoint, decentralized, distributed, keys_log, locks, resume, run_setup
 from imagenet_ais.config import TrainConfig, image_sizes
 from imagenet_ais.data import ValLoader
+from imagenet_ais.data_health import DataHealth
 from imagenet_ais.metrics import LOG, METRICS, Reporter
 from imagenet_ais.model import autocast
 from imagenet_ais.progress import Progress, Window
@@ -180,6 +181,7 @@ def test_only(parts: Parts, standing: Standing) -> dict[str, Any]:
         raise ValueError(f"--test-only: {parts.cfg.data} has no val split to evaluate on")
     val = validate(parts.raw_model, parts.val_loader, parts.cfg, parts.d)
     parts.say(f"test: top-1 {val['top1']:.4f}% top-5 {val['top5']:.4f}% over {val['samples']} images")
+    warn_if_partial(val, parts.health)
     if parts.ema and standing.step:
         ema = validate(parts.ema.module, parts.val_loader, parts.cfg, parts.d)
         parts.say(f"test, EMA weights: top-1 {ema['top1']:.4f}% top-5 {ema['top5']:.4f}%")
@@ -201,10 +203,25 @@ def evaluate(run: Run) -> bool:
         best_of = ema["top1"] if run.cfg.model_ema_best else best_of
     run.log.write(kind="val", epoch=standing.epoch, step=standing.step, **val, **agreement)
     run.say(f"epoch {standing.epoch + 1}: {top} over {val['samples']} images")
+    run.health.val_missing = val["missing"]
+    warn_if_partial(val, run.health)
     if best_of <= standing.best_top1:
         return False
     standing.best_top1 = best_of
     return True
+
+
+def warn_if_partial(val: dict[str, Any], health: DataHealth) -> None:
+    """Says so when a validation did not cover every image its manifest lists, naming the shards
+    and samples it could not read first."""
+    if not val["missing"]:
+        return
+    health.poll(health.totals, always=True)
+    health.say(
+        f"warning: validation covered {val['samples']} of the {val['samples'] + val['missing']} images the "
+        f"manifest lists ({val['missing']} could not be read, named above): its top-1 is over those only",
+        err=True,
+    )
 
 
 def average(run: Run) -> dict[str, float]:
@@ -288,4 +305,12 @@ def validate(model: nn.Module, loader: ValLoader, cfg: TrainConfig, d: distribut
     c1, c5, n, skipped = distributed.all_reduce_sum([correct1, correct5, seen, loader.dataset.skipped.value], d.device)
     model.train()
     top1, top5 = 100 * c1 / max(n, 1), 100 * c5 / max(n, 1)
-    return {"top1": top1, "top5": top5, "samples": int(n), "skipped": int(skipped), "image_size": size}
+    missing = loader.samples - int(n)  # the manifest's count: unread shards and skipped samples
+    return {
+        "top1": top1,
+        "top5": top5,
+        "samples": int(n),
+        "missing": missing,
+        "skipped": int(skipped),
+        "image_size": size,
+    }

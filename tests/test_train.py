@@ -598,6 +598,19 @@ def test_a_second_training_into_one_output_is_refused(tmp_path: Path) -> None:
     assert again.returncode == 0, "a killed holder's lock is free"
 
 
+def test_a_validation_that_cannot_read_all_of_its_split_says_so(tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [16], "val": [5, 5, 5]})
+    (data / "imagenet-val-000000.tar").unlink()
+    out = run_cli("train.py", "--data", data, "--output", output, *TINY, "--workers", "1", "--epochs", "1")
+    assert f"{data}/imagenet-val-000000.tar: could not be read" in out.stderr
+    assert "validation covered 10 of the 15 images the manifest lists (5 could not be read, named above)" in out.stderr
+    val = [r for r in metrics(output) if r["kind"] == "val"][-1]
+    assert val["samples"] == 10 and val["missing"] == 5
+    log = (output / "train.log").read_text()
+    assert "every sample was read" not in log and "5 validation images missing from the last validation" in log
+
+
 def test_a_fresh_run_into_an_output_holding_one_is_refused_and_one_without_last_pt_resumes(tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [16]})
