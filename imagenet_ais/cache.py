@@ -175,6 +175,12 @@ def preload(url: str, dest: Path, splits: list[str] | None, workers: int) -> Man
     kept = Manifest(manifest.classes, {s: manifest.splits[s] for s in wanted}, manifest.source)
     shards = [s for split in kept.splits.values() for s in split.shards]
     dest.mkdir(parents=True, exist_ok=True)
+    if local.exists(MANIFEST):  # a dataset's, replaced by this one; anything else is not ours to remove
+        try:
+            load_manifest(local)
+        except ValueError as e:
+            why = e.__cause__ or e
+            raise ValueError(f"{dest}/{MANIFEST} is not a shard manifest ({why}): preload into another DEST") from None
     local.delete(MANIFEST)  # the copy is not complete until it is back
     todo = [s for s in shards if s.problem(local)]
     with (

@@ -168,18 +168,21 @@ def resume(
     ``uploaded``, with the ``extra`` files that continue (downloaded by the one process per node
     that ``fetches``; all processes call this)."""
     path = find(how, output)
-    if how == "auto" and path is not None and path.name != LAST:
-        say(f"warning: {output / LAST} is missing; resuming from {path}, the newest checkpoint there", err=True)
-    if path is None and how == "auto" and uploaded:
-        if fetches:
+    if how == "auto" and uploaded:
+        if fetches and path is None:
             fetched = upload.fetch_latest(uploaded, output, extra=extra)
             if fetched:
                 link(fetched, LAST)
-        distributed.barrier()
+        distributed.barrier()  # every rank, whatever it found: a rank skipping it would hang the others
         path = find("auto", output)
     if path is None:
         return None
-    return load_newest_intact(path, say) if how == "auto" else (path, load(path))
+    if how != "auto":
+        return path, load(path)
+    chosen, state = load_newest_intact(path, say)
+    if chosen == path and path.name != LAST:
+        say(f"warning: {output / LAST} is missing; resuming from {path}, the newest checkpoint there", err=True)
+    return chosen, state
 
 
 def load(path: Path) -> dict[str, Any]:

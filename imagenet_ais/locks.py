@@ -97,7 +97,11 @@ class _FileLock:
         self.fd: int | None = None
 
     def __enter__(self) -> _FileLock:
-        self.store.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.store.root.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            problem = "a file is there or on the way to it, not a folder: name a folder"
+            raise NotADirectoryError(f"{self.store.root}: {problem}") from None
         path = self.store.root / self.name
         deadline = time.monotonic() + self.wait_s
         while True:

@@ -92,7 +92,9 @@ class Run(Parts):
 def prepare(cfg: TrainConfig, d: distributed.Dist) -> Path:
     """The output directory (rid of what a killed run left mid-write), seeds and cuDNN set."""
     output = Path(cfg.output)
-    if cfg.resume is None and not cfg.test_only and (run := checkpoint.held(output)):
+    # rank 0's view: with node-local outputs the other ranks' are empty, and all must stop alike
+    held = checkpoint.held(output) if d.main else None
+    if cfg.resume is None and not cfg.test_only and (run := distributed.broadcast_object(held)):
         # a fresh run here would overwrite its checkpoints and mix its metrics into theirs
         raise ValueError(f"{output} holds a run ({run}): continue it with --resume auto, or use another --output")
     output.mkdir(parents=True, exist_ok=True)

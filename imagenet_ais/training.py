@@ -61,6 +61,7 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
     standing = resume.resume(
         cfg, d, parts.raw_model, optimizer, parts.scaler, parts.classes, parts.train_loader, say, parts.ema
     )
+    parts.health.val_missing = (standing.last_val or {}).get("missing", 0)  # until the next validation
     if cfg.test_only:
         return test_only(parts, standing)
     if standing.epoch >= cfg.epochs:

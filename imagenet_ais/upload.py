@@ -146,7 +146,9 @@ def fetch_latest(source_url: str, output: Path, extra: tuple[str, ...] = ()) -> 
         return None
     pointer = json.loads(store.read_bytes(POINTER))
     local = LocalStore(output)
-    for name in (pointer["checkpoint"], *extra):
+    # the checkpoint last: a fetch cut short must not leave one that a later --resume auto
+    # would continue from without the metrics and log that go with it
+    for name in (*extra, pointer["checkpoint"]):
         if store.exists(name):
             # the size here; a checkpoint's own checksum is checked when it is loaded
             # through a scratch file of its own: nodes sharing --output may fetch at once

@@ -66,6 +66,8 @@ def test_the_cache_stays_within_its_size_bound(serve, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout.read()
     assert 0 < largest <= bound
     assert usage(cache) <= bound
+    cached = [f for f in cache.rglob("*") if f.is_file() and f.suffix != ".lock" and f not in theirs]
+    assert sum(f.stat().st_size for f in cached) <= bound, "counted here without the cache's own accounting"
     assert sum(server.gets().values()) > len(manifest.splits["train"].shards) + 2, "evicted shards came again"
     assert all(path.stat().st_size == bound for path in theirs), "their files are still there, whole"
 
@@ -124,3 +126,18 @@ def test_preload_of_a_split_that_is_not_there_names_the_splits(serve, tmp_path: 
     assert out.returncode == 1
     assert out.stderr.strip() == f"Error: {server.url}/manifest.json has no split 'test' (it has train, val)"
     assert not (tmp_path / "x").exists()
+
+
+def test_preload_leaves_a_manifest_json_that_is_not_ours_alone(serve, tmp_path: Path) -> None:
+    data, dest = tmp_path / "shards", tmp_path / "local"
+    write_shards(data, {"train": [4]})
+    server = serve(data)
+    dest.mkdir()
+    (dest / "manifest.json").write_text('{"my": "own"}')
+    out = run_cli("imagenet_shards.py", "preload", server.url, dest, check=False)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == (
+        f"Error: {dest}/manifest.json is not a shard manifest (not a imagenet-ais-shards manifest): "
+        "preload into another DEST"
+    )
+    assert (dest / "manifest.json").read_text() == '{"my": "own"}' and not list(dest.glob("*.tar"))

@@ -211,6 +211,17 @@ def test_bad_inputs_get_one_line_errors(tmp_path: Path) -> None:
     proc = run_cli("train.py", "--data", tmp_path, "--output", tmp_path / "o", "--progressive", "224:128", check=False)
     assert proc.returncode == 1 and "--progressive '224:128': give START:END" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+    afile, picture = tmp_path / "afile", tmp_path / "tree" / "train" / "c0" / "a.jpg"
+    afile.write_text("mine\n")
+    picture.parent.mkdir(parents=True)
+    picture.write_bytes(tiny_jpeg(random.Random(0), 0))
+    convert = ["imagenet_shards.py", "convert", "--splits", "train", tmp_path / "tree"]
+    for cli in (["train.py", "--data", tmp_path, "--output"], convert):
+        proc = run_cli(*cli, afile, check=False)
+        assert proc.returncode == 1 and proc.stderr.strip() == (
+            f"Error: {afile}: a file is there or on the way to it, not a folder: name a folder"
+        )
+    assert afile.read_text() == "mine\n"
 
 
 @pytest.mark.parametrize("decode", ["cpu", "gpu"])
