@@ -193,7 +193,9 @@ def test_clipped_gradients_move_the_weights_less(trained: tuple[Path, Path], tmp
         run_cli("train.py", "--data", data, "--output", output, *TINY, "--weights", start, "--max-steps", "3", *clip)
         end = torch.load(output / "last.pt", weights_only=True)["model"]
         begin = torch.load(start, weights_only=True)
-        moved.append(sum(float((end[k] - begin[k]).norm()) for k in begin if begin[k].is_floating_point()))
+        # the weights the optimizer steps: BatchNorm's running statistics follow the data, clipped or not
+        weights = [k for k in begin if begin[k].is_floating_point() and not k.endswith(("running_mean", "running_var"))]
+        moved.append(sum(float((end[k] - begin[k]).norm()) for k in weights))
     assert moved[1] < moved[0] / 10, moved
 
 
