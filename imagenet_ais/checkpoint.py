@@ -135,11 +135,15 @@ def sweep_partials(output: Path) -> None:
                 debris.unlink()
 
 
+def _newest(output: Path) -> list[Path]:
+    """The newest ``ckpt-*.pt`` in ``output``, as a list of one, or none."""
+    return sorted(output.glob("ckpt-*.pt"))[-1:]
+
+
 def held(output: Path) -> str | None:
     """What in ``output`` shows a run is there to continue (its checkpoints), or None."""
     found = [name for name in (LAST, BEST) if (output / name).is_file()]
-    found += [p.name for p in sorted(output.glob("ckpt-*.pt"))[-1:]]
-    return ", ".join(found) or None
+    return ", ".join(found + [p.name for p in _newest(output)]) or None
 
 
 def find(resume: str | None, output: Path) -> Path | None:
@@ -150,8 +154,7 @@ def find(resume: str | None, output: Path) -> Path | None:
         return None
     if resume == "auto":
         last = output / LAST
-        newest = sorted(output.glob("ckpt-*.pt"))[-1:]
-        return last if last.is_file() else newest[0] if newest else None
+        return last if last.is_file() else next(iter(_newest(output)), None)
     path = Path(resume)
     if not path.is_file():
         raise FileNotFoundError(f"--resume {resume}: no such checkpoint file")
