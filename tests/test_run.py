@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -160,3 +161,11 @@ def test_the_venv_holds_exactly_the_locked_versions() -> None:
     wanted["imagenet-ais"] = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
     installed = {canonicalize_name(d.metadata["Name"]): d.version for d in distributions()}
     assert installed == wanted
+
+
+def test_the_venv_is_installed_compiled_so_no_process_compiles_torch_again() -> None:
+    """Where PYTHONDONTWRITEBYTECODE is set (CI machines, our image), Python never caches what it
+    compiles: the install must. A module no test imports shows it was compiled at install."""
+    never_imported = importlib.util.find_spec("sympy.physics.mechanics")
+    assert never_imported and never_imported.origin
+    assert Path(importlib.util.cache_from_source(never_imported.origin)).is_file()
