@@ -122,12 +122,15 @@ def outliving(pids: set[int], seconds: float) -> set[int]:
     return alive
 
 
-def wait_until(proc: subprocess.Popen, ready, what: str, timeout: float = 300, poll: float = 0.02) -> None:
-    """Poll ``ready()`` while ``proc`` runs; fail with ``what`` if it ends first or time runs out."""
+def wait_until(
+    proc: subprocess.Popen, ready, what: str, timeout: float = 300, poll: float = 0.02, log: Path | None = None
+) -> None:
+    """Poll ``ready()`` while ``proc`` runs; fail with ``what`` if it ends first or time runs out,
+    showing what it printed (its stdout pipe, or ``log``, the file it writes to)."""
     deadline = time.monotonic() + timeout
     while not ready():
         if proc.poll() is not None:
-            printed = proc.stdout.read() if proc.stdout else "(not captured)"
+            printed = proc.stdout.read() if proc.stdout else log.read_text()[-20000:] if log else "(not captured)"
             raise AssertionError(f"{what}: the process ended first ({proc.returncode}):\n{printed}")
         assert time.monotonic() < deadline, f"{what}: not after {timeout:.0f}s"
         time.sleep(poll)

@@ -136,19 +136,25 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_keeps_the_epoch_exac
     write_shards(data, {"train": TRAIN, "val": [4]})
     port = free_port()
     rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic"]
-    timing = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
+    # a node is declared dead after 10 s without a heartbeat: with 2 s (1 × 2), a live agent whose
+    # heartbeat ran late on a loaded 2-core machine was dropped too, and the run failed
+    timing = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=10"
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1", *rendezvous]
     agent += ["--rdzv-conf", timing, "--max-restarts", "2", "--monitor-interval", "0.5", str(ROOT / "train.py")]
     agent += [*args(data, output, 4, 1), "--checkpoint-every", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    quiet = {"cwd": ROOT, "env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    survivor = subprocess.Popen(agent, **quiet)  # the first agent hosts the rendezvous store
-    deadline = time.monotonic() + 60
-    while not _listening(port) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    lost = subprocess.Popen(agent, **quiet)
+    logs = tmp_path / "survivor.log", tmp_path / "lost.log"
+    with logs[0].open("w") as first, logs[1].open("w") as second:
+        # the first agent hosts the rendezvous store
+        survivor = subprocess.Popen(agent, cwd=ROOT, env=env, stdout=first, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not _listening(port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        lost = subprocess.Popen(agent, cwd=ROOT, env=env, stdout=second, stderr=subprocess.STDOUT)
     done = output / "metrics.jsonl"
-    wait_until(survivor, lambda: done.exists() and any(r["step"] >= 12 for r in metrics(output)), "step 12")
+    wait_until(
+        survivor, lambda: done.exists() and any(r["step"] >= 12 for r in metrics(output)), "step 12", log=logs[0]
+    )
     state = torch.load(output / "last.pt", weights_only=True)
     assert len(state["rng"]) == 2, "both agents trained together"
     tree = {lost.pid}
@@ -157,7 +163,7 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_keeps_the_epoch_exac
     for pid in tree:
         os.kill(pid, signal.SIGKILL)
     lost.wait()
-    assert survivor.wait(timeout=300) == 0
+    assert survivor.wait(timeout=300) == 0, logs[0].read_text()[-20000:]
     end = torch.load(output / "last.pt", weights_only=True)
     assert (end["epoch"], len(end["rng"])) == (2, 1), "finished alone"
     assert "of 40 on 2 × 4: its" in (output / "train.log").read_text(), "the survivor said what it did"
