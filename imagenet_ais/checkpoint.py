@@ -172,10 +172,8 @@ def resume(
     that ``fetches``; all processes call this)."""
     path = find(how, output)
     if how == "auto" and uploaded:
-        if fetches and path is None:
-            fetched = upload.fetch_latest(uploaded, output, extra=extra)
-            if fetched:
-                link(fetched, LAST)
+        if fetches:
+            _fetch_newer(uploaded, output, path, extra, say)
         distributed.barrier()  # every rank, whatever it found: a rank skipping it would hang the others
         path = find("auto", output)
     if path is None:
@@ -186,6 +184,21 @@ def resume(
     if chosen == path and path.name != LAST:
         say(f"warning: {output / LAST} is missing; resuming from {path}, the newest checkpoint there", err=True)
     return chosen, state
+
+
+def _fetch_newer(uploaded: str, output: Path, path: Path | None, extra: tuple[str, ...], say: Callable) -> None:
+    """Download what the run uploaded where ``output`` has no checkpoint (a fresh node) or only
+    older ones (this node's copy of a run that went on elsewhere): continuing from those would
+    train steps again, and their checkpoints could never be uploaded over the newer ones."""
+    newest = _newest(output)
+    if path is not None and not newest:
+        return  # a last.pt alone, of a step unknown without loading it: it is what there is
+    after = int(newest[0].stem.removeprefix("ckpt-")) if newest else -1
+    fetched = upload.fetch_latest(uploaded, output, extra=extra, after=after)
+    if fetched:
+        link(fetched, LAST)
+        if newest:
+            say(f"{uploaded} holds a newer checkpoint than {newest[0]}: continuing from {fetched.name}")
 
 
 def load(path: Path) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import random
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,11 +93,10 @@ class Run(Parts):
 def prepare(cfg: TrainConfig, d: distributed.Dist) -> Path:
     """The output directory (rid of what a killed run left mid-write), seeds and cuDNN set."""
     output = Path(cfg.output)
+    fresh = cfg.resume is None and not cfg.test_only
     # rank 0's view: with node-local outputs the other ranks' are empty, and all must stop alike
-    held = checkpoint.held(output) if d.main else None
-    if cfg.resume is None and not cfg.test_only and (run := distributed.broadcast_object(held)):
-        # a fresh run here would overwrite its checkpoints and mix its metrics into theirs
-        raise ValueError(f"{output} holds a run ({run}): continue it with --resume auto, or use another --output")
+    if fresh and (held := distributed.broadcast_object(held_run(output, cfg) if d.main else None)):
+        raise ValueError(held)
     output.mkdir(parents=True, exist_ok=True)
     if d.main:
         checkpoint.sweep_partials(output)
@@ -105,6 +105,27 @@ def prepare(cfg: TrainConfig, d: distributed.Dist) -> Path:
     if d.device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     return output
+
+
+def held_run(output: Path, cfg: TrainConfig) -> str | None:
+    """Why a fresh run must not start here, or None: a run is there to continue, whose checkpoints
+    it would overwrite, or whose uploaded metrics, log and ``latest.json`` it would replace."""
+    if found := checkpoint.held(output):
+        return f"{output} holds a run ({found}): continue it with --resume auto, or use another --output"
+    if not cfg.upload:
+        return None
+    try:
+        pointer = upload.latest(cfg.upload, cfg.upload_retry_seconds)
+    except Exception as e:  # each SDK has its own errors; training need not wait: uploads are retried anyway
+        say = f"warning: {cfg.upload}: could not check it for an earlier run's uploads ({type(e).__name__}: {e})"
+        print(say, file=sys.stderr)
+        return None
+    if pointer:
+        return (
+            f"{cfg.upload} holds a run's uploads ({upload.POINTER} names {pointer['checkpoint']}): "
+            "continue it with --resume auto, or use another --upload"
+        )
+    return None
 
 
 def loaders(

@@ -137,14 +137,20 @@ def sync(src: Path, dest_url: str, retry_seconds: float = 120) -> tuple[list[str
     return uploaded, skipped
 
 
-def fetch_latest(source_url: str, output: Path, extra: tuple[str, ...] = ()) -> Path | None:
+def latest(url: str, retry_seconds: float = 120) -> dict | None:
+    """What ``latest.json`` at ``url`` says (``checkpoint``, ``step``), or None: no run uploaded there."""
+    store = open_store(url, retry_seconds)
+    return json.loads(store.read_bytes(POINTER)) if store.exists(POINTER) else None
+
+
+def fetch_latest(source_url: str, output: Path, extra: tuple[str, ...] = (), after: int = -1) -> Path | None:
     """Download the checkpoint ``latest.json`` names (and ``extra`` files) into ``output``.
 
-    None when the location has no pointer yet (a first run)."""
-    store = open_store(source_url)
-    if not store.exists(POINTER):
+    None when the location has no pointer yet (a first run), or names no step past ``after``."""
+    pointer = latest(source_url)
+    if pointer is None or pointer["step"] <= after:
         return None
-    pointer = json.loads(store.read_bytes(POINTER))
+    store = open_store(source_url)
     local = LocalStore(output)
     # the checkpoint last: a fetch cut short must not leave one that a later --resume auto
     # would continue from without the metrics and log that go with it

@@ -248,6 +248,21 @@ def test_sigterm_mid_epoch_then_resume_on_a_fresh_node_from_gcs(gcs, tmp_path: P
     seen += (second / "keys" / "epoch001-rank0.txt").read_text().split()
     assert len(seen) == len(set(seen)) == 48, "no training key twice in the interrupted epoch, none missed"
 
+    # the first node, back with its own older checkpoints, continues from the uploaded newer one
+    again = run_cli("train.py", *common, "--output", first, "--epochs", "3")
+    assert f"{dest} holds a newer checkpoint than {first / f'ckpt-{stopped_at:08d}.pt'}" in again.stdout
+    assert "epoch 3, step 24" in again.stdout and "WARNING: upload" not in again.stderr
+    assert json.loads(GCSStore(dest).read_bytes("latest.json"))["step"] == 36
+
+    # a fresh run (no --resume) would replace that run's uploaded metrics, log and pointer
+    fresh = [a for a in common if a not in ("--resume", "auto")]
+    refused = run_cli("train.py", *fresh, "--output", tmp_path / "node3", check=False)
+    assert refused.returncode == 1 and refused.stderr.strip().splitlines()[-1] == (
+        f"Error: {dest} holds a run's uploads (latest.json names ckpt-00000036.pt): continue it with "
+        "--resume auto, or use another --upload"
+    )
+    assert json.loads(GCSStore(dest).read_bytes("latest.json"))["step"] == 36
+
 
 def test_train_streams_shards_from_gcs_into_the_cache(gcs, tmp_path: Path) -> None:
     data, cache = tmp_path / "shards", tmp_path / "cache"

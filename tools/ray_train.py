@@ -25,7 +25,7 @@ from pathlib import Path
 import click
 
 import imagenet_ais
-from imagenet_ais import checkpoint, train_cli
+from imagenet_ais import run_setup, train_cli
 
 
 def token_available() -> bool:
@@ -98,11 +98,9 @@ def main(
         cfg.data = str(Path(cfg.data).resolve())
     if max_failures and cfg.resume is None:
         # a restarted group must continue, not start over: that needs --resume auto, which is a
-        # fresh start only where the output holds no checkpoint yet
-        if checkpoint.find("auto", Path(cfg.output)):
-            raise click.ClickException(
-                f"{cfg.output} holds checkpoints: pass --resume auto to continue them, or choose another --output"
-            )
+        # fresh start only where neither --output nor --upload holds a run yet
+        if held := run_setup.held_run(Path(cfg.output), cfg):
+            raise click.ClickException(held)
         cfg.resume = "auto"
     if address and "RAY_AUTH_MODE" not in os.environ and token_available():
         os.environ["RAY_AUTH_MODE"] = "token"  # Ray itself does not use a token it finds when connecting
