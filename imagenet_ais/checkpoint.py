@@ -194,7 +194,14 @@ def _fetch_newer(uploaded: str, output: Path, path: Path | None, extra: tuple[st
     if path is not None and not newest:
         return  # a last.pt alone, of a step unknown without loading it: it is what there is
     after = int(newest[0].stem.removeprefix("ckpt-")) if newest else -1
-    fetched = upload.fetch_latest(uploaded, output, extra=extra, after=after)
+    try:
+        fetched = upload.fetch_latest(uploaded, output, extra=extra, after=after)
+    except Exception as e:  # each SDK has its own errors
+        if not newest:
+            raise
+        say(f"warning: {uploaded}: not checked for a newer checkpoint ({type(e).__name__}: {e}); "
+            f"continuing from {newest[0]}", err=True)  # fmt: skip
+        return
     if fetched:
         link(fetched, LAST)
         if newest:

@@ -87,9 +87,11 @@ class Reporter:
     """Rank 0's messages, on the console and in ``train.log``."""
 
     def __init__(self, path: Path | None):
-        self.file = path.open("a", buffering=1) if path else None
+        self.path = path
 
     def say(self, message: str, err: bool = False) -> None:
-        if self.file:
+        if self.path:
             print(message, file=sys.stderr if err else sys.stdout, flush=True)
-            self.file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+            # opened for each line: a resume that fetches the uploaded log replaces the file
+            with self.path.open("a") as log:
+                log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")

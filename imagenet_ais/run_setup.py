@@ -117,12 +117,15 @@ def held_run(output: Path, cfg: TrainConfig) -> str | None:
     try:
         pointer = upload.latest(cfg.upload, cfg.upload_retry_seconds)
     except Exception as e:  # each SDK has its own errors; training need not wait: uploads are retried anyway
-        say = f"warning: {cfg.upload}: could not check it for an earlier run's uploads ({type(e).__name__}: {e})"
-        print(say, file=sys.stderr)
+        print(
+            f"warning: {cfg.upload}: not checked for an earlier run's uploads ({type(e).__name__}: {e}): "
+            "if it holds one, this run replaces its latest.json, metrics and log",
+            file=sys.stderr,
+        )
         return None
     if pointer:
         return (
-            f"{cfg.upload} holds a run's uploads ({upload.POINTER} names {pointer['checkpoint']}): "
+            f"{cfg.upload} holds a run's uploads ({upload.POINTER} names {pointer.get('checkpoint')}): "
             "continue it with --resume auto, or use another --upload"
         )
     return None

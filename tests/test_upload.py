@@ -252,6 +252,8 @@ def test_sigterm_mid_epoch_then_resume_on_a_fresh_node_from_gcs(gcs, tmp_path: P
     again = run_cli("train.py", *common, "--output", first, "--epochs", "3")
     assert f"{dest} holds a newer checkpoint than {first / f'ckpt-{stopped_at:08d}.pt'}" in again.stdout
     assert "epoch 3, step 24" in again.stdout and "WARNING: upload" not in again.stderr
+    log = (first / "train.log").read_text()  # the fetched log, and this run's lines after it
+    assert f"{dest} holds a newer checkpoint" in log and f"epoch 2, step {stopped_at}" in log
     assert json.loads(GCSStore(dest).read_bytes("latest.json"))["step"] == 36
 
     # a fresh run (no --resume) would replace that run's uploaded metrics, log and pointer
