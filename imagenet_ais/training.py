@@ -267,12 +267,10 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
     if best:
         checkpoint.link(saved.path, checkpoint.BEST)
     if run.uploader:
-        # the logs first: the checkpoint's upload moves latest.json, and a run resumed from it on
-        # another node must find the metrics and log that lead up to it
+        run.uploader.submit(saved.path, checkpoint_step=standing.step, replace=saved.replaced)
         for file in (run.output / METRICS, run.output / LOG, *run.output.glob("events.out.tfevents.*")):
             if file.exists():
                 run.uploader.submit(file)
-        run.uploader.submit(saved.path, checkpoint_step=standing.step, replace=saved.replaced)
 
 
 def finish(run: Run, complete: bool, exit_code: int = 0) -> dict[str, Any]:
