@@ -50,6 +50,7 @@ class TrainConfig:
     max_steps: int | None = None
     synthetic: bool = False
     epoch_mode: str = "resampled"
+    epoch_size: int | None = None  # resampled: samples per epoch, whatever the manifest holds (None: its count)
     shuffle_buffer: int = 2000
     max_bad: float = 0.01  # of an epoch's samples, skipped or padded, before the run stops
     log_every: int = 20

@@ -4,8 +4,8 @@ Two epoch modes, both giving every rank the same number of steps so DDP never ha
 plans are in sampling.py):
 
 - resampled: each DataLoader worker draws shards with replacement (weighted by their sample
-  counts) forever; an epoch is a nominal ceil(N / (world × batch)) steps (the old
-  ``ResizedDataset``).
+  counts) forever; an epoch is a nominal ceil(N / (world × batch)) steps, N the manifest's
+  count or ``--epoch-size`` (the old ``ResizedDataset(..., nominal=N)``).
 - exact: every sample is read at most once per epoch, in steps = N // (world × batch) steps;
   fewer than one global batch sit each epoch out, other ones every epoch. A resumed epoch
   trains what the interrupted one had not, on any topology.
@@ -53,6 +53,12 @@ from imagenet_ais.transforms import (
 SYNTHETIC_CLASSES = 1000
 SYNTHETIC_STEPS = 100  # steps per "epoch" of --synthetic
 CPU = torch.device("cpu")
+
+
+def nominal_steps(samples: int, world: int, batch: int) -> int:
+    """Steps of a resampled epoch of ``samples`` (webdataset's ``with_epoch``): the ranks' batches
+    together cover it, the last step's maybe partly twice."""
+    return math.ceil(samples / (world * batch))
 
 
 class HostBatch(NamedTuple):
@@ -221,10 +227,22 @@ class TrainLoader(_ShardLoader):
     """
 
     def __init__(
-        self, split: SplitInfo, location: str, mode: str, spec: LoaderSpec, feeding: Feeding, shuffle_buffer: int
+        self,
+        split: SplitInfo,
+        location: str,
+        mode: str,
+        spec: LoaderSpec,
+        feeding: Feeding,
+        shuffle_buffer: int,
+        epoch_size: int | None = None,
     ):
         if split.samples == 0:
             raise ValueError("the training split has no samples")
+        if epoch_size is not None and mode == "exact":
+            raise ValueError(
+                f"--epoch-size {epoch_size} with --epoch-mode exact: an exact epoch is every sample of the "
+                f"manifest once ({split.samples}); leave --epoch-size out, or use --epoch-mode resampled"
+            )
         batch = spec.batch
         # the rank's buffer, split among its workers; each needs a batch to hand one over
         shuffle = max(batch, shuffle_buffer // max(1, feeding.workers))
@@ -233,7 +251,7 @@ class TrainLoader(_ShardLoader):
         if mode == "exact":
             self.steps = exact_assignment(counts, world, batch, self.spec.seed, 0)[1]
         else:
-            self.steps = math.ceil(sum(counts) / (world * batch))
+            self.steps = nominal_steps(epoch_size or sum(counts), world, batch)
         self.epoch = 0
         self.padded = 0  # samples repeated to fill the epoch's last batches when decodes failed
         self.delivered: list[torch.Tensor] = []  # this epoch's (shard, index) handed to training
@@ -346,11 +364,11 @@ class SyntheticLoader:
 
     restored = None  # no data position to continue from: every synthetic step is alike
 
-    def __init__(self, batch: int, size: int, device: torch.device, channels_last: bool):
+    def __init__(self, batch: int, size: int, device: torch.device, channels_last: bool, steps: int = SYNTHETIC_STEPS):
         self.fmt = torch.channels_last if channels_last else torch.contiguous_format
         self.x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=self.fmt)
         self.y = torch.randint(0, SYNTHETIC_CLASSES, (batch,), device=device)
-        self.steps = SYNTHETIC_STEPS
+        self.steps = steps
 
     def __len__(self) -> int:
         return self.steps

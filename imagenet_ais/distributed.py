@@ -85,6 +85,16 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def gather_floats(values: list[float], d: Dist) -> list[list[float]]:
+    """Every rank's ``values`` (as many on each), in rank order; float64."""
+    t = torch.tensor(values, dtype=torch.float64, device=d.device)
+    if not dist.is_initialized():
+        return [t.tolist()]
+    out = [torch.empty_like(t) for _ in range(d.world)]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank when it is true on any (so all ranks stop at the same step)."""
     if not dist.is_initialized():

@@ -3,7 +3,7 @@ directory, plus GPU utilisation and memory samples where there is a GPU."""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import sys
 import time
@@ -73,14 +73,52 @@ def _drop_records_after(path: Path, step: int) -> None:
         partial.replace(path)
 
 
+# NVML's clock-event reasons that slow a busy GPU down (a record's ``gpu_throttle`` holds these
+# bits); idle, application clocks and sync boost are no slowdown. Figures taken while one of
+# the last four was set are not the card's: one lent GPU at 91 °C ran at 1,230 MHz.
+THROTTLE_REASONS = {
+    0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "power_brake",
+}  # fmt: skip
+SLOWDOWNS = 0x8 | 0x20 | 0x40 | 0x80
+
+
 def gpu_sample(device: torch.device) -> dict[str, float]:
-    """GPU utilisation (%, over the driver's last sample period) and peak memory (GiB); {} on CPU."""
+    """GPU utilisation (%, over the driver's last sample period), peak memory (GiB), SM clock
+    (MHz), temperature (°C) and the throttle reasons in force (bits of THROTTLE_REASONS); {} on
+    CPU, and NaN for what NVML cannot tell (missing, or refused in a container)."""
     if device.type != "cuda":
         return {}
     sample = {"gpu_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3)}
-    with contextlib.suppress(Exception):  # NVML missing, or refused in a container: memory only
-        sample["gpu_util"] = float(torch.cuda.utilization(device))
-    return sample
+    nan = float("nan")
+    try:
+        import pynvml  # nvidia-ml-py, as torch.cuda.utilization uses it
+
+        handle = _nvml_handle(device.index if device.index is not None else torch.cuda.current_device())
+        reasons = pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle)
+        return {
+            **sample,
+            "gpu_util": float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+            "gpu_sm_mhz": float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+            "gpu_temp_c": float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
+            "gpu_throttle": float(sum(bit for bit in THROTTLE_REASONS if reasons & bit)),
+        }
+    except Exception:  # no NVML here: memory only
+        return {**sample, "gpu_util": nan, "gpu_sm_mhz": nan, "gpu_temp_c": nan, "gpu_throttle": nan}
+
+
+@functools.cache
+def _nvml_handle(index: int) -> Any:
+    """NVML's handle of the CUDA device ``index`` (found by UUID: NVML numbers the GPUs its own way,
+    ignoring CUDA_VISIBLE_DEVICES)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(index).uuid}")
+
+
+def throttle_names(bits: float) -> list[str]:
+    """The names of a record's ``gpu_throttle`` bits."""
+    return [name for bit, name in THROTTLE_REASONS.items() if int(bits) & bit]
 
 
 class Reporter:

@@ -3,6 +3,8 @@ the metrics window between two records."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import sys
 import time
 from typing import Any
@@ -48,14 +50,43 @@ class Progress:
         self.bar.close()
 
 
-class Window:
-    """One metrics interval of the epoch loop: its steps, their losses, the time spent waiting for data."""
+class StepClock:
+    """When each step of a window began, on the device's own timeline where there is a GPU (CUDA
+    events on the training stream: the host only queues steps, and may run ahead of them)."""
 
-    def __init__(self, start: float | None = None) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def durations_ms(self) -> list[float]:
+        """Each marked step's time to the next mark (the last one's to now); call once the device
+        has done the steps."""
+        self.mark()
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in itertools.pairwise(self.marks)]
+        return [1000 * (b - a) for a, b in itertools.pairwise(self.marks)]
+
+
+class Window:
+    """One metrics interval of the epoch loop: its steps, their losses and times, the time spent
+    waiting for data."""
+
+    def __init__(self, device: torch.device, start: float | None = None) -> None:
+        self.device = device
         self.start = time.perf_counter() if start is None else start
         self.end = self.start
         self.steps, self.waited = 0, 0.0
         self.losses: list[torch.Tensor] = []
+        self.clock = StepClock(device)
 
     def record(
         self,
@@ -69,27 +100,49 @@ class Window:
     ) -> tuple[dict[str, Any], dict[str, int]]:
         """This window's ``kind: train`` metrics record, and the data counters in it (summed over ranks).
 
-        The window ends once the GPU has done its steps (the loss sum waits for them): timed when
-        the CPU had only queued them, a rate would count work the GPU had yet to do."""
-        counters = loader.counters()
-        loss_sum, *sums = distributed.all_reduce_sum(
-            [float(torch.stack(self.losses).float().mean()), *counters.values()], d.device
-        )
+        The window ends once the GPU has done its steps (the loss waits for them): timed when the
+        CPU had only queued them, a rate would count work the GPU had yet to do. ``ranks`` holds
+        each rank's own figures: its step times, data wait, feed threads and GPU."""
+        loss = float(torch.stack(self.losses).float().mean())
         self.end = time.perf_counter()
         elapsed = self.end - self.start
-        totals = {k: int(v) for k, v in zip(counters, sums, strict=True)}
+        steps_ms = sorted(self.clock.durations_ms())
+        counters = loader.counters()
+        mine = {
+            "loss": loss,
+            **counters,
+            "data_wait": self.waited / elapsed,
+            "step_ms_p50": _quantile(steps_ms, 0.5),
+            "step_ms_p90": _quantile(steps_ms, 0.9),
+            # the feed threads' share of the time working: the one near 1 is what the step waits for
+            **{f"busy_{k}": v / elapsed for k, v in loader.busy().items()},
+            **gpu_sample(d.device),
+        }
+        ranks = [dict(zip(mine, values, strict=True)) for values in distributed.gather_floats(list(mine.values()), d)]
+        totals = {k: int(sum(r[k] for r in ranks)) for k in counters}
         record = {
             "kind": "train",
             "epoch": epoch,
             "step": step,
-            "loss": loss_sum / d.world,
+            "loss": sum(r["loss"] for r in ranks) / d.world,
             "lr": lr,
             "img_per_s": self.steps * global_batch / elapsed,
             "image_size": image_size,
-            **gpu_sample(d.device),
-            "data_wait": self.waited / elapsed,
-            # rank 0's feed threads: the one near 1 is what the step waits for
-            **{f"busy_{k}": round(v / elapsed, 3) for k, v in loader.busy().items()},
+            # rank 0's, as before ranks were recorded (NaN: what NVML could not tell)
+            **{k: v for k, v in mine.items() if k.startswith(("gpu_", "busy_")) and not math.isnan(v)},
+            "data_wait": mine["data_wait"],
             **totals,
+            "ranks": [
+                {k: _rounded(v) for k, v in r.items() if k not in ("loss", *counters) and not math.isnan(v)}
+                for r in ranks
+            ],
         }
         return record, totals
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))] if sorted_values else 0.0
+
+
+def _rounded(value: float) -> float | int:
+    return int(value) if value.is_integer() else round(value, 3)

@@ -72,6 +72,13 @@ def resume(
     if cfg.log_keys and d.main and "keys_logged" in state:  # (older checkpoints recorded none)
         keys_log.cut_back(Path(cfg.output), state["epoch"], state["keys_logged"])
     say(f"resumed from {path}: epoch {state['epoch'] + 1}, step {state['step']}")
+    if (before := state["config"].get("epoch_size")) != cfg.epoch_size and not cfg.synthetic:
+        size = {None: "the manifest's train samples"}
+        say(
+            f"note: {path} trained epochs of {size.get(before, f'{before} samples')}, this run's are "
+            f"{size.get(cfg.epoch_size, f'{cfg.epoch_size} samples')} (--epoch-size): it goes on from epoch "
+            f"{state['epoch'] + 1}, as far through it as it was, and the schedule follows the new epochs"
+        )
     standing = Standing(state["epoch"], state["step"], 0, state["best_top1"], state["last_val"])
     if standing.epoch < cfg.epochs:
         standing.first_step = continue_epoch(state, cfg, loader, d, say)

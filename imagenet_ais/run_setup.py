@@ -20,7 +20,15 @@ from torch import nn
 from imagenet_ais import checkpoint, distributed, model, recipe, upload
 from imagenet_ais.augment import NO_AUGMENT, Augment
 from imagenet_ais.config import TrainConfig
-from imagenet_ais.data import SYNTHETIC_CLASSES, Feeding, SyntheticLoader, TrainLoader, ValLoader
+from imagenet_ais.data import (
+    SYNTHETIC_CLASSES,
+    SYNTHETIC_STEPS,
+    Feeding,
+    SyntheticLoader,
+    TrainLoader,
+    ValLoader,
+    nominal_steps,
+)
 from imagenet_ais.data_health import DataHealth
 from imagenet_ais.manifest import load_manifest
 from imagenet_ais.metrics import MetricsLog
@@ -143,7 +151,9 @@ def loaders(
     run's first line)."""
     if cfg.synthetic:
         classes = [str(i) for i in range(SYNTHETIC_CLASSES)]
-        return SyntheticLoader(cfg.batch_size, sizes[0], d.device, channels_last), None, classes, "synthetic data"
+        steps = nominal_steps(cfg.epoch_size, d.world, cfg.batch_size) if cfg.epoch_size else SYNTHETIC_STEPS
+        synthetic = SyntheticLoader(cfg.batch_size, sizes[0], d.device, channels_last, steps)
+        return synthetic, None, classes, "synthetic data"
     if not cfg.data:
         raise ValueError("no --data given: point it at a shard location holding manifest.json, or use --synthetic")
     if cfg.cache_size is not None and not cfg.cache_dir:
@@ -160,7 +170,8 @@ def loaders(
         augment=Augment(cfg.auto_augment, cfg.random_erase),
     )  # fmt: skip
     feeding = Feeding(workers, d.device, channels_last)
-    train_loader = TrainLoader(manifest.split("train"), cfg.data, cfg.epoch_mode, spec, feeding, cfg.shuffle_buffer)
+    train_split = manifest.split("train")
+    train_loader = TrainLoader(train_split, cfg.data, cfg.epoch_mode, spec, feeding, cfg.shuffle_buffer, cfg.epoch_size)
     val_loader = None
     val_split = manifest.splits.get("val")
     if val_split and val_split.samples:

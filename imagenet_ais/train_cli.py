@@ -165,6 +165,13 @@ def parse_workers(value: str) -> int | None:
 @click.option("--synthetic", is_flag=True, help="random data already on the device: the throughput ceiling")
 @click.option("--epoch-mode", default=DEFAULTS.epoch_mode, type=click.Choice(["resampled", "exact"]))
 @click.option(
+    "--epoch-size",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="resampled mode: an epoch is N samples (the schedule, checkpoints and resume count in these) "
+    "[default: the manifest's train samples]",
+)
+@click.option(
     "--shuffle-buffer",
     default=DEFAULTS.shuffle_buffer,
     type=click.IntRange(min=1),

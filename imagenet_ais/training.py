@@ -106,12 +106,13 @@ def train_epoch(run: Run) -> Stopped | None:
     batches = iter(loader)
     keys_out = keys_log.open_log(run.output, epoch, d.rank) if cfg.log_keys else None
     progress = Progress(epoch, cfg.epochs, steps, standing.first_step, shown=d.main)
-    window = Window()
+    window = Window(d.device)
     stopped = None
     for step_in_epoch in range(standing.first_step, steps):
         t0 = time.perf_counter()
         x, y, keys = next(batches)
         window.waited += time.perf_counter() - t0
+        window.clock.mark()
         loss = train_step(run, x, y)
         standing.step += 1
         if run.ema and standing.step % cfg.model_ema_steps == 0:
@@ -135,7 +136,7 @@ def train_epoch(run: Run) -> Stopped | None:
             run.log.write(**record)
             run.health.poll(totals)
             progress.show(record, step_in_epoch + 1)
-            window = Window(start=window.end)  # windows tile the time: none of it goes unrecorded
+            window = Window(d.device, start=window.end)  # windows tile the time: none of it goes unrecorded
         if stopped:
             break
         if cfg.checkpoint_every and standing.step % cfg.checkpoint_every == 0 and not last_of_epoch:

@@ -114,6 +114,21 @@ def test_resampled_mode_has_nominal_length_and_full_batches(tmp_path: Path) -> N
     assert rank0 != rank1, "ranks must not read the same stream"
 
 
+def test_epoch_size_sets_a_resampled_epochs_length_and_exact_mode_refuses_it(tmp_path: Path) -> None:
+    manifest = write_shards(tmp_path, {"train": UNEVEN})
+    split = manifest.split("train")
+    ranks = [
+        TrainLoader(split, str(tmp_path), "resampled", spec(r, 2, 5), Feeding(2), 16, epoch_size=100) for r in (0, 1)
+    ]
+    for loader in ranks:
+        assert len(loader) == 10  # 100 samples over 2 ranks × 5, though the manifest lists 48
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            assert [len(b.keys) for b in loader] == [5] * 10
+    with pytest.raises(ValueError, match=r"--epoch-size 100 with --epoch-mode exact: .* once \(48\)"):
+        TrainLoader(split, str(tmp_path), "exact", spec(0, 1, 5), Feeding(0), 16, epoch_size=100)
+
+
 def test_corrupt_samples_are_skipped_counted_and_steps_kept(tmp_path: Path) -> None:
     bad = {"train-1-0", "train-1-5", "train-3-2"}
     manifest = write_shards(tmp_path, {"train": UNEVEN}, corrupt=bad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import itertools
 import json
@@ -70,6 +71,11 @@ def test_ddp_two_ranks_uneven_shards(mode: str, tmp_path: Path) -> None:
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [2, 4, 6, 8, 10, 12]
     assert all(r["skipped"] == 0 and 0 <= r["data_wait"] <= 1 and r["img_per_s"] > 0 for r in train)
+    for r in train:  # each rank's own step times, data wait and feed threads, beside rank 0's summary
+        assert len(r["ranks"]) == 2 and r["ranks"][0]["data_wait"] == round(r["data_wait"], 3)
+        for rank in r["ranks"]:
+            assert 0 < rank["step_ms_p50"] <= rank["step_ms_p90"] < 2000 * 2 / r["img_per_s"] * 4
+            assert 0 <= rank["data_wait"] <= 1 and 0 <= rank["busy_host"] <= 1 and 0 <= rank["busy_copy"] <= 1
     val = [r for r in records if r["kind"] == "val"]
     assert [(r["epoch"], r["samples"]) for r in val] == [(0, 13), (1, 13)], "every val image counted once"
     state = torch.load(output / "last.pt", weights_only=True)
@@ -140,6 +146,32 @@ def test_stopped_run_resumes_at_the_right_step(tmp_path: Path) -> None:
 
     third = run_cli("train.py", *args)  # nothing left to do, and it says so
     assert "already trained 3 epochs" in third.stdout
+
+
+def test_epoch_size_sets_the_epochs_that_the_schedule_checkpoints_and_resume_count_in(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": UNEVEN, "val": [6]})
+    cfg = training.TrainConfig(
+        data=str(data), output=str(output), arch="resnet18", image_size=32, batch_size=4, warmup_epochs=0,
+        epochs=3, workers=0, epoch_size=20, log_every=1, resume="auto",
+    )  # fmt: skip
+    training.train(dataclasses.replace(cfg, max_steps=7))  # 5 steps an epoch (the manifest's 48 would make 12)
+    state = torch.load(output / "last.pt", weights_only=True)
+    assert (state["epoch"], state["step_in_epoch"], state["steps_per_epoch"]) == (1, 2, 5)
+    assert training.train(cfg)["complete"]
+    train = [r for r in metrics(output) if r["kind"] == "train"]
+    assert [(r["epoch"], r["step"]) for r in train] == [(k // 5, k + 1) for k in range(15)]
+    cosine = [0.1 * 4 / 256 * 0.5 * (1 + math.cos(math.pi * k / 15)) for k in range(1, 16)]
+    assert [r["lr"] for r in train] == pytest.approx(cosine), "the schedule runs over 3 epochs of 5 steps"
+    assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [0, 1, 2]
+
+    capsys.readouterr()
+    training.train(dataclasses.replace(cfg, epochs=4, epoch_size=40))
+    said = capsys.readouterr().out
+    assert "trained epochs of 20 samples, this run's are 40 samples (--epoch-size)" in said
+    assert torch.load(output / "last.pt", weights_only=True)["step"] == 15 + 10
 
 
 def test_killed_run_resumes_from_its_last_epoch(tmp_path: Path) -> None:
@@ -694,6 +726,8 @@ def test_each_records_img_per_s_accounts_for_all_the_time_since_the_last_record(
     assert len(windows) == 4
     for (before, _), (at, record) in itertools.pairwise(windows):
         assert 2 * 4 / record["img_per_s"] == pytest.approx(at - before, rel=0.1)
+        (rank,) = record["ranks"]  # a window's two steps, each timed from its start to the next's
+        assert 0 < rank["step_ms_p50"] <= rank["step_ms_p90"] <= 1000 * (at - before)
 
 
 def test_compiled_training_uses_cuda_graphs_on_a_gpu_unless_told_otherwise() -> None:
