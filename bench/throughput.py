@@ -3,13 +3,17 @@
 
 For each model of the preset: (a) the ceiling, ``train.py --synthetic`` (random batches
 already on the device); (b) end to end, ``train.py --data SHARDS`` with CPU and/or GPU
-decoding, same model, batch, image size and compile mode. Prints img/s in the steady state
-(from the second epoch on, without the windows that start an epoch), the fraction of step
-time spent waiting for data, (b)/(a), the seconds an epoch's first window took beyond the
-steady rate (the loader restarting: paid once an epoch, so weigh it by the epoch's length),
-and how busy rank 0's feed threads were (host: getting batches from the workers; decode;
-crop: the fraction of the time each was working, so the one near 1 is the limit); on CUDA
-also per-stage rates (nvJPEG decode, crop+resize, H2D copy, PIL decode per core).
+decoding, same model, batch, image size and compile mode. The GPU presets train on epochs
+as long as ImageNet's (``--epoch-size``), whatever the generated data's size. Prints img/s in
+the steady state (past the warm-up, without the windows that start an epoch: records.py), the
+fraction of step time spent waiting for data, (b)/(a), the seconds an epoch's first window took
+beyond the steady rate (the loader restarting: paid once an epoch, so weigh it by the epoch's
+length), the share of the host's cores busy, and how busy rank 0's feed threads were (host:
+getting batches from the workers; decode; crop: the fraction of the time each was working, so
+the one near 1 is the limit). Under each row, every rank's step-time median and p90, data wait,
+feed threads and GPU (SM clock, temperature, throttle reasons); a row whose GPUs were slowed by
+heat or power is marked INVALID. On CUDA also per-stage rates (nvJPEG decode, crop+resize, H2D
+copy, PIL decode per core).
 
 Without --data it generates shards first: for the GPU presets ImageNet-like ones (1,000
 classes, 500×375 JPEGs of ~110 KB), for the CPU preset a small demo-like set. With
@@ -27,7 +31,6 @@ ratio is to that ceiling.
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import json
 import os
 import random
@@ -41,9 +44,11 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 import torch
+from records import HostCpu, describe_ranks, epoch_starts, invalid_because, rank_figures, steady_windows
 
 from imagenet_ais.augment import NO_AUGMENT, POLICIES, Augment
 from imagenet_ais.data import Feeding, TrainLoader
@@ -62,6 +67,7 @@ from imagenet_ais.transforms import (
 
 ROOT = Path(__file__).resolve().parent.parent
 DECODES = ("cpu", "gpu")
+IMAGENET_TRAIN = 1_281_167  # ILSVRC2012's training images: the epoch users run
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ class Model:
     decodes: tuple[str, ...]  # end-to-end variants to run besides the ceiling
     steps: int  # per measurement (the first windows are dropped as warm-up)
     e2e_steps: int
+    epoch_size: int | None = None  # train.py --epoch-size: long epochs whatever the data set's size
 
 
 @dataclass(frozen=True)
@@ -95,22 +102,24 @@ PRESETS = {
         95,
         (Model("resnet50", 256, 224, None, ("gpu", "cpu"), 40, 60),),
     ),
-    # one GPU host, 1 to N GPUs (--gpus 1,2,4): ResNet-50 as train.py trains by default there
+    # one GPU host, 1 to N GPUs (--gpus 1,2,4): ResNet-50 as train.py trains by default there, on
+    # epochs as long as ImageNet's (1,251 steps at 4 × 256): short epochs hide the steady state
+    # (40,000 images made 39-step epochs at 4 GPUs and read 0.90 where long ones gave 0.76-0.79).
+    # 750 steps: over 30 s of steady windows at any GPU count.
     "multi-gpu": Preset(
         1000,
-        40,
+        100,
         (500, 375),
         95,
-        # 400 steps: at 4 GPUs, 250 left 8-9 s of steady windows, which read up to 3% low (RESULTS run Z)
-        (Model("resnet50", 256, 224, "reduce-overhead", ("auto",), 150, 400),),
+        (Model("resnet50", 256, 224, "reduce-overhead", ("auto",), 400, 750, IMAGENET_TRAIN),),
     ),
     # ResNet-18 at 1 GPU, the same shards as multi-gpu (to share a --work directory)
     "resnet18": Preset(
         1000,
-        40,
+        100,
         (500, 375),
         95,
-        (Model("resnet18", 512, 224, "reduce-overhead", ("auto",), 150, 250),),
+        (Model("resnet18", 512, 224, "reduce-overhead", ("auto",), 400, 750, IMAGENET_TRAIN),),
     ),
     # one H100/H200 with 16 cores, in one device call (about 9 minutes)
     "gpu": Preset(
@@ -159,13 +168,14 @@ def to_ais(tree: Path, work: Path, workers: int) -> str:
     return "ais://bench-shards"
 
 
-def train(args: list[str], batch: int, output: Path, log: Path, gpus: int = 1) -> dict[str, float]:
-    """One train.py run (under torchrun for several GPUs); its steady rate, global img/s."""
+def train(args: list[str], batch: int, output: Path, log: Path, gpus: int = 1) -> dict[str, Any]:
+    """One train.py run (under torchrun for several GPUs): its steady rate (global img/s), each
+    rank's figures and GPU, and the host's CPU use meanwhile."""
     shutil.rmtree(output, ignore_errors=True)  # a fresh run, not a resumed one
     launch = [sys.executable]
     if gpus > 1:
         launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus)]
-    with log.open("a") as out:
+    with log.open("a") as out, HostCpu() as cpu:
         out.write(f"\n$ {gpus} × train.py {' '.join(args)}\n")
         out.flush()
         subprocess.run(
@@ -176,35 +186,25 @@ def train(args: list[str], batch: int, output: Path, log: Path, gpus: int = 1) -
         )
     batch *= gpus  # records count global batches
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-    train_records = [r for r in records if r["kind"] == "train"]
-    pairs = list(itertools.pairwise(train_records))
-    first_epoch = train_records[0]["epoch"]
-
-    def images(prev: dict, r: dict) -> int:
-        return (r["step"] - prev["step"]) * batch
-
-    # Steady state: from the second epoch on (the first compiles, captures CUDA graphs and grows
-    # the allocator: one of its windows ran at a tenth of the rate on 4 H200s, RESULTS run S), or
-    # in a single epoch all but the first two windows; never a window that starts an epoch.
-    # Those are timed apart: the loader's restart, paid once an epoch, is "epoch_start", seconds
-    # beyond what the window's images take at the steady rate.
-    later = [(p, r) for p, r in pairs if p["epoch"] > first_epoch] or pairs[2:]
-    windows = [(images(p, r), r) for p, r in later if r["epoch"] == p["epoch"]]
-    seconds = [n / r["img_per_s"] for n, r in windows]
-    rate = sum(n for n, _ in windows) / sum(seconds)
-    starts = [n / r["img_per_s"] - n / rate for p, r in pairs if r["epoch"] != p["epoch"] for n in [images(p, r)]]
+    windows = steady_windows(records)
+    seconds = [n * batch / r["img_per_s"] for n, r in windows]
+    rate = sum(n for n, _ in windows) * batch / sum(seconds)
+    starts = epoch_starts(records, rate, batch)
 
     def mean(field: str) -> float:
         return sum(r.get(field, 0.0) * s for (_, r), s in zip(windows, seconds, strict=True)) / sum(seconds)
 
     busy = sorted({k for _, r in windows for k in r if k.startswith("busy_")})
+    ranks = rank_figures(windows)
     return {
         "img_per_s": rate,
         "data_wait": mean("data_wait"),
         "seconds": sum(seconds),
         "epoch_start": sum(starts) / len(starts) if starts else 0.0,
-        "steps_per_epoch": max(r["step"] for r in train_records if r["epoch"] == first_epoch),
+        "host_cpu": cpu.busy(windows[0][1]["time"] - seconds[0], windows[-1][1]["time"]),
         **{k: mean(k) for k in busy},  # rank 0's feed threads, fraction of the time working
+        "ranks": ranks,
+        "invalid": invalid_because(ranks),
     }
 
 
@@ -216,20 +216,21 @@ def measure(
     log: Path,
     gpus: int = 1,
     ais: str | None = None,
-    augment: list[str] | None = None,
-) -> Iterator[tuple[str, dict[str, float]]]:
+    extra: dict[str, list[str]] | None = None,
+) -> Iterator[tuple[str, dict[str, Any]]]:
     """The ceiling, then each end-to-end variant (and the first one reading from ``ais``, and
-    the first one with the ``augment`` options), as each is measured."""
+    the first one again with each of the ``extra`` train.py options), as each is measured."""
     common = ["--arch", model.arch, "--batch-size", str(model.batch), "--image-size", str(model.size)]
     common += ["--epochs", "1000", "--log-every", "10", "--keep-last", "1"]
     common += ["--compile", "--compile-mode", model.compile] if model.compile else ["--no-compile"]
+    common += ["--epoch-size", str(model.epoch_size)] if model.epoch_size else []
     ceiling = [*common, "--synthetic", "--max-steps", str(model.steps)]
     yield "ceiling", train(ceiling, model.batch, work / "ceiling", log, gpus)
     variants = [(f"{decode} decode", data, decode, []) for decode in model.decodes]
     variants += [("ais://", ais, model.decodes[0], [])] if ais else []
-    variants += [("augmented", data, model.decodes[0], augment)] if augment else []
-    for variant, location, decode, extra in variants:
-        e2e = [*common, "--data", location, "--workers", workers, "--decode", decode, *extra]
+    variants += [(name, data, model.decodes[0], options) for name, options in (extra or {}).items()]
+    for variant, location, decode, options in variants:
+        e2e = [*common, "--data", location, "--workers", workers, "--decode", decode, *options]
         e2e += ["--max-steps", str(model.e2e_steps)]
         yield variant, train(e2e, model.batch, work / variant.split()[0].strip(":/"), log, gpus)
     if torch.cuda.is_available() and importlib.util.find_spec("nvidia") and importlib.util.find_spec("nvidia.dali"):
@@ -334,6 +335,17 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def parse_variants(values: tuple[str, ...]) -> dict[str, list[str]]:
+    """``NAME=OPTIONS`` → {NAME: the train.py options}."""
+    out = {}
+    for value in values:
+        name, eq, options = value.partition("=")
+        if not eq or not name.strip():
+            raise click.BadParameter(f"{value!r}: give NAME=OPTIONS, e.g. 'augmented=--auto-augment ta_wide'")
+        out[name.strip()] = shlex.split(options)
+    return out
+
+
 @click.command()
 @click.option("--preset", default="cpu", type=click.Choice(list(PRESETS)), show_default=True)
 @click.option("--data", help="shard location (default: generate shards for the preset)")
@@ -342,9 +354,11 @@ def _sync() -> None:
 @click.option("--gpus", default="1", show_default=True, help="GPU counts to run each model on, e.g. 1,2,4 (torchrun)")
 @click.option("--ais-targets", default=0, show_default=True, help="add the ais:// rows (needs ./run ais-install)")
 @click.option(
-    "--augment",
-    metavar="OPTIONS",
-    help="add an end-to-end row with these train.py options, e.g. '--auto-augment ta_wide --random-erase 0.1'",
+    "--variant",
+    "variants",
+    multiple=True,
+    metavar="NAME=OPTIONS",
+    help="add an end-to-end row with these train.py options, e.g. 'augmented=--auto-augment ta_wide' (repeatable)",
 )
 @click.option("--breakdown/--no-breakdown", default=True, help="per-stage rates on the GPU, after the runs")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), help="also write the numbers here")
@@ -355,12 +369,16 @@ def main(
     workers: str,
     gpus: str,
     ais_targets: int,
-    augment: str | None,
+    variants: tuple[str, ...],
     breakdown: bool,
     json_out: Path | None,
 ) -> None:
+    """Prints a row per run as it is measured, each rank's step times, data wait and GPU (SM clock,
+    temperature, throttle reasons) under it, and marks a row INVALID where a GPU was slowed by heat
+    or power: such a figure is not the cards'."""
     p = PRESETS[preset]
     counts = [int(n) for n in gpus.split(",")]
+    extra = parse_variants(variants)
     stage_workers = int(workers) if workers.isdigit() else min(16, os.cpu_count() or 1)
     if data and ais_targets:
         raise click.UsageError("--ais-targets converts the shards it generates: leave out --data")
@@ -378,36 +396,40 @@ def main(
             os.environ["AIS_ENDPOINT"] = endpoint  # for the converter and train.py
             ais = to_ais(root / "tree", root, stage_workers)
         log = root / "train-runs.log"
-        results: dict[str, object] = {"preset": preset, "device": _device(), "workers": workers, "models": []}
+        results: dict[str, Any] = {"preset": preset, "device": _device(), "workers": workers, "models": []}
         # rows are printed as they are measured: a run cut short still reports what it got
         click.echo(f"{results['device']} × {max(counts)}, {os.cpu_count()} cores, workers {workers}")
         click.echo(
             f"{'model':34} {'gpus':>4} {'variant':12} {'img/s':>8} {'data wait':>10} {'ratio':>6} "
-            f"{'scaling':>8} {'secs':>5} {'epoch start':>11}"
+            f"{'scaling':>8} {'secs':>5} {'epoch start':>11} {'host cpu':>8}"
         )
         single: dict[str, float] = {}  # variant → its 1-GPU rate, for the scaling column
         for model in p.models:
             name = f"{model.arch} bs{model.batch} {model.size}px {model.compile or 'eager'}"
             for n in counts:
-                ceilings: dict[bool, float] = {}  # ours, DALI's: each loader's ratio is to its own loop's
-                extra = shlex.split(augment or "")
-                runs = measure(model, data, workers, root / f"{model.arch}-{n}", log, n, ais, extra)
-                for variant, r in runs:
-                    ceiling = ceilings.setdefault(variant.startswith("DALI"), r["img_per_s"])
-                    ratio = r["img_per_s"] / ceiling
+                ceilings: dict[bool, dict] = {}  # ours, DALI's: each loader's ratio is to its own loop's
+                for variant, r in measure(model, data, workers, root / f"{model.arch}-{n}", log, n, ais, extra):
+                    ceiling = ceilings.setdefault(variant.startswith("DALI"), r)
+                    ratio = r["img_per_s"] / ceiling["img_per_s"]
                     if n == 1:
                         single[f"{name} {variant}"] = r["img_per_s"]
                     one = single.get(f"{name} {variant}")
                     scaling = r["img_per_s"] / (n * one) if one else float("nan")
                     busy = "  ".join(f"{k[5:]} {v:.2f}" for k, v in r.items() if k.startswith("busy_"))
+                    invalid = r.get("invalid") or (ceiling.get("invalid") and f"its ceiling: {ceiling['invalid']}")
                     click.echo(
                         f"{name:34} {n:4} {variant:12} {r['img_per_s']:8.1f} {r['data_wait']:10.3f} {ratio:6.3f} "
-                        f"{scaling:8.3f} {r['seconds']:5.0f} {r['epoch_start']:+10.2f}s"
+                        f"{scaling:8.3f} {r['seconds']:5.0f} {r['epoch_start']:+10.2f}s {r.get('host_cpu', 0):8.2f}"
                         + (f"  busy: {busy}" if busy else "")
+                        + (f"  INVALID ({invalid})" if invalid else "")
                     )
+                    if r.get("ranks"):
+                        click.echo(describe_ranks(r["ranks"]))
                     results["models"].append(
                         {"model": name, "gpus": n, "variant": variant, **r, "ratio": ratio, "scaling": scaling}
                     )
+                    if json_out:
+                        json_out.write_text(json.dumps(results, indent=2))
         if breakdown and torch.cuda.is_available():
             stages = stage_rates(data, 256, 224, stage_workers)
             results["breakdown"] = stages
