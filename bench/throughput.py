@@ -390,7 +390,7 @@ def main(
     ):
         root = work or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        data = data or make_shards(root, p, stage_workers)
+        data = data or make_shards(root, p, os.cpu_count() or 1)
         ais = None
         if endpoint:
             os.environ["AIS_ENDPOINT"] = endpoint  # for the converter and train.py
