@@ -127,6 +127,13 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
+def broadcast_buffers(module: torch.nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics) into every rank's ``module``."""
+    if dist.is_initialized():
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
+
+
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

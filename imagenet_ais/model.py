@@ -147,9 +147,16 @@ def wrap(
     if decent:
         model = decentralized.wrap(raw_model, new_optimizer, schedule, cfg.topology, scaler)
     elif d.world > 1:
-        # gradients as views into DDP's buckets: no copy into and out of them each step
+        # Gradients as views into DDP's buckets: no copy into and out of them each step. Buffers
+        # (BatchNorm's statistics) are not broadcast from rank 0 before every forward: that was a
+        # collective at the start of each step, so every rank's step waited for the latest rank's
+        # host, and rank 0's own statistics are the same without it (each rank updates its own from
+        # its own batches). Validation takes rank 0's first (training.evaluate), as the checkpoint does.
         model = DistributedDataParallel(
-            raw_model, device_ids=[d.local_rank] if cuda else None, gradient_as_bucket_view=True
+            raw_model,
+            device_ids=[d.local_rank] if cuda else None,
+            gradient_as_bucket_view=True,
+            broadcast_buffers=False,
         )
     if compiled:
         # DDP compiled as one graph rather than split at its buckets to overlap the all-reduce

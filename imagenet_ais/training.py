@@ -195,6 +195,9 @@ def evaluate(run: Run) -> bool:
     standing = run.standing
     # decentralized ranks agree on one model first (the average); record how far apart they were
     agreement = average(run) if run.decent else {}
+    if not run.decent:  # every rank's share scored with the statistics the checkpoint keeps: rank 0's
+        for module in [run.raw_model] + ([run.ema.module] if run.ema else []):
+            distributed.broadcast_buffers(module)
     val = standing.last_val = validate(run.raw_model, run.val_loader, run.cfg, run.d)
     top = f"val top-1 {val['top1']:.2f}% top-5 {val['top5']:.2f}%"
     best_of = val["top1"]

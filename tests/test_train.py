@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import errno
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import pickle
 import random
@@ -80,6 +82,41 @@ def test_ddp_two_ranks_uneven_shards(mode: str, tmp_path: Path) -> None:
     assert [(r["epoch"], r["samples"]) for r in val] == [(0, 13), (1, 13)], "every val image counted once"
     state = torch.load(output / "last.pt", weights_only=True)
     assert (state["epoch"], state["step"], len(state["rng"])) == (2, 12, 2)
+
+
+def _batchnorm_rank(rank: int, store: Path, out: Path) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    raw = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    d = distributed.Dist(rank, 2, rank, torch.device("cpu"))
+    cfg = config.TrainConfig(compile=False)
+    alone = copy.deepcopy(raw)  # the same model stepping on this rank's batches by itself
+    ddp = model.wrap(raw, cfg, d, False, False, None, lambda step: 1.0, None)
+    for step in range(2):
+        batch = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(10 * rank + step)) + rank
+        ddp(batch)
+        alone(batch)
+    before = raw[1].running_mean.clone()
+    distributed.broadcast_buffers(raw)
+    torch.save({"before": before, "alone": alone[1].running_mean, "after": raw[1].running_mean}, out / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_each_rank_keeps_its_own_batchnorm_statistics_until_rank_0s_are_broadcast(tmp_path: Path) -> None:
+    # A broadcast of rank 0's buffers before every forward (DDP's default) made each step wait for
+    # the latest rank's host; they are broadcast before validation instead (training.evaluate).
+    fork = multiprocessing.get_context("fork")
+    ranks = [fork.Process(target=_batchnorm_rank, args=(r, tmp_path / "store", tmp_path)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(120)
+        assert p.exitcode == 0
+    zero, one = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    for rank in (zero, one):  # no broadcast before a forward: each rank's statistics are of its own batches
+        assert torch.equal(rank["before"], rank["alone"])
+    assert not torch.equal(zero["before"], one["before"])
+    assert torch.equal(one["after"], zero["before"]) and torch.equal(zero["after"], zero["before"])
 
 
 def test_decentralized_ranks_drift_apart_and_agree_after_each_global_average(tmp_path: Path) -> None:
