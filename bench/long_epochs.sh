@@ -2,7 +2,7 @@
 # The long-epoch figures of bench/RESULTS.md on a lent GPU host (run AF on): ResNet-50 fed through
 # train.py on epochs as long as ImageNet's, against the ceiling of the same call, each rank's step
 # times and GPU, and where the time goes (a kernel trace of every rank, and py-spy samples of rank
-# 0's threads with their native frames).
+# 0's threads: which holds the GIL, and what each does).
 #
 #   bench/long_epochs.sh OUT 4 [NAME=OPTIONS ...]   # 4 GPUs: generate the shards, ceiling, end to end, trace
 #   bench/long_epochs.sh OUT 1,2                    # then 1 and 2 GPUs on 16 cores each, as 1- and 2-GPU nodes
@@ -44,10 +44,10 @@ sample_rank0() { # py-spy on rank 0's training process for 15 s, once the first 
   [ -n "$pid" ] || return 0
   sleep 45 # past compilation and CUDA graph capture, inside the 750 steps (--nonblocking: the
   # default pauses the process for each sample, which slowed 4 GPUs from 19,000 img/s to 15,400)
-  # which thread holds the GIL, then what every thread does (its native frames too)
+  # which thread holds the GIL, then what every thread does
   py-spy record --nonblocking --gil --threads --rate 100 --duration 10 --format raw -p "$pid" \
     -o "$out/pyspy-gil-$gpus.txt" >/dev/null 2>&1 || true
-  py-spy record --nonblocking --native --threads --idle --rate 50 --duration 10 --format raw -p "$pid" \
+  py-spy record --nonblocking --threads --idle --rate 50 --duration 10 --format raw -p "$pid" \
     -o "$out/pyspy-threads-$gpus.txt" >/dev/null 2>&1 || true
 }
 
