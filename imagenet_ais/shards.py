@@ -24,6 +24,7 @@ from imagenet_ais.children import exit_with_parent
 from imagenet_ais.inputs import Seen, ShardPlan, check_counts, list_classes, plan_split
 from imagenet_ais.locks import LOCK, lock_dest
 from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, load_manifest, parse_record, record_json
+from imagenet_ais.members import members
 from imagenet_ais.storage import LocalStore, Store, open_store, stream_sha256
 
 JOURNAL = "_progress/"  # all ours: per-shard records of a conversion in flight, gone once the manifest is up
@@ -378,13 +379,6 @@ def _build(
     return results
 
 
-def iter_members(stream: io.BufferedIOBase) -> Iterator[tuple[str, bytes]]:
-    with tarfile.open(fileobj=stream, mode="r|") as tar:
-        for member in tar:
-            f = tar.extractfile(member)
-            yield member.name, f.read() if f else b""
-
-
 def check_shard(dest_url: str, info: ShardInfo, num_classes: int) -> str | None:
     """None when the shard matches its manifest entry and every image decodes; else the problem
     (in a worker process)."""
@@ -394,7 +388,7 @@ def check_shard(dest_url: str, info: ShardInfo, num_classes: int) -> str | None:
     samples: dict[str, set[str]] = {}
     try:
         with store.open(info.name) as f:
-            for name, data in iter_members(f):
+            for name, data in members(f):
                 key, _, ext = name.partition(".")
                 if "/" in name or ".." in name or not key:
                     return f"bad member name {name!r}"

@@ -13,19 +13,22 @@ import functools
 import itertools
 import multiprocessing as mp
 import signal
+import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 from webdataset.filters import shuffle
-from webdataset.tariterators import group_by_keys, tar_file_expander
+from webdataset.tariterators import group_by_keys
 
 from imagenet_ais.augment import NO_AUGMENT, Augment
 from imagenet_ais.cache import ShardCache
 from imagenet_ais.children import exit_with_parent
+from imagenet_ais.members import members
 from imagenet_ais.sampling import (
     Done,
     Piece,
@@ -50,6 +53,16 @@ DECODERS = ("cpu", "gpu")
 
 def _wanted_member(name: str) -> bool:
     return name.rpartition("/")[2].partition(".")[2].lower() in (*IMAGE_EXTS, "cls")
+
+
+def _files(stream: BinaryIO, where: str, errors: list[Exception]) -> Iterator[dict]:
+    """The wanted members of a shard as webdataset's grouping takes them; a member that cannot be
+    read (or must not be: members.py) ends them, its error in ``errors``."""
+    try:
+        for name, data in members(stream, _wanted_member):
+            yield {"fname": name, "data": data, "__url__": where}
+    except (OSError, ValueError, EOFError, tarfile.TarError) as e:
+        errors.append(e)
 
 
 @functools.cache
@@ -156,10 +169,8 @@ class ShardStream(IterableDataset):
             return
         end = piece.start  # one past the last sample seen
         with stream:
-            # a handler returning None stops reading the shard: past a broken member, nothing is trusted
-            files = tar_file_expander(
-                [{"url": where, "stream": stream}], handler=errors.append, select_files=_wanted_member
-            )
+            # past a broken member nothing is trusted: the rest of the shard is skipped
+            files = _files(stream, where, errors)
             done = self._done()[0].get(piece.shard, set())
             samples = itertools.islice(enumerate(group_by_keys(files, handler=errors.append)), piece.start, piece.stop)
             for i, sample in samples:

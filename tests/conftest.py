@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -149,6 +150,18 @@ def tiny_jpeg(rng: random.Random, cls: int) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="JPEG", quality=85)
     return buf.getvalue()
+
+
+def sparse_member(name: str, declared: int) -> bytes:
+    """A GNU sparse tar member's header that declares ``declared`` bytes and stores none (a
+    reader that trusts it fills that many bytes of holes with zeros)."""
+    info = tarfile.TarInfo(name)
+    header = bytearray(info.tobuf(format=tarfile.GNU_FORMAT))
+    header[156:157] = tarfile.GNUTYPE_SPARSE
+    header[483:495] = f"{declared:011o}\0".encode()  # the file's real size
+    header[148:156] = b" " * 8
+    header[148:156] = f"{sum(header):06o}\0 ".encode()
+    return bytes(header)
 
 
 def write_shards(

@@ -9,6 +9,7 @@ import pickle
 import random
 import subprocess
 import sys
+import tarfile
 from collections import Counter
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from conftest import ROOT, tiny_jpeg, write_shards
+from conftest import ROOT, sparse_member, tiny_jpeg, write_shards
 from PIL import Image
 
 from imagenet_ais import shards, synth
@@ -150,6 +151,28 @@ def test_truncated_shard_is_reported_and_the_epoch_completes(tmp_path: Path) -> 
     assert len(list(loader)) == 6
     assert loader.dataset.read_errors.value == 1
     assert loader.padded > 0
+
+
+def test_a_member_that_is_no_regular_file_or_too_large_is_refused_unread(tmp_path: Path) -> None:
+    manifest = write_shards(tmp_path, {"train": UNEVEN})
+    # a header declaring 65 MiB of holes, stored in 512 bytes (one of 3 GiB took a worker to 3.6 GB)
+    for shard, member in ((1, sparse_member("big.jpg", 65 * 2**20)), (3, tar_member("huge.jpg", 65 * 2**20))):
+        path = tmp_path / f"imagenet-train-{shard:06d}.tar"
+        path.write_bytes(member + path.read_bytes())
+    (loader,) = loaders(tmp_path, manifest, "exact", world=1, batch=8, workers=1)
+    loader.set_epoch(0)
+    assert len(list(loader)) == 6
+    assert loader.dataset.read_errors.value == 2 and loader.dataset.skipped.value == 0
+    said = " ".join(loader.dataset.problems.get(timeout=10) for _ in range(2))
+    assert "member 'big.jpg' is a sparse file, not a regular file" in said
+    assert "member 'huge.jpg' declares 68,157,440 bytes, over the 67,108,864 one sample may hold" in said
+
+
+def tar_member(name: str, size: int) -> bytes:
+    """A regular member of ``size`` zero bytes, header and data."""
+    info = tarfile.TarInfo(name)
+    info.size = size
+    return info.tobuf(format=tarfile.GNU_FORMAT) + bytes(size) + bytes(-size % 512)
 
 
 class _Exploit:

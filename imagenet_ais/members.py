@@ -1,0 +1,49 @@
+"""A shard's members, each judged by its tar header before a byte of it is read.
+
+A header can declare anything: a GNU sparse member of 3 GiB stored in 30 KB (tarfile fills its
+holes with zeros as it reads: a worker held 3.6 GB for one draw), a link, a device. Only regular
+files of at most ``MAX_MEMBER_BYTES`` are read; any other member is a ``BadMember`` error, and
+the shard is unreadable from there on, for training and ``verify`` alike.
+"""
+
+from __future__ import annotations
+
+import tarfile
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
+
+MAX_MEMBER_BYTES = 64 * 2**20  # one sample's image: ImageNet's largest is under 20 MB
+_KINDS = {
+    tarfile.GNUTYPE_SPARSE: "a sparse file",
+    tarfile.SYMTYPE: "a symbolic link",
+    tarfile.LNKTYPE: "a hard link",
+    tarfile.CHRTYPE: "a character device",
+    tarfile.BLKTYPE: "a block device",
+    tarfile.FIFOTYPE: "a pipe",
+    tarfile.CONTTYPE: "a contiguous file",
+}
+
+
+class BadMember(ValueError):
+    """A member that is not a plain file a sample could hold."""
+
+
+def members(stream: BinaryIO, wanted: Callable[[str], bool] | None = None) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of each regular member of the tar ``stream`` whose name is ``wanted``
+    (default: every one), in stored order; folders are passed over."""
+    with tarfile.open(fileobj=stream, mode="r|*") as tar:
+        for member in tar:
+            if member.isdir():
+                continue
+            if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
+                kind = _KINDS.get(member.type, f"of tar type {member.type!r}")
+                raise BadMember(f"member {member.name!r} is {kind}, not a regular file")
+            if wanted and not wanted(member.name):
+                continue  # passed over unread (a stream skips its stored bytes)
+            if member.size > MAX_MEMBER_BYTES:
+                raise BadMember(
+                    f"member {member.name!r} declares {member.size:,} bytes, over the {MAX_MEMBER_BYTES:,} "
+                    "one sample may hold"
+                )
+            data = tar.extractfile(member)
+            yield member.name, data.read() if data else b""
