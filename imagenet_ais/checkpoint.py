@@ -196,6 +196,8 @@ def _fetch_newer(uploaded: str, output: Path, path: Path | None, extra: tuple[st
     after = int(newest[0].stem.removeprefix("ckpt-")) if newest else -1
     try:
         fetched = upload.fetch_latest(uploaded, output, extra=extra, after=after)
+    except upload.BadPointer:
+        raise  # not a store that failed to answer: its pointer is wrong, and must be put right
     except Exception as e:  # each SDK has its own errors
         if not newest:
             raise

@@ -123,7 +123,9 @@ def held_run(output: Path, cfg: TrainConfig) -> str | None:
     if not cfg.upload:
         return None
     try:
-        pointer = upload.latest(cfg.upload, cfg.upload_retry_seconds)
+        pointer = upload.latest(open_store(cfg.upload, retry_seconds=cfg.upload_retry_seconds))
+    except upload.BadPointer as e:  # something is there: not to be replaced unseen
+        return str(e)
     except Exception as e:  # each SDK has its own errors; training need not wait: uploads are retried anyway
         print(
             f"warning: {cfg.upload}: not checked for an earlier run's uploads ({type(e).__name__}: {e}): "

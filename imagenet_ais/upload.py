@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import sys
 import threading
@@ -137,20 +138,45 @@ def sync(src: Path, dest_url: str, retry_seconds: float = 120) -> tuple[list[str
     return uploaded, skipped
 
 
-def latest(url: str, retry_seconds: float = 120) -> dict | None:
-    """What ``latest.json`` at ``url`` says (``checkpoint``, ``step``), or None: no run uploaded there."""
-    store = open_store(url, retry_seconds)
-    return json.loads(store.read_bytes(POINTER)) if store.exists(POINTER) else None
+class BadPointer(ValueError):
+    """A ``latest.json`` that does not name one of its location's checkpoints."""
+
+
+def latest(store: Store) -> dict | None:
+    """What ``latest.json`` in ``store`` says (``checkpoint``, ``step``), checked: it names a
+    ``ckpt-<step>.pt`` and that step (a pointer naming any other file would have it fetched over
+    that file of --output, ``train.lock`` say). None: no run uploaded there."""
+    if not store.exists(POINTER):
+        return None
+    where = f"{store.url}/{POINTER}"
+    try:
+        pointer = json.loads(store.read_bytes(POINTER))
+    except ValueError as e:  # (UnicodeDecodeError is one)
+        raise BadPointer(f"{where}: not JSON ({e}); fix or remove it") from None
+    name, step = (pointer.get("checkpoint"), pointer.get("step")) if isinstance(pointer, dict) else (None, None)
+    found = _CHECKPOINT.fullmatch(name) if isinstance(name, str) else None
+    if not found or type(step) is not int or int(found[1]) != step:
+        shown = json.dumps(pointer)[:120]
+        raise BadPointer(
+            f"{where} is {shown}: a run's pointer names one of its ckpt-<8-digit step>.pt and that step; "
+            "fix or remove it"
+        )
+    return pointer
+
+
+_CHECKPOINT = re.compile(r"ckpt-(\d{8})\.pt")  # checkpoint.name_for's names
 
 
 def fetch_latest(source_url: str, output: Path, extra: tuple[str, ...] = (), after: int = -1) -> Path | None:
     """Download the checkpoint ``latest.json`` names (and ``extra`` files) into ``output``.
 
     None when the location has no pointer yet (a first run), or names no step past ``after``."""
-    pointer = latest(source_url)
+    store = open_store(source_url)
+    pointer = latest(store)
     if pointer is None or pointer["step"] <= after:
         return None
-    store = open_store(source_url)
+    if not store.exists(pointer["checkpoint"]):
+        raise BadPointer(f"{store.url}/{POINTER} names {pointer['checkpoint']}, which is not there; fix or remove it")
     local = LocalStore(output)
     # the checkpoint last: a fetch cut short must not leave one that a later --resume auto
     # would continue from without the metrics and log that go with it
@@ -159,6 +185,7 @@ def fetch_latest(source_url: str, output: Path, extra: tuple[str, ...] = (), aft
             # the size here; a checkpoint's own checksum is checked when it is loaded
             # through a scratch file of its own: nodes sharing --output may fetch at once
             download(store, name, output / name, store.size(name), partial=local.scratch_file(name))
+            (output / name).chmod(0o644)  # as the run's own files (the scratch file was private)
     return output / pointer["checkpoint"]
 
 

@@ -90,8 +90,8 @@ def _batchnorm_rank(rank: int, store: Path, out: Path) -> None:
     raw = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
     d = distributed.Dist(rank, 2, rank, torch.device("cpu"))
     cfg = config.TrainConfig(compile=False)
+    ddp = model.wrap(raw, cfg, d, False, False, None, lambda step: 1.0, None)  # rank 0's weights on both
     alone = copy.deepcopy(raw)  # the same model stepping on this rank's batches by itself
-    ddp = model.wrap(raw, cfg, d, False, False, None, lambda step: 1.0, None)
     for step in range(2):
         batch = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(10 * rank + step)) + rank
         ddp(batch)
@@ -105,13 +105,16 @@ def _batchnorm_rank(rank: int, store: Path, out: Path) -> None:
 def test_each_rank_keeps_its_own_batchnorm_statistics_until_rank_0s_are_broadcast(tmp_path: Path) -> None:
     # A broadcast of rank 0's buffers before every forward (DDP's default) made each step wait for
     # the latest rank's host; they are broadcast before validation instead (training.evaluate).
-    fork = multiprocessing.get_context("fork")
-    ranks = [fork.Process(target=_batchnorm_rank, args=(r, tmp_path / "store", tmp_path)) for r in (0, 1)]
+    # spawned: a forked child of a process that has run OpenMP work can hang in its first one
+    spawn = multiprocessing.get_context("spawn")
+    ranks = [spawn.Process(target=_batchnorm_rank, args=(r, tmp_path / "store", tmp_path)) for r in (0, 1)]
     for p in ranks:
         p.start()
     for p in ranks:
         p.join(120)
-        assert p.exitcode == 0
+    for p in ranks:
+        p.kill()
+    assert [p.exitcode for p in ranks] == [0, 0]
     zero, one = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     for rank in (zero, one):  # no broadcast before a forward: each rank's statistics are of its own batches
         assert torch.equal(rank["before"], rank["alone"])

@@ -3,8 +3,10 @@ corruption in transit, preemption and resume on a fresh node, upload.sh."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +18,8 @@ import pytest
 import torch
 from conftest import ROOT, GCSEmulator, free_port, run_cli, wait_until, write_shards
 
+from imagenet_ais import training, upload
+from imagenet_ais.config import TrainConfig
 from imagenet_ais.storage import GCSStore, file_crc32c
 
 UNEVEN = [3, 11, 7, 19, 8]  # 48 samples: 12 steps per epoch at batch 4
@@ -311,3 +315,48 @@ def test_no_gcs_call_reaches_outside_the_run_prefix(gcs, tmp_path: Path) -> None
             store.matches(name, path)
         with pytest.raises(ValueError, match="invalid object name"):
             store.put_file(path, name)
+
+
+def tiny_synthetic(output: Path, upload_to: Path, **changes: object) -> TrainConfig:
+    """A few steps of a tiny model on random data, in this process, uploading to ``upload_to``."""
+    cfg = TrainConfig(
+        output=str(output), upload=str(upload_to), synthetic=True, arch="resnet18", image_size=32, batch_size=2,
+        warmup_epochs=0, epochs=1, resume="auto", upload_retry_seconds=1, flush_timeout=30,
+    )  # fmt: skip
+    return dataclasses.replace(cfg, **changes)
+
+
+@pytest.mark.parametrize(
+    ("pointer", "says"),
+    [
+        ('{"checkpoint": "train.lock", "step": 9}', 'is {"checkpoint": "train.lock", "step": 9}: a run\'s pointer'),
+        ('{"checkpoint": "ckpt-00000009.pt", "step": "9"}', "names one of its ckpt-<8-digit step>.pt and that step"),
+        ('{"step": 9}', 'is {"step": 9}: a run\'s pointer names'),
+        ("[9]", "is [9]: a run's pointer names"),
+        ("{not json", "not JSON (Expecting property name"),
+        ('{"checkpoint": "ckpt-00000009.pt", "step": 9}', "names ckpt-00000009.pt, which is not there"),
+    ],
+)
+def test_a_latest_json_naming_no_checkpoint_of_its_location_is_one_line(
+    pointer: str, says: str, tmp_path: Path
+) -> None:
+    # One naming train.lock was fetched over OUTPUT/train.lock: a second run into it was no longer refused.
+    uploads, output = tmp_path / "up", tmp_path / "run"
+    uploads.mkdir()
+    (uploads / "latest.json").write_text(pointer)
+    (uploads / "train.lock").write_text("another run's lock\n")
+    with pytest.raises(upload.BadPointer, match=r"latest\.json.*" + re.escape(says)) as e:
+        training.train(tiny_synthetic(output, uploads, max_steps=1))
+    assert "\n" not in str(e.value) and "fix or remove it" in str(e.value)
+    assert not [p for p in output.iterdir() if p.is_file() and "another run" in p.read_text(errors="replace")]
+    if "not there" not in says:  # a fresh run there is refused by the same check
+        with pytest.raises(ValueError, match=re.escape(says)):
+            training.train(tiny_synthetic(tmp_path / "fresh", uploads, max_steps=1, resume=None))
+
+
+def test_files_fetched_for_a_resume_get_the_runs_usual_mode(tmp_path: Path) -> None:
+    uploads = tmp_path / "up"
+    training.train(tiny_synthetic(tmp_path / "first", uploads, max_steps=2))
+    training.train(tiny_synthetic(tmp_path / "second", uploads, max_steps=3))  # a fresh node: fetched
+    for name in ("ckpt-00000002.pt", "metrics.jsonl"):
+        assert (tmp_path / "second" / name).stat().st_mode & 0o777 == 0o644, name
