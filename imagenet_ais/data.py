@@ -25,7 +25,7 @@ import math
 import multiprocessing as mp
 import random
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -38,7 +38,7 @@ from imagenet_ais.feed import DeviceFeed, Stage, close_all
 from imagenet_ais.manifest import SplitInfo
 from imagenet_ais.sampling import Done, exact_assignment, trained
 from imagenet_ais.storage import is_local
-from imagenet_ais.stream import LoaderSpec, ShardStream, StreamSpec, collate_in_worker, worker_init
+from imagenet_ais.stream import LoaderSpec, ShardStream, StreamSpec, UnreadableData, collate_in_worker, worker_init
 from imagenet_ais.transforms import (
     Decoded,
     Encoded,
@@ -199,6 +199,7 @@ class _ShardLoader:
         self.device, self.pin = feeding.device, feeding.device.type == "cuda"
         self.to_device = _OnDevice(self.dataset, feeding.device, feeding.channels_last)
         self.feed: DeviceFeed | None = None  # the epoch's, while it is iterated
+        self.interrupted: Callable[[], bool] | None = None  # ends a wait for a batch (feed.Interrupted)
 
     def busy(self) -> dict[str, float]:
         """Seconds each of the feed's threads worked since the last call (see feed.py)."""
@@ -211,11 +212,13 @@ class _ShardLoader:
         return _pinned(batch) if self.pin else batch
 
     def _on_device(self, batches: Iterator[HostBatch], ahead: int) -> Iterator[tuple[Batch, torch.Tensor]]:
-        feed = self.feed = DeviceFeed(batches, self.to_device.stages(), self.device, ahead)
+        feed = self.feed = DeviceFeed(batches, self.to_device.stages(), self.device, ahead, self.interrupted)
         try:
             yield from feed
         finally:
-            feed.close()
+            # bounded: a pull thread can wait for ever on a worker whose read never returns (a
+            # stalled mount); left behind, it ends with the workers, at the latest at exit
+            feed.close(timeout=5)
 
 
 class TrainLoader(_ShardLoader):
@@ -262,9 +265,16 @@ class TrainLoader(_ShardLoader):
         return self.steps
 
     def counters(self) -> dict[str, int]:
-        """Samples that failed to decode, shards that failed to read, samples repeated to pad."""
+        """Samples that failed to decode, shards that failed to read and the samples they listed
+        unread, the samples listed by every shard the workers set out to read, samples repeated to pad."""
         ds = self.dataset
-        return {"skipped": ds.skipped.value, "read_errors": ds.read_errors.value, "padded": self.padded}
+        return {
+            "skipped": ds.skipped.value,
+            "read_errors": ds.read_errors.value,
+            "unread": ds.unread.value,
+            "drawn": ds.drawn.value,
+            "padded": self.padded,
+        }
 
     def plan(self) -> str:
         """A digest of what the epochs' sample order follows from (the shards, their sample
@@ -337,7 +347,10 @@ class TrainLoader(_ShardLoader):
             have = _concat(pool) if pool else None
             source = previous or have
             if source is None:
-                raise RuntimeError("no decodable training sample in this rank's shards")
+                raise UnreadableData(
+                    f"{self.spec.location}: no training sample of this rank's shards could be read (named above); "
+                    "restore them (imagenet_shards.py verify) and continue with --resume auto"
+                )
             need = batch - (len(have.keys) if have else 0)
             padding = _take(source, [rng.randrange(len(source.keys)) for _ in range(need)])
             self.padded += need
@@ -386,7 +399,7 @@ class SyntheticLoader:
         return {}  # no feed threads
 
     def counters(self) -> dict[str, int]:
-        return {"skipped": 0, "read_errors": 0, "padded": 0}
+        return {"skipped": 0, "read_errors": 0, "unread": 0, "drawn": 0, "padded": 0}
 
     def plan(self) -> None:
         return None  # nothing a resumed epoch must match

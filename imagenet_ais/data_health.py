@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from imagenet_ais import distributed
 
-COUNTERS = ("skipped", "read_errors", "padded")
+COUNTERS = ("skipped", "read_errors", "unread", "drawn", "padded")
 
 
 def drain(problems: queue.Queue) -> list[str]:
@@ -39,6 +39,7 @@ class DataHealth:
     named: set[str] = field(default_factory=set)
     _epoch_start: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     val_missing: int = 0  # validation images the manifest lists that the last validation could not read
+    val_listed: int = 0  # the images it lists
 
     def poll(self, totals: dict[str, int], always: bool = False) -> None:
         """``totals``: the counters summed over ranks (the same on every rank, so every rank
@@ -59,23 +60,33 @@ class DataHealth:
         self.poll(self.totals, always=True)  # validation's lines, and any that came late
         delta = {k: self.totals[k] - self._epoch_start[k] for k in COUNTERS}
         self._epoch_start = dict(self.totals)
-        # in exact mode each skipped sample is also padded: the larger count is the damage
-        bad = max(delta["skipped"], delta["padded"])
-        if bad <= self.max_bad * samples:
-            return None
-        return (
-            f"epoch {epoch + 1}: {bad} of its {samples} samples could not be read as the manifest lists them "
-            f"({delta['skipped']} skipped, {delta['padded']} padded, {delta['read_errors']} shard read errors; "
-            f"named above), over --max-bad {self.max_bad:g}: repair the shards (imagenet_shards.py verify) and "
-            "continue with --resume auto, or allow more with --max-bad"
-        )
+        # The share of the samples the workers set out to read that were lost, skipped or unread, over
+        # the epoch's samples: in resampled mode the workers draw on past the epoch's samples (their
+        # shuffle buffers fill) and nothing is padded; in exact mode each lost sample is padded too.
+        lost = delta["skipped"] + delta["unread"]
+        bad = max(round(samples * lost / delta["drawn"]) if delta["drawn"] else 0, delta["padded"])
+        fix = "repair the shards (imagenet_shards.py verify) and continue with --resume auto, or allow more with "
+        fix += "--max-bad"
+        if bad > self.max_bad * samples:
+            return (
+                f"epoch {epoch + 1}: {bad} of its {samples} samples could not be read as the manifest lists them "
+                f"({delta['skipped']} skipped, {delta['padded']} padded, {delta['read_errors']} failed shard reads "
+                f"leaving {delta['unread']} of the {delta['drawn']} samples drawn unread; named above), over --max-bad "
+                f"{self.max_bad:g}: {fix}"
+            )
+        if self.val_missing > self.max_bad * self.val_listed:
+            return (
+                f"epoch {epoch + 1}: validation could not read {self.val_missing} of the {self.val_listed} images "
+                f"the manifest lists (named above), over --max-bad {self.max_bad:g}: {fix}"
+            )
+        return None
 
     def summary(self) -> str:
         t, parts = self.totals, []
         if any(t.values()):
             parts.append(
                 f"{t['skipped']} samples skipped, {t['padded']} padded with repeats, "
-                f"{t['read_errors']} shard read errors over the run"
+                f"{t['read_errors']} shard read errors ({t['unread']} samples unread) over the run"
             )
         if self.val_missing:
             parts.append(f"{self.val_missing} validation images missing from the last validation")

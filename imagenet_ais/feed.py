@@ -29,6 +29,10 @@ _live: weakref.WeakSet[DeviceFeed] = weakref.WeakSet()
 Stage = tuple[str, Callable[[Any], Any]]
 
 
+class Interrupted(Exception):
+    """The consumer was told to stop while it waited for an item (see ``DeviceFeed``)."""
+
+
 def tensors_in(obj: object) -> Iterator[torch.Tensor]:
     """The tensors in ``obj`` and in the tuples and lists nested in it."""
     if isinstance(obj, torch.Tensor):
@@ -49,11 +53,20 @@ class DeviceFeed:
 
     Each stage is a (name, function) pair with a thread of its own. The last stage returns a
     tuple whose tensors (also in nested tuples and lists) live on ``device``; anything else in
-    it passes through. Call ``close`` (or exhaust it) so the threads end.
+    it passes through. Call ``close`` (or exhaust it) so the threads end. While the consumer
+    waits for an item, ``interrupted`` (if given) is asked every 0.2 s; once it is true, the
+    wait ends in ``Interrupted`` (a signal must stop a run whose data never comes).
     """
 
-    def __init__(self, items: Iterator[Any], stages: Sequence[Stage], device: torch.device, ahead: int = 2):
-        self.items, self.device = items, device
+    def __init__(
+        self,
+        items: Iterator[Any],
+        stages: Sequence[Stage],
+        device: torch.device,
+        ahead: int = 2,
+        interrupted: Callable[[], bool] | None = None,
+    ):
+        self.items, self.device, self.interrupted = items, device, interrupted
         # high priority: a batch's few small kernels need not queue behind the step's
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self.queues: list[queue.Queue] = [queue.Queue(maxsize=2) for _ in stages] + [queue.Queue(maxsize=ahead)]
@@ -129,7 +142,13 @@ class DeviceFeed:
         return self
 
     def __next__(self) -> tuple:
-        item = self.queues[-1].get()
+        while True:
+            try:
+                item = self.queues[-1].get(timeout=0.2)
+                break
+            except queue.Empty:
+                if self.interrupted and self.interrupted():
+                    raise Interrupted from None
         if item is _END or isinstance(item, BaseException):
             self.close()
             if item is _END:

@@ -10,6 +10,7 @@ import random
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,14 +46,24 @@ class StopSignal:
     stopping is the framework's business and this does nothing.
     """
 
-    def __init__(self) -> None:
+    GRACE = 60.0  # seconds several ranks wait on for a batch after a signal, so as to stop together
+
+    def __init__(self, world: int = 1) -> None:
         self.received: int | None = None
+        self.world, self.received_at = world, 0.0
         main = threading.current_thread() is threading.main_thread()
         sigs = (signal.SIGTERM, signal.SIGUSR1) if main else ()
         self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
 
     def _handle(self, signum: int, _frame: object) -> None:
-        self.received = signum
+        self.received, self.received_at = signum, time.monotonic()
+
+    def stop_waiting(self) -> bool:
+        """Whether a wait for data ends now: signalled, and alone, or past the grace (a rank whose
+        data never comes cannot join the others' checkpoint; they would wait for it forever)."""
+        if self.received is None:
+            return False
+        return self.world == 1 or time.monotonic() - self.received_at > self.GRACE
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():
@@ -235,8 +246,11 @@ def assemble(parts: Parts, standing: Standing, report: Callable[[dict], None] | 
     log = MetricsLog(parts.output if d.main else None, resume_step=resume_step, report=report)
     uploader = upload.Uploader(cfg.upload, cfg.upload_retry_seconds) if cfg.upload and d.main else None
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    stop = StopSignal(d.world)
+    if isinstance(parts.train_loader, TrainLoader):
+        parts.train_loader.interrupted = stop.stop_waiting
     return Run(
         **vars(parts), standing=standing, model=stepping, criterion=criterion,
         mixer=recipe.batch_mixer(cfg.mixup_alpha, cfg.cutmix_alpha, len(parts.classes)), scheduler=scheduler,
-        log=log, uploader=uploader, stop=StopSignal(),
+        log=log, uploader=uploader, stop=stop,
     )  # fmt: skip

@@ -49,6 +49,17 @@ from imagenet_ais.transforms import (
 
 IMAGE_EXTS = ("jpg", "jpeg", "png")
 DECODERS = ("cpu", "gpu")
+FAILED_IN_A_ROW = 50  # shard reads of a worker that may fail one after another before it gives up
+
+
+class UnreadableData(RuntimeError):
+    """Nothing of a location could be read: training would wait for ever (a run stops with exit 4)."""
+
+
+def reason(e: UnreadableData) -> str:
+    """Its one line, also where a DataLoader worker raised it (torch raises it again in the
+    training process with the worker's traceback as its message)."""
+    return str(e).strip().splitlines()[-1].removeprefix(f"{__name__}.{UnreadableData.__name__}: ")
 
 
 def _wanted_member(name: str) -> bool:
@@ -124,6 +135,9 @@ class ShardStream(IterableDataset):
         self.size = mp.Value("q", spec.image_size)  # output side; changes between epochs (--progressive)
         self.skipped = mp.Value("q", 0)  # samples that failed to decode
         self.read_errors = mp.Value("q", 0)  # shards that failed part-way or held fewer samples than listed
+        self.unread = mp.Value("q", 0)  # the samples those shards list that were not read
+        self.drawn = mp.Value("q", 0)  # the samples listed by every shard piece a worker set out to read
+        self._failing = 0  # (per worker) shard reads that failed in a row, nothing read from them
         self.problems: mp.Queue = mp.Queue()  # "where: what" lines, for the training process to name
         self._told: set[str] = set()  # (per worker) shards already reported
         # a resumed epoch: (epoch, samples trained before the restart, the name that makes its
@@ -147,9 +161,9 @@ class ShardStream(IterableDataset):
             mine = contiguous_assignment(s.counts, s.world)[s.rank]
         yield from split_among_workers(mine, workers)[worker]
 
-    def _count(self, counter: mp.Value) -> None:
+    def _count(self, counter: mp.Value, n: int = 1) -> None:
         with counter.get_lock():
-            counter.value += 1
+            counter.value += n
 
     def report(self, where: str, problem: str, counter: mp.Value) -> None:
         # the line goes first, so that the training process has it once it sees the count
@@ -158,30 +172,47 @@ class ShardStream(IterableDataset):
             self.problems.put(f"{where}: {problem}")
         self._count(counter)
 
+    def _read_failed(self, where: str, problem: str, unread: int, read_any: bool) -> None:
+        """A shard read that failed: reported, its unread samples counted; too many in a row
+        with nothing read (the data is gone: a deleted bucket or folder) end the worker."""
+        self.report(where, problem, self.read_errors)
+        self._count(self.unread, unread)
+        self._failing = 0 if read_any else self._failing + 1
+        if self._failing >= FAILED_IN_A_ROW:
+            raise UnreadableData(
+                f"{self.spec.location}: the last {self._failing} shard reads of a loader worker failed, the last "
+                f"{where}: {problem}; is the data there? Restore it and continue with --resume auto"
+            )
+
     def _samples(self, piece: Piece) -> Iterator[tuple[int, dict]]:
         name = self.spec.names[piece.shard]
         where = f"{self.spec.location}/{name}"
         errors: list[Exception] = []
+        done = self._done()[0].get(piece.shard, set())
+        self._count(self.drawn, sum(i not in done for i in range(piece.start, piece.stop)))
         try:
             stream = (self.spec.shard_cache or _store(self.spec.location)).open(name)
         except Exception as e:  # after the storage client's own retries
-            self.report(where, f"could not be read, skipped ({e})", self.read_errors)
+            unread = sum(i not in done for i in range(piece.start, piece.stop))
+            self._read_failed(where, f"could not be read, skipped ({e})", unread, read_any=False)
             return
         end = piece.start  # one past the last sample seen
         with stream:
             # past a broken member nothing is trusted: the rest of the shard is skipped
             files = _files(stream, where, errors)
-            done = self._done()[0].get(piece.shard, set())
             samples = itertools.islice(enumerate(group_by_keys(files, handler=errors.append)), piece.start, piece.stop)
             for i, sample in samples:
                 end = i + 1
                 if i not in done:
                     yield i, sample
+        unread, read_any = sum(i not in done for i in range(end, piece.stop)), end > piece.start
         if errors:
-            self.report(where, f"read failed at sample {end}, the rest skipped ({errors[0]})", self.read_errors)
+            self._read_failed(where, f"read failed at sample {end}, the rest skipped ({errors[0]})", unread, read_any)
         elif end < piece.stop:
             listed = self.spec.counts[piece.shard]
-            self.report(where, f"ends after {end} samples, the manifest lists {listed}", self.read_errors)
+            self._read_failed(where, f"ends after {end} samples, the manifest lists {listed}", unread, read_any)
+        else:
+            self._failing = 0
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
         info = get_worker_info()

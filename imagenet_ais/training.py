@@ -20,6 +20,7 @@ from imagenet_ais import checkpoint, decentralized, distributed, keys_log, locks
 from imagenet_ais.config import TrainConfig, image_sizes
 from imagenet_ais.data import ValLoader
 from imagenet_ais.data_health import DataHealth
+from imagenet_ais.feed import Interrupted
 from imagenet_ais.metrics import LOG, METRICS, Reporter
 from imagenet_ais.model import autocast
 from imagenet_ais.progress import Progress, Window
@@ -27,6 +28,7 @@ from imagenet_ais.recipe import ModelEma
 from imagenet_ais.resume import Standing
 from imagenet_ais.run_setup import Parts, Run
 from imagenet_ais.sampling import merge_positions
+from imagenet_ais.stream import UnreadableData, reason
 
 EXIT_UPLOAD_FAILED = 3  # trained (or stopped cleanly), but some upload never made it: see stderr
 EXIT_BAD_DATA = 4  # an epoch skipped or padded more than --max-bad of its samples (checkpoint saved)
@@ -39,6 +41,7 @@ class Stopped:
 
     step_in_epoch: int  # steps of the epoch done
     signalled: bool  # SIGTERM/SIGUSR1 (else --max-steps)
+    unsaved: bool = False  # signalled while this rank's data never came: the ranks cannot save together
 
 
 def train(cfg: TrainConfig, report: Callable[[dict], None] | None = None) -> dict[str, Any]:
@@ -61,7 +64,9 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
     standing = resume.resume(
         cfg, d, parts.raw_model, optimizer, parts.scaler, parts.classes, parts.train_loader, say, parts.ema
     )
-    parts.health.val_missing = (standing.last_val or {}).get("missing", 0)  # until the next validation
+    previous = standing.last_val or {}  # until the next validation
+    parts.health.val_missing = previous.get("missing", 0)
+    parts.health.val_listed = previous.get("samples", 0) + parts.health.val_missing
     if cfg.test_only:
         return test_only(parts, standing)
     if standing.epoch >= cfg.epochs:
@@ -72,9 +77,13 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
     for epoch in range(standing.epoch, cfg.epochs):
         standing.epoch = epoch
         run.train_loader.set_epoch(epoch, sizes[epoch])
-        if stopped := train_epoch(run):
-            return stop(run, stopped)
-        improved = run.val_loader is not None and evaluate(run)
+        try:
+            if stopped := train_epoch(run):
+                return stop(run, stopped)
+            improved = run.val_loader is not None and evaluate(run)
+        except UnreadableData as e:  # nothing left to read: waiting would be for ever
+            say(f"ERROR: {reason(e)}", err=True)
+            return finish(run, complete=False, exit_code=EXIT_BAD_DATA)
         standing.first_step = 0
         save(run, epoch + 1, 0, best=improved)
         if damaged := run.health.end_epoch(epoch, len(run.train_loader) * run.global_batch):
@@ -91,6 +100,13 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
 def stop(run: Run, stopped: Stopped) -> dict[str, Any]:
     """Ends a run whose epoch stopped before its end: saved where it stopped, to be continued."""
     standing = run.standing
+    if stopped.unsaved:
+        run.say(
+            f"stopped by a signal at step {standing.step} while waiting for data that never came: no checkpoint "
+            "could be saved with the other ranks; continue with --resume auto from the last one",
+            err=True,
+        )
+        return finish(run, complete=False, exit_code=EXIT_PREEMPTED)
     save(run, standing.epoch, stopped.step_in_epoch)
     if stopped.signalled:
         run.say(f"stopped by a signal at step {standing.step}, checkpoint saved; continue with --resume auto")
@@ -110,7 +126,11 @@ def train_epoch(run: Run) -> Stopped | None:
     stopped = None
     for step_in_epoch in range(standing.first_step, steps):
         t0 = time.perf_counter()
-        x, y, keys = next(batches)
+        try:
+            x, y, keys = next(batches)
+        except Interrupted:  # signalled while waiting for data (alone, or the others would not wait)
+            stopped = Stopped(step_in_epoch, signalled=True, unsaved=d.world > 1)
+            break
         window.waited += time.perf_counter() - t0
         window.clock.mark()
         loss = train_step(run, x, y)
@@ -208,7 +228,7 @@ def evaluate(run: Run) -> bool:
         best_of = ema["top1"] if run.cfg.model_ema_best else best_of
     run.log.write(kind="val", epoch=standing.epoch, step=standing.step, **val, **agreement)
     run.say(f"epoch {standing.epoch + 1}: {top} over {val['samples']} images")
-    run.health.val_missing = val["missing"]
+    run.health.val_missing, run.health.val_listed = val["missing"], val["samples"] + val["missing"]
     warn_if_partial(val, run.health)
     if best_of <= standing.best_top1:
         return False

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import pickle
 import random
+import re
 import resource
 import shutil
 import signal
@@ -571,13 +572,75 @@ def test_damaged_shards_are_named_once_counted_and_bounded(tmp_path: Path) -> No
     last = [r for r in metrics(tmp_path / "tolerant") if r["kind"] == "train"][-1]
     assert last["read_errors"] >= 6 and last["skipped"] >= 2 and last["padded"] > 0
     summary = f"data: {last['skipped']} samples skipped, {last['padded']} padded with repeats, "
-    assert summary + f"{last['read_errors']} shard read errors over the run" in log
+    assert summary + f"{last['read_errors']} shard read errors ({last['unread']} samples unread) over the run" in log
 
     out = torchrun(2, *common, "--output", tmp_path / "strict", check=False)
     assert out.returncode != 0
     assert "ERROR: epoch 1: " in out.stderr and "over --max-bad 0.01" in out.stderr
     assert (tmp_path / "strict" / "last.pt").exists(), "the epoch's checkpoint is saved before stopping"
     assert not any(r["epoch"] == 1 for r in metrics(tmp_path / "strict")), "the run stopped after epoch 1"
+
+
+def tiny_run(data: Path, output: Path, **changes: object) -> config.TrainConfig:
+    """A short CPU run of a tiny model on ``data``, in this process."""
+    cfg = config.TrainConfig(
+        data=str(data), output=str(output), arch="resnet18", image_size=32, batch_size=4, warmup_epochs=0, epochs=1,
+        workers=1, log_every=2,
+    )  # fmt: skip
+    return dataclasses.replace(cfg, **changes)
+
+
+def test_resampled_epochs_count_the_samples_of_shards_that_failed_to_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # One of three train shards missing: exact mode padded and stopped, resampled mode said
+    # "0 skipped, 0 padded, 139 shard read errors" and exited 0.
+    data = tmp_path / "shards"
+    manifest = write_shards(data, {"train": [16, 16, 16], "val": [4]})
+    (data / manifest.splits["train"].shards[1].name).unlink()
+    outcome = training.train(tiny_run(data, tmp_path / "strict"))
+    said = capsys.readouterr().err
+    assert outcome["exit_code"] == training.EXIT_BAD_DATA
+    found = re.search(r"ERROR: epoch 1: (\d+) of its 48 samples could not be read .* leaving (\d+) of the (\d+)", said)
+    assert found and 8 <= int(found[1]) <= 24 and int(found[1]) == round(48 * int(found[2]) / int(found[3]))
+    assert training.train(tiny_run(data, tmp_path / "tolerant", max_bad=1.0))["exit_code"] == 0
+
+
+@pytest.mark.parametrize("mode", ["resampled", "exact"])
+def test_a_dataset_with_no_readable_shard_ends_the_run_with_exit_4_not_a_hang(
+    mode: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # every train shard gone (a deleted folder or bucket): a worker drew and failed shards for ever
+    data = tmp_path / "shards"
+    manifest = write_shards(data, {"train": UNEVEN})
+    for shard in manifest.splits["train"].shards:
+        (data / shard.name).unlink()
+    outcome = training.train(tiny_run(data, tmp_path / "run", epoch_mode=mode, max_bad=1.0))
+    assert outcome["exit_code"] == training.EXIT_BAD_DATA
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ERROR")]
+    says = "the last 50 shard reads of a loader worker failed" if mode == "resampled" else "no training sample of"
+    assert len(errors) == 1 and errors[0].startswith(f"ERROR: {data}: {says}"), errors
+
+
+def test_sigterm_stops_a_run_whose_data_never_comes(tmp_path: Path) -> None:
+    data, output = tmp_path / "shards", tmp_path / "run"
+    manifest = write_shards(data, {"train": UNEVEN})
+    for shard in manifest.splits["train"].shards:  # opening one blocks until a writer comes: never
+        (data / shard.name).unlink()
+        os.mkfifo(data / shard.name)
+    proc = subprocess.Popen(
+        [sys.executable, ROOT / "train.py", "--data", data, "--output", output, *TINY, "--workers", "1"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_until(proc, (output / "train.log").exists, "the run's start")
+    time.sleep(3)  # waiting for its first batch
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == training.EXIT_PREEMPTED, err
+    assert "stopped by a signal at step 0, checkpoint saved" in out
 
 
 def test_a_run_killed_outright_leaves_no_workers_and_keeps_its_keys(tmp_path: Path) -> None:
