@@ -4,6 +4,7 @@ and what follows from it alone."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -79,6 +80,14 @@ RECIPES: dict[str, dict[str, object]] = {
         "model_ema_steps": 32, "model_ema_decay": 0.99998, "image_size": 176, "val_size": 224, "val_resize_size": 232,
     },
 }  # fmt: skip
+
+
+def check(cfg: TrainConfig) -> None:
+    """Refuses, in one line, numbers no run can train with (train.py's options and TrainConfig alike)."""
+    for name in ("lr", "weight_decay", "upload_retry_seconds", "flush_timeout", "warmup_epochs"):
+        value = getattr(cfg, name)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: give a finite number, 0 or more")
 
 
 def with_recipe(cfg: TrainConfig, given: Collection[str]) -> TrainConfig:

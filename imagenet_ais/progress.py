@@ -103,13 +103,16 @@ class Window:
         The window ends once the GPU has done its steps (the loss waits for them): timed when the
         CPU had only queued them, a rate would count work the GPU had yet to do. ``ranks`` holds
         each rank's own figures: its step times, data wait, feed threads and GPU."""
-        loss = float(torch.stack(self.losses).float().mean())
+        losses = torch.stack(self.losses).float()
+        loss, finite = float(losses.mean()), torch.isfinite(losses).tolist()
+        nonfinite_tail = len(finite) - (max(i for i, ok in enumerate(finite) if ok) + 1 if any(finite) else 0)
         self.end = time.perf_counter()
         elapsed = self.end - self.start
         steps_ms = sorted(self.clock.durations_ms())
         counters = loader.counters()
         mine = {
             "loss": loss,
+            "nonfinite_tail": nonfinite_tail,  # the window's last steps whose loss was NaN or infinite
             **counters,
             "data_wait": self.waited / elapsed,
             "step_ms_p50": _quantile(steps_ms, 0.5),
@@ -127,13 +130,18 @@ class Window:
             "loss": sum(r["loss"] for r in ranks) / d.world,
             "lr": lr,
             "img_per_s": self.steps * global_batch / elapsed,
+            "nonfinite_tail": max(int(r["nonfinite_tail"]) for r in ranks),  # any rank's, the same on all
             "image_size": image_size,
             # rank 0's, as before ranks were recorded (NaN: what NVML could not tell)
             **{k: v for k, v in mine.items() if k.startswith(("gpu_", "busy_")) and not math.isnan(v)},
             "data_wait": mine["data_wait"],
             **totals,
             "ranks": [
-                {k: _rounded(v) for k, v in r.items() if k not in ("loss", *counters) and not math.isnan(v)}
+                {
+                    k: _rounded(v)
+                    for k, v in r.items()
+                    if k not in ("loss", "nonfinite_tail", *counters) and not math.isnan(v)
+                }
                 for r in ranks
             ],
         }

@@ -103,6 +103,7 @@ class Run(Parts):
     log: MetricsLog
     uploader: upload.Uploader | None
     stop: StopSignal
+    nonfinite_steps: int = 0  # the last steps in a row whose loss was NaN or infinite (on any rank)
 
     @property
     def global_batch(self) -> int:

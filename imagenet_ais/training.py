@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from imagenet_ais import checkpoint, decentralized, distributed, keys_log, locks, resume, run_setup
-from imagenet_ais.config import TrainConfig, image_sizes
+from imagenet_ais.config import TrainConfig, check, image_sizes
 from imagenet_ais.data import ValLoader
 from imagenet_ais.data_health import DataHealth
 from imagenet_ais.feed import Interrupted
@@ -32,6 +32,8 @@ from imagenet_ais.stream import UnreadableData, reason
 
 EXIT_UPLOAD_FAILED = 3  # trained (or stopped cleanly), but some upload never made it: see stderr
 EXIT_BAD_DATA = 4  # an epoch skipped or padded more than --max-bad of its samples (checkpoint saved)
+EXIT_DIVERGED = 5  # the loss stayed NaN or infinite for NONFINITE_STEPS steps (nothing saved past them)
+NONFINITE_STEPS = 10
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after saving (and uploading): resume with --resume auto
 
 
@@ -42,10 +44,12 @@ class Stopped:
     step_in_epoch: int  # steps of the epoch done
     signalled: bool  # SIGTERM/SIGUSR1 (else --max-steps)
     unsaved: bool = False  # signalled while this rank's data never came: the ranks cannot save together
+    diverged: bool = False  # the loss stopped being finite: its weights are not worth a checkpoint
 
 
 def train(cfg: TrainConfig, report: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Train as ``cfg`` says; ``report`` also gets every metrics record, on every rank."""
+    check(cfg)  # before anything is made
     d = distributed.setup()
     try:
         # rank 0 writes the output: a second run into it would mix checkpoints and event files
@@ -100,6 +104,14 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
 def stop(run: Run, stopped: Stopped) -> dict[str, Any]:
     """Ends a run whose epoch stopped before its end: saved where it stopped, to be continued."""
     standing = run.standing
+    if stopped.diverged:
+        run.say(
+            f"ERROR: the loss was NaN or infinite for the last {run.nonfinite_steps} steps, up to step "
+            f"{standing.step}: the run diverged (too high an --lr, or weights that hold NaN); nothing was saved "
+            "past the last finite checkpoint: continue from it with a lower --lr",
+            err=True,
+        )
+        return finish(run, complete=False, exit_code=EXIT_DIVERGED)
     if stopped.unsaved:
         run.say(
             f"stopped by a signal at step {standing.step} while waiting for data that never came: no checkpoint "
@@ -153,6 +165,10 @@ def train_epoch(run: Run) -> Stopped | None:
         if standing.step % cfg.log_every == 0 or last_of_epoch or stopped:
             lr = run.model.get_lr() if run.decent else run.scheduler.get_last_lr()[0]
             record, totals = window.record(loader, d, run.global_batch, epoch, standing.step, lr, x.shape[-1])
+            tail = record["nonfinite_tail"]
+            run.nonfinite_steps = run.nonfinite_steps + tail if tail == window.steps else tail
+            if run.nonfinite_steps >= NONFINITE_STEPS:
+                stopped = Stopped(step_in_epoch + 1, signalled=False, diverged=True)
             run.log.write(**record)
             run.health.poll(totals)
             progress.show(record, step_in_epoch + 1)

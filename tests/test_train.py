@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchvision
 import webdataset as wds
 from conftest import ROOT, child_pids, outliving, run_cli, tiny_jpeg, torchrun, wait_until, write_shards
 
@@ -620,6 +621,34 @@ def test_a_dataset_with_no_readable_shard_ends_the_run_with_exit_4_not_a_hang(
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ERROR")]
     says = "the last 50 shard reads of a loader worker failed" if mode == "resampled" else "no training sample of"
     assert len(errors) == 1 and errors[0].startswith(f"ERROR: {data}: {says}"), errors
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("lr", float("nan")), ("lr", float("inf")), ("lr", -0.1), ("weight_decay", -1e-4), ("flush_timeout", -1.0)],
+)
+def test_numbers_no_run_can_train_with_are_refused_in_one_line(option: str, value: float, tmp_path: Path) -> None:
+    cfg = config.TrainConfig(output=str(tmp_path / "run"), synthetic=True, **{option: value})
+    with pytest.raises(ValueError, match=rf"^--{option.replace('_', '-')} {value}: give a finite number, 0 or more$"):
+        training.train(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_loss_that_stays_nan_stops_the_run_with_exit_5_and_saves_nothing_past_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # --lr nan, or weights holding NaN (with a valid digest): "loss nan" at every step, a final validation, exit 0
+    weights = torchvision.models.resnet18(num_classes=1000).state_dict()
+    weights["fc.weight"][0, 0] = float("nan")
+    torch.save(weights, tmp_path / "nan.pt")
+    cfg = config.TrainConfig(
+        output=str(tmp_path / "run"), synthetic=True, arch="resnet18", image_size=32, batch_size=2, epochs=1,
+        log_every=4, weights=str(tmp_path / "nan.pt"),
+    )  # fmt: skip
+    outcome = training.train(cfg)
+    assert outcome["exit_code"] == training.EXIT_DIVERGED and outcome["step"] == 12  # 3 windows of 4 steps
+    assert "ERROR: the loss was NaN or infinite for the last 12 steps, up to step 12" in capsys.readouterr().err
+    assert not list((tmp_path / "run").glob("*.pt")), "no checkpoint of NaN weights"
 
 
 def test_sigterm_stops_a_run_whose_data_never_comes(tmp_path: Path) -> None:
