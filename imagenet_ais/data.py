@@ -191,9 +191,11 @@ class _ShardLoader:
             shards = {s.name: s for s in split.shards}
             cache = ShardCache(Path(spec.cache.root), location, spec.cache.max_bytes, shards)
         names, counts = [s.name for s in split.shards], [s.samples for s in split.shards]
+        listed = [(s.bytes, s.sha256) for s in split.shards]
         self.spec = StreamSpec(
-            **vars(spec), location=location, names=names, counts=counts, shard_cache=cache, shuffle=shuffle
-        )
+            **vars(spec), location=location, names=names, counts=counts, listed=listed, shard_cache=cache,
+            shuffle=shuffle,
+        )  # fmt: skip
         self.dataset = ShardStream(self.spec, mode)
         self.loader = _loader(self.dataset, self.spec.batch, feeding.workers)
         self.device, self.pin = feeding.device, feeding.device.type == "cuda"

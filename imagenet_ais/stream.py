@@ -10,6 +10,7 @@ Only image and ``.cls`` members are read: nothing in a shard is unpickled.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import multiprocessing as mp
 import signal
@@ -66,7 +67,24 @@ def _wanted_member(name: str) -> bool:
     return name.rpartition("/")[2].partition(".")[2].lower() in (*IMAGE_EXTS, "cls")
 
 
-def _files(stream: BinaryIO, where: str, errors: list[Exception]) -> Iterator[dict]:
+class _Hashing:
+    """A shard stream that counts and hashes (SHA-256) every byte read through it."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw, self.sha, self.count = raw, hashlib.sha256(), 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.sha.update(data)
+        self.count += len(data)
+        return data
+
+    def read_to_end(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+
+def _files(stream: BinaryIO | _Hashing, where: str, errors: list[Exception]) -> Iterator[dict]:
     """The wanted members of a shard as webdataset's grouping takes them; a member that cannot be
     read (or must not be: members.py) ends them, its error in ``errors``."""
     try:
@@ -113,6 +131,7 @@ class StreamSpec(LoaderSpec):
     location: str  # the shard location (a storage URL); names are relative to it
     names: list[str]
     counts: list[int]
+    listed: list[tuple[int, str]]  # each shard's bytes and SHA-256 in the manifest: checked as it streams
     shard_cache: ShardCache | None = None  # the node's cache, for remote shards
     shuffle: int = 0  # samples each worker mixes before batching (0: stored order)
 
@@ -189,30 +208,53 @@ class ShardStream(IterableDataset):
         where = f"{self.spec.location}/{name}"
         errors: list[Exception] = []
         done = self._done()[0].get(piece.shard, set())
-        self._count(self.drawn, sum(i not in done for i in range(piece.start, piece.stop)))
+        drawn = sum(i not in done for i in range(piece.start, piece.stop))
+        self._count(self.drawn, drawn)
+        size, sha256 = self.spec.listed[piece.shard]
         try:
-            stream = (self.spec.shard_cache or _store(self.spec.location)).open(name)
+            stream = self._open(name, size)
         except Exception as e:  # after the storage client's own retries
-            unread = sum(i not in done for i in range(piece.start, piece.stop))
-            self._read_failed(where, f"could not be read, skipped ({e})", unread, read_any=False)
+            self._read_failed(where, f"could not be read, skipped ({e})", drawn, read_any=False)
             return
         end = piece.start  # one past the last sample seen
         with stream:
+            hashed = _Hashing(stream)
             # past a broken member nothing is trusted: the rest of the shard is skipped
-            files = _files(stream, where, errors)
+            files = _files(hashed, where, errors)
             samples = itertools.islice(enumerate(group_by_keys(files, handler=errors.append)), piece.start, piece.stop)
             for i, sample in samples:
                 end = i + 1
                 if i not in done:
                     yield i, sample
+            if not errors and end == piece.stop:
+                hashed.read_to_end()  # the bytes past this piece, for the shard's checksum
         unread, read_any = sum(i not in done for i in range(end, piece.stop)), end > piece.start
         if errors:
             self._read_failed(where, f"read failed at sample {end}, the rest skipped ({errors[0]})", unread, read_any)
         elif end < piece.stop:
             listed = self.spec.counts[piece.shard]
             self._read_failed(where, f"ends after {end} samples, the manifest lists {listed}", unread, read_any)
+        elif (hashed.count, hashed.sha.hexdigest()) != (size, sha256):
+            problem = (
+                f"its bytes are not the manifest's ({hashed.count:,} bytes, SHA-256 {hashed.sha.hexdigest()[:12]}…): "
+                f"replaced or damaged since it was converted; its {drawn} samples read before the end, where "
+                "this can be told, were trained on"
+            )
+            self._read_failed(where, problem, drawn, read_any)
         else:
             self._failing = 0
+
+    def _open(self, name: str, size: int) -> BinaryIO:
+        """The shard ``name``, once its size is the manifest's (a copy in the node's cache was
+        checked when it was made)."""
+        if self.spec.shard_cache:
+            return self.spec.shard_cache.open(name)
+        store = _store(self.spec.location)
+        if (stored := store.size(name)) != size:
+            raise OSError(
+                f"it is {stored:,} bytes, the manifest lists {size:,}: replaced or damaged since it was converted"
+            )
+        return store.open(name)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
         info = get_worker_info()

@@ -20,8 +20,9 @@ from PIL import Image
 
 from imagenet_ais import synth
 from imagenet_ais.ais_playground import Playground
-from imagenet_ais.manifest import Manifest, ShardInfo, SplitInfo
+from imagenet_ais.manifest import Manifest, ShardInfo, SplitInfo, load_manifest
 from imagenet_ais.shards import file_sha256
+from imagenet_ais.storage import open_store
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -150,6 +151,18 @@ def tiny_jpeg(rng: random.Random, cls: int) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="JPEG", quality=85)
     return buf.getvalue()
+
+
+def relist(dest: Path) -> Manifest:
+    """``dest``'s manifest.json, rewritten to list each shard there at its bytes and SHA-256 as it
+    now is: damage that only reading its members can find (a converter's bug, another's shard)."""
+    manifest = load_manifest(open_store(str(dest)))
+    for split in manifest.splits.values():
+        for shard in split.shards:
+            if (path := dest / shard.name).exists():
+                shard.bytes, shard.sha256 = path.stat().st_size, file_sha256(path)
+    (dest / "manifest.json").write_text(manifest.to_json())
+    return manifest
 
 
 def sparse_member(name: str, declared: int) -> bytes:

@@ -7,6 +7,7 @@ import math
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 import tarfile
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from conftest import ROOT, sparse_member, tiny_jpeg, write_shards
+from conftest import ROOT, relist, sparse_member, tiny_jpeg, write_shards
 from PIL import Image
 
 from imagenet_ais import shards, synth
@@ -159,6 +160,7 @@ def test_a_member_that_is_no_regular_file_or_too_large_is_refused_unread(tmp_pat
     for shard, member in ((1, sparse_member("big.jpg", 65 * 2**20)), (3, tar_member("huge.jpg", 65 * 2**20))):
         path = tmp_path / f"imagenet-train-{shard:06d}.tar"
         path.write_bytes(member + path.read_bytes())
+    manifest = relist(tmp_path)  # as a converter's bug might have listed them
     (loader,) = loaders(tmp_path, manifest, "exact", world=1, batch=8, workers=1)
     loader.set_epoch(0)
     assert len(list(loader)) == 6
@@ -173,6 +175,27 @@ def tar_member(name: str, size: int) -> bytes:
     info = tarfile.TarInfo(name)
     info.size = size
     return info.tobuf(format=tarfile.GNU_FORMAT) + bytes(size) + bytes(-size % 512)
+
+
+def test_a_shard_replaced_since_its_manifest_was_written_is_a_read_error_named_once(tmp_path: Path) -> None:
+    # replaced under the same name, it was trained on, and the run said "every sample was read as the manifest lists it"
+    manifest = write_shards(tmp_path, {"train": UNEVEN, "val": [8]})
+    (tmp_path / "imagenet-train-000001.tar").write_bytes((tmp_path / "imagenet-val-000000.tar").read_bytes())
+    same_size = tmp_path / "imagenet-train-000003.tar"
+    data = bytearray(same_size.read_bytes())
+    data[-2000] ^= 0xFF  # inside the last image's bytes: the size stays, the checksum does not
+    same_size.write_bytes(bytes(data))
+    (loader,) = loaders(tmp_path, manifest, "exact", world=1, batch=8, workers=1)
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        keys = [k for b in loader for k in b.keys]
+        assert not [k for k in keys if k.startswith("val-")], "nothing of the replacement trained"
+    assert loader.dataset.read_errors.value == 4  # each bad shard at each epoch
+    said = [loader.dataset.problems.get(timeout=10) for _ in range(2)]
+    replaced = [line for line in said if "imagenet-train-000001.tar" in line]
+    assert replaced and re.search(r"could not be read, skipped \(it is [\d,]+ bytes, the manifest lists", replaced[0])
+    changed = [line for line in said if "imagenet-train-000003.tar" in line]
+    assert changed and "its bytes are not the manifest's" in changed[0] and "19 samples" in changed[0]
 
 
 class _Exploit:
@@ -194,6 +217,7 @@ def test_pickles_inside_shards_are_never_loaded(tmp_path: Path) -> None:
                     "pth": pickle.dumps(_Exploit()),
                 }
             )
+    manifest = relist(tmp_path)
     (loader,) = loaders(tmp_path, manifest, "exact", world=1, batch=4, workers=0)
     loader.set_epoch(0)
     assert len(list(loader)) == 1

@@ -27,7 +27,7 @@ import pytest
 import torch
 import torchvision
 import webdataset as wds
-from conftest import ROOT, child_pids, outliving, run_cli, tiny_jpeg, torchrun, wait_until, write_shards
+from conftest import ROOT, child_pids, outliving, relist, run_cli, tiny_jpeg, torchrun, wait_until, write_shards
 
 from imagenet_ais import checkpoint, config, distributed, locks, model, synth, train_cli, training
 from imagenet_ais.data_health import DataHealth
@@ -554,6 +554,7 @@ def test_damaged_shards_are_named_once_counted_and_bounded(tmp_path: Path) -> No
                 {"__key__": f"train-2-{i}", "jpg": tiny_jpeg(random.Random(i), 1), "cls": b"99" if i == 0 else b"1"}
             )
     (data / "manifest.json").write_text(manifest.to_json())
+    relist(data)  # the shards' sizes and checksums as they now are: only reading them tells
     named = {
         shards[0].name: "could not be read",
         shards[1].name: "sample 'train-1-4' skipped",
