@@ -191,23 +191,32 @@ def _fetch_newer(uploaded: str, output: Path, path: Path | None, extra: tuple[st
     older ones (this node's copy of a run that went on elsewhere): continuing from those would
     train steps again, and their checkpoints could never be uploaded over the newer ones."""
     newest = _newest(output)
-    if path is not None and not newest:
-        return  # a last.pt alone, of a step unknown without loading it: it is what there is
-    after = int(newest[0].stem.removeprefix("ckpt-")) if newest else -1
+    if newest:
+        have, after = newest[0], int(newest[0].stem.removeprefix("ckpt-"))
+    else:  # nothing, or a last.pt alone (a copy of the run dropped the rest): its step is inside it
+        have, after = path, _step_of(path)
     try:
         fetched = upload.fetch_latest(uploaded, output, extra=extra, after=after)
     except upload.BadPointer:
         raise  # not a store that failed to answer: its pointer is wrong, and must be put right
     except Exception as e:  # each SDK has its own errors
-        if not newest:
+        if have is None:
             raise
         say(f"warning: {uploaded}: not checked for a newer checkpoint ({type(e).__name__}: {e}); "
-            f"continuing from {newest[0]}", err=True)  # fmt: skip
+            f"continuing from {have}", err=True)  # fmt: skip
         return
     if fetched:
         link(fetched, LAST)
-        if newest:
-            say(f"{uploaded} holds a newer checkpoint than {newest[0]}: continuing from {fetched.name}")
+        if have is not None:
+            say(f"{uploaded} holds a newer checkpoint than {have}: continuing from {fetched.name}")
+
+
+def _step_of(path: Path | None) -> int:
+    """The step of the checkpoint at ``path``; -1 for none, or one that cannot be loaded."""
+    try:
+        return int(load(path)["step"]) if path else -1
+    except DamagedCheckpoint:
+        return -1
 
 
 def load(path: Path) -> dict[str, Any]:

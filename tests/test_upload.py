@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -360,3 +361,19 @@ def test_files_fetched_for_a_resume_get_the_runs_usual_mode(tmp_path: Path) -> N
     training.train(tiny_synthetic(tmp_path / "second", uploads, max_steps=3))  # a fresh node: fetched
     for name in ("ckpt-00000002.pt", "metrics.jsonl"):
         assert (tmp_path / "second" / name).stat().st_mode & 0o777 == 0o644, name
+
+
+def test_a_nodes_stale_last_pt_alone_does_not_beat_a_newer_upload(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # A node holding last.pt (no ckpt-*.pt) retrained steps the upload had, then failed for ever on FileExistsError
+    uploads, first, stale = tmp_path / "up", tmp_path / "first", tmp_path / "stale"
+    training.train(tiny_synthetic(first, uploads, max_steps=4))
+    stale.mkdir()
+    shutil.copy(first / "last.pt", stale / "last.pt")  # step 4, alone
+    training.train(tiny_synthetic(first, uploads, max_steps=8))  # the run goes on elsewhere: the upload is at 8
+    capsys.readouterr()
+    outcome = training.train(tiny_synthetic(stale, uploads, max_steps=10))
+    said = capsys.readouterr().out
+    assert f"{uploads} holds a newer checkpoint than {stale / 'last.pt'}: continuing from ckpt-00000008.pt" in said
+    assert "epoch 1, step 8" in said and outcome == {**outcome, "step": 10, "exit_code": 0}
