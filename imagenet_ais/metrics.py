@@ -22,21 +22,23 @@ class MetricsLog:
     """One record per log interval or validation; resumed runs continue both logs.
 
     Every number of a record also goes to TensorBoard as ``<kind>/<name>`` at its step. A
-    run that resumes (``resume_step``: the step it continues from, 0 when --resume found no
-    checkpoint yet) drops the records past that step, in both logs, so the steps retrained
-    after a crash are not counted twice. ``report`` (e.g. Ray Train's) gets every record on
-    every rank, files or not.
+    run that resumes at ``step`` drops the records past that step, in both logs, so the steps
+    retrained after a crash are not counted twice; one that starts at step 0 (afresh, or
+    --resume finding no checkpoint yet) removes what an attempt that died before its first
+    checkpoint left, event files included (TensorBoard's purge marks would leave raw readers
+    two copies of its steps). ``report`` (e.g. Ray Train's) gets every record on every rank,
+    files or not.
     """
 
-    def __init__(
-        self, output: Path | None, resume_step: int | None = None, report: Callable[[dict], None] | None = None
-    ):
-        if output and resume_step is not None:
-            _drop_records_after(output / METRICS, resume_step)
+    def __init__(self, output: Path | None, step: int = 0, report: Callable[[dict], None] | None = None):
+        if output and step == 0:
+            for leftover in (output / METRICS, *output.glob("events.out.tfevents.*")):
+                leftover.unlink(missing_ok=True)
+        elif output:
+            _drop_records_after(output / METRICS, step)
         self.file = (output / METRICS).open("a", buffering=1) if output else None
         # TensorBoard purges events at or after purge_step; the record at the resume step stays
-        purge = None if resume_step is None else resume_step + 1
-        self.board = SummaryWriter(str(output), purge_step=purge) if output else None
+        self.board = SummaryWriter(str(output), purge_step=step + 1 if step else None) if output else None
         self.report = report
 
     def write(self, **record: Any) -> None:

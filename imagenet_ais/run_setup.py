@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from imagenet_ais import checkpoint, distributed, model, recipe, upload
+from imagenet_ais import checkpoint, distributed, keys_log, model, recipe, upload
 from imagenet_ais.augment import NO_AUGMENT, Augment
 from imagenet_ais.config import TrainConfig
 from imagenet_ais.data import (
@@ -243,8 +243,9 @@ def assemble(parts: Parts, standing: Standing, report: Callable[[dict], None] | 
     stepping = model.wrap(
         parts.raw_model, cfg, d, parts.decent, parts.compiled, parts.new_optimizer, schedule, parts.scaler
     )
-    resume_step = standing.step if cfg.resume else None
-    log = MetricsLog(parts.output if d.main else None, resume_step=resume_step, report=report)
+    log = MetricsLog(parts.output if d.main else None, step=standing.step, report=report)
+    if cfg.log_keys and d.main and standing.step == 0:  # an attempt that died before its first checkpoint
+        keys_log.cut_back(parts.output, 0, {})
     uploader = upload.Uploader(cfg.upload, cfg.upload_retry_seconds) if cfg.upload and d.main else None
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     stop = StopSignal(d.world)

@@ -28,6 +28,7 @@ import torch
 import torchvision
 import webdataset as wds
 from conftest import ROOT, child_pids, outliving, relist, run_cli, tiny_jpeg, torchrun, wait_until, write_shards
+from torch.utils.tensorboard import SummaryWriter
 
 from imagenet_ais import checkpoint, config, distributed, locks, model, synth, train_cli, training
 from imagenet_ais.data_health import DataHealth
@@ -650,6 +651,24 @@ def test_a_loss_that_stays_nan_stops_the_run_with_exit_5_and_saves_nothing_past_
     assert outcome["exit_code"] == training.EXIT_DIVERGED and outcome["step"] == 12  # 3 windows of 4 steps
     assert "ERROR: the loss was NaN or infinite for the last 12 steps, up to step 12" in capsys.readouterr().err
     assert not list((tmp_path / "run").glob("*.pt")), "no checkpoint of NaN weights"
+
+
+def test_a_fresh_start_clears_what_an_attempt_that_died_before_its_first_checkpoint_left(tmp_path: Path) -> None:
+    # after a SIGINT and a rerun: 36 key lines for 24 keys, and an old event file's steps shown twice
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": UNEVEN})
+    (output / "keys").mkdir(parents=True)
+    (output / "keys" / "epoch000-rank0.txt").write_text("train-0-0\ntrain-0-1\n")
+    (output / "metrics.jsonl").write_text('{"kind": "train", "epoch": 0, "step": 2, "loss": 9.0}\n')
+    with SummaryWriter(str(output)) as old:
+        old.add_scalar("train/loss", 9.0, 2)
+    for resume in (None, "auto"):  # afresh, or --resume auto finding no checkpoint
+        training.train(tiny_run(data, output, resume=resume, workers=0, log_keys=True, max_steps=3))
+        assert len((output / "keys" / "epoch000-rank0.txt").read_text().split()) == 3 * 4
+        assert [r["step"] for r in metrics(output)] == [2, 3] and all(r["loss"] < 9 for r in metrics(output))
+        assert len(list(output.glob("events.out.tfevents.*"))) == 1
+        for path in output.glob("*.pt"):  # as if that run too had died before its first checkpoint
+            path.unlink()
 
 
 def test_sigterm_stops_a_run_whose_data_never_comes(tmp_path: Path) -> None:
