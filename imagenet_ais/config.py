@@ -83,7 +83,9 @@ RECIPES: dict[str, dict[str, object]] = {
 
 
 def check(cfg: TrainConfig) -> None:
-    """Refuses, in one line, numbers no run can train with (train.py's options and TrainConfig alike)."""
+    """Refuses, in one line, settings no run can train with (train.py's options and TrainConfig alike)."""
+    if not cfg.output:
+        raise ValueError("--output '': name a folder for the run's checkpoints, metrics and logs")
     for name in ("lr", "weight_decay", "upload_retry_seconds", "flush_timeout", "warmup_epochs"):
         value = getattr(cfg, name)
         if not math.isfinite(value) or value < 0:

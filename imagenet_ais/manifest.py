@@ -80,7 +80,7 @@ class Manifest:
             if doc.get("version") != VERSION:
                 raise ValueError(f"manifest version {doc.get('version')} (this tool reads {VERSION})")
             classes = doc["classes"]
-            if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+            if not isinstance(classes, list) or not classes or not all(isinstance(c, str) for c in classes):
                 raise ValueError(f'"classes" is {_short(classes)}, not a list of class names')
             splits = {}
             for name, split in _object(doc["splits"], '"splits"').items():
@@ -92,6 +92,7 @@ class Manifest:
                     [_shard(s, f"shard {i} of {name!r}") for i, s in enumerate(shards)],
                     _rejected(split["rejected"], f'"rejected" of {name!r}'),
                 )
+                _check_shards(splits[name].shards, name)
             return cls(classes, splits, _object(doc.get("source", {}), '"source"'))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{where}: unreadable manifest ({e}); re-run `imagenet_shards.py convert`") from e
@@ -144,6 +145,17 @@ def parse_record(data: bytes, where: str) -> tuple[ShardInfo, list[dict[str, str
         raise ValueError(
             f"{where}: unreadable journal record ({e}): remove it and the shard it names, then run convert again"
         ) from e
+
+
+def _check_shards(shards: list[ShardInfo], split: str) -> None:
+    """Counts a reader can trust: none negative, no shard listed twice."""
+    seen: set[str] = set()
+    for i, shard in enumerate(shards):
+        if shard.samples < 0 or shard.bytes < 0:
+            raise ValueError(f"shard {i} of {split!r}: {shard.samples} samples in {shard.bytes} bytes")
+        if shard.name in seen:
+            raise ValueError(f"shard {i} of {split!r}: {shard.name!r} is listed twice")
+        seen.add(shard.name)
 
 
 def load_manifest(store: Store) -> Manifest:

@@ -22,16 +22,18 @@ from imagenet_ais.config import TrainConfig
 
 
 def build_model(arch: str, num_classes: int) -> nn.Module:
-    try:
-        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
-    except ValueError as e:
-        known = ", ".join(torchvision.models.list_models(module=torchvision.models))
-        raise ValueError(f"--arch {arch!r} is not a torchvision classification model; one of: {known}") from e
+    # only the classifiers: a detection model would fetch its backbone's weights from the network
+    known = torchvision.models.list_models(module=torchvision.models)
+    if arch not in known:
+        raise ValueError(f"--arch {arch!r} is not a torchvision classification model; one of: {', '.join(known)}")
+    return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
 
 
 def load_weights(model: nn.Module, path: str) -> None:
     """Start ``model`` from the weights in ``path``: a train.py checkpoint (its digest checked) or
     a plain state dict such as torchvision's released weights; one line if they do not fit."""
+    if not Path(path).is_file():
+        raise ValueError(f"--weights {path}: {'a folder' if Path(path).is_dir() else 'no such file'}, not a state dict")
     with warnings.catch_warnings():  # torch's notes on foreign pickles: the error below says it all
         warnings.simplefilter("ignore")
         try:

@@ -188,7 +188,9 @@ def loaders(
     train_loader = TrainLoader(train_split, cfg.data, cfg.epoch_mode, spec, feeding, cfg.shuffle_buffer, cfg.epoch_size)
     val_loader = None
     val_split = manifest.splits.get("val")
-    if val_split and val_split.samples:
+    if not (val_split and val_split.samples):
+        say(f"note: {cfg.data} has no val split: the run validates nothing and keeps no best.pt", err=True)
+    else:
         resize = cfg.val_resize_size or val_size / VAL_CROP
         if resize < val_size:
             raise ValueError(f"--val-resize-size {resize} is smaller than the validation crop ({val_size})")

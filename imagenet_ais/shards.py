@@ -403,7 +403,7 @@ def check_shard(dest_url: str, info: ShardInfo, num_classes: int) -> str | None:
                 elif (label := _label(data)) is None or not 0 <= label < num_classes:
                     shown = data[:20].decode(errors="replace")
                     return f"{name}: label {shown!r} is not a class of the manifest (0..{num_classes - 1})"
-    except (OSError, ValueError, tarfile.TarError) as e:
+    except (OSError, ValueError, tarfile.TarError, Image.DecompressionBombError) as e:
         return f"unreadable ({type(e).__name__}: {e})"
     if incomplete := [k for k, exts in samples.items() if len(exts) < 2]:
         return f"sample {incomplete[0]!r} lacks its .{({'jpg', 'cls'} - samples[incomplete[0]]).pop()}"

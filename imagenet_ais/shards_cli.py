@@ -29,12 +29,16 @@ def cli() -> None:
 
 @cli.command("synth")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--classes", default=10, show_default=True, help="number of classes")
-@click.option("--train-per-class", default=100, show_default=True)
-@click.option("--val-per-class", default=20, show_default=True)
+@click.option("--classes", default=10, show_default=True, type=click.IntRange(min=1), help="number of classes")
+@click.option("--train-per-class", default=100, show_default=True, type=click.IntRange(min=0))
+@click.option("--val-per-class", default=20, show_default=True, type=click.IntRange(min=0))
 @click.option("--seed", default=0, show_default=True)
 @click.option("--with-bad", is_flag=True, help="also write a truncated, an empty and a non-image file to train/")
-@click.option("--size", type=(int, int), help="fix every picture's WIDTH HEIGHT (ImageNet-like: 500 375)")
+@click.option(
+    "--size",
+    type=(click.IntRange(min=1), click.IntRange(min=1)),
+    help="fix every picture's WIDTH HEIGHT (ImageNet-like: 500 375)",
+)
 @click.option("--quality", type=click.IntRange(1, 100), help="JPEG quality (ImageNet-like: 95) [default: 75-95]")
 @click.option("--workers", default=os.cpu_count() or 1, show_default=True, type=click.IntRange(min=1))
 def synth_cmd(

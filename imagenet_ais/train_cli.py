@@ -85,7 +85,6 @@ def parse_workers(value: str) -> int | None:
 @click.option("--sync-bn", is_flag=True, help="BatchNorm statistics over all ranks (GPUs only)")
 @click.option(
     "--weights",
-    type=click.Path(dir_okay=False, exists=True),
     help="start from this state dict or checkpoint file (torchvision's or train.py's; --resume's checkpoint wins)",
 )
 @click.option("--test-only", is_flag=True, help="validate --weights or --resume's model on the val split, then stop")

@@ -6,23 +6,28 @@ import io
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tarfile
 import time
+import zlib
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from conftest import ROOT, child_pids, outliving, run_cli, sparse_member, tiny_jpeg, wait_until, write_shards
 from PIL import Image
 
-from imagenet_ais import shards, synth
+from imagenet_ais import shards, shards_cli, synth
+from imagenet_ais.manifest import Manifest
 from imagenet_ais.shards import file_sha256
 from imagenet_ais.storage import LocalStore
 from imagenet_ais.synth import wnid
@@ -680,6 +685,26 @@ def test_a_class_folder_linked_to_another_is_refused(link: str, splits: str, tmp
 @pytest.mark.parametrize(
     ("edit", "says"),
     [
+        # an empty class list gave "IndexError: Target 2 is out of bounds" in training
+        (lambda m: m.__setitem__("classes", []), '"classes" is [], not a list of class names'),
+        (lambda m: m["splits"]["train"]["shards"][1].update(samples=-3), "shard 1 of 'train': -3 samples in"),
+        (
+            lambda m: m["splits"]["train"]["shards"][1].update(name=m["splits"]["train"]["shards"][0]["name"]),
+            "shard 1 of 'train': 'imagenet-train-000000.tar' is listed twice",
+        ),
+    ],
+)
+def test_a_manifest_whose_counts_cannot_be_trusted_is_refused(edit, says: str, tmp_path: Path) -> None:
+    write_shards(tmp_path, {"train": [3, 3]})
+    doc = json.loads((tmp_path / "manifest.json").read_text())
+    edit(doc)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        Manifest.from_json(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
         (
             lambda m: m["splits"]["train"]["shards"][1].update(samples="16"),
             "shard 1 of 'train': 'samples' is \"16\", not int",
@@ -715,6 +740,16 @@ def test_a_manifest_field_of_the_wrong_type_is_one_line(edit, says: str, tmp_pat
         ]
 
 
+def bomb_png(width: int, height: int) -> bytes:
+    """A PNG whose header declares ``width`` × ``height`` pixels (it holds none): PIL refuses it when opened."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
 @pytest.mark.parametrize(
     ("names", "samples", "says"),
     [
@@ -733,6 +768,12 @@ def test_a_manifest_field_of_the_wrong_type_is_one_line(edit, says: str, tmp_pat
         (["k0.jpg", "k0.cls=-1"], 1, "k0.cls: label '-1' is not a class of the manifest (0..3)"),
         (["k0.jpg", "k0.cls=one"], 1, "k0.cls: label 'one' is not a class of the manifest (0..3)"),
         (["k0.jpg", "k0.cls", "k1.jpg"], 2, "sample 'k1' lacks its .cls"),
+        (  # a decompression bomb aborted verify with a traceback, hiding the other shards' results
+            ["k0.jpg=bomb", "k0.cls"],
+            1,
+            "unreadable (DecompressionBombError: Image size (400000000 pixels) exceeds limit of "
+            f"{2 * Image.MAX_IMAGE_PIXELS} pixels, could be decompression bomb DOS attack.)",
+        ),
         (  # a header declaring 65 MiB of holes in 512 bytes: refused unread (3 GiB took verify to 3.4 GB)
             ["big.jpg=sparse", "k0.jpg", "k0.cls"],
             1,
@@ -749,7 +790,10 @@ def test_verify_names_what_is_wrong_inside_a_shard(names: list[str], samples: in
             name, _, value = name.partition("=")
             if value == "sparse":
                 continue  # put in front below
-            data = tiny_jpeg(random.Random(0), 1) if name.endswith(".jpg") else (value or "1").encode()
+            if value == "bomb":
+                data = bomb_png(20000, 20000)
+            else:
+                data = tiny_jpeg(random.Random(0), 1) if name.endswith(".jpg") else (value or "1").encode()
             member = tarfile.TarInfo(name)
             member.size = len(data)
             tar.addfile(member, io.BytesIO(data))
@@ -901,3 +945,17 @@ def test_worker_processes_remove_their_scratch_folders_when_they_exit(tmp_path: 
     script.write_text(pool)
     subprocess.run([sys.executable, script], env={**os.environ, "TMPDIR": str(tmp_path)}, check=True)
     assert list((tmp_path / "imagenet-ais-scratch").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--classes", "0"], "Invalid value for '--classes': 0 is not in the range x>=1."),
+        (["--train-per-class", "-1"], "Invalid value for '--train-per-class': -1 is not in the range x>=0."),
+        (["--size", "0", "0"], "Invalid value for '--size': 0 is not in the range x>=1."),
+    ],
+)
+def test_synth_refuses_counts_and_sizes_it_cannot_draw(args: list[str], says: str, tmp_path: Path) -> None:
+    # each gave a ValueError traceback
+    result = CliRunner().invoke(shards_cli.cli, ["synth", str(tmp_path / "tree"), *args])
+    assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import errno
+import hashlib
 import itertools
 import json
 import math
@@ -636,6 +637,17 @@ def test_numbers_no_run_can_train_with_are_refused_in_one_line(option: str, valu
     assert not (tmp_path / "run").exists()
 
 
+def test_an_output_weights_or_arch_that_cannot_be_used_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^--output '': name a folder"):  # it wrote into the current directory
+        training.train(config.TrainConfig(output="", synthetic=True))
+    for path, says in ((tmp_path, "a folder"), (tmp_path / "none.pt", "no such file")):  # a folder exited 2
+        with pytest.raises(ValueError, match=rf"^--weights {re.escape(str(path))}: {says}, not a state dict$"):
+            model.load_weights(torch.nn.Linear(1, 1), str(path))
+    # a detection model fetched its backbone's weights from the network
+    with pytest.raises(ValueError, match="'fasterrcnn_resnet50_fpn' is not a torchvision classification model"):
+        model.build_model("fasterrcnn_resnet50_fpn", 10)
+
+
 def test_a_loss_that_stays_nan_stops_the_run_with_exit_5_and_saves_nothing_past_it(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -671,12 +683,21 @@ def test_a_fresh_start_clears_what_an_attempt_that_died_before_its_first_checkpo
             path.unlink()
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b"resource_tracker"  # gone: as good as not there
+
+
 def test_sigterm_stops_a_run_whose_data_never_comes(tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     manifest = write_shards(data, {"train": UNEVEN})
     for shard in manifest.splits["train"].shards:  # opening one blocks until a writer comes: never
         (data / shard.name).unlink()
         os.mkfifo(data / shard.name)
+        shard.bytes, shard.sha256 = 0, hashlib.sha256().hexdigest()  # a pipe's size: past the check at open
+    (data / "manifest.json").write_text(manifest.to_json())
     proc = subprocess.Popen(
         [sys.executable, ROOT / "train.py", "--data", data, "--output", output, *TINY, "--workers", "1"],
         cwd=ROOT,
@@ -684,8 +705,9 @@ def test_sigterm_stops_a_run_whose_data_never_comes(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    wait_until(proc, (output / "train.log").exists, "the run's start")
-    time.sleep(3)  # waiting for its first batch
+    # its DataLoader worker started (beside multiprocessing's resource tracker): it waits for a batch
+    wait_until(proc, lambda: [p for p in child_pids(proc.pid) if b"resource_tracker" not in _cmdline(p)], "a worker")
+    time.sleep(1)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == training.EXIT_PREEMPTED, err
@@ -797,7 +819,9 @@ def test_a_validation_that_cannot_read_all_of_its_split_says_so(tmp_path: Path) 
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [16], "val": [5, 5, 5]})
     (data / "imagenet-val-000000.tar").unlink()
-    out = run_cli("train.py", "--data", data, "--output", output, *TINY, "--workers", "1", "--epochs", "1")
+    out = run_cli("train.py", "--data", data, "--output", output, *TINY, "--workers", "1", "--epochs", "1", check=False)
+    assert out.returncode == training.EXIT_BAD_DATA, "a third of the split unread is over --max-bad"
+    assert "ERROR: epoch 1: validation could not read 5 of the 15 images the manifest lists" in out.stderr
     assert f"{data}/imagenet-val-000000.tar: could not be read" in out.stderr
     assert "validation covered 10 of the 15 images the manifest lists (5 could not be read, named above)" in out.stderr
     val = [r for r in metrics(output) if r["kind"] == "val"][-1]
