@@ -234,6 +234,11 @@ def load(path: Path) -> dict[str, Any]:
     return verified(state, path)
 
 
+# what a resume reads of a checkpoint (save() writes these and more)
+REQUIRED = ("model", "optimizer", "scaler", "epoch", "step", "step_in_epoch", "steps_per_epoch", "best_top1",
+            "last_val", "rng", "arch", "classes", "config")  # fmt: skip
+
+
 def verified(state: Any, path: Path) -> dict[str, Any]:
     """``state`` as read from ``path``, if it is a train.py checkpoint matching its checksum."""
     if not isinstance(state, dict) or "model" not in state:
@@ -241,6 +246,16 @@ def verified(state: Any, path: Path) -> dict[str, Any]:
     expected = state.pop(DIGEST, None)
     if expected is not None and digest(state) != expected:
         raise DamagedCheckpoint(f"{path}: damaged: its contents do not match the checksum written when it was saved")
+    return state
+
+
+def resumable(state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``state`` if it holds all a run continues from (a --weights file needs its model alone)."""
+    if missing := [key for key in REQUIRED if key not in state]:
+        raise DamagedCheckpoint(
+            f"{path}: not a checkpoint train.py can continue from (no {', '.join(map(repr, missing))} in it): "
+            "start another --output, or start from its weights with --weights"
+        )
     return state
 
 

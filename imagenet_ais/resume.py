@@ -50,12 +50,12 @@ def resume(
     if not found:
         return Standing()
     path, state = found
-    if state["arch"] != cfg.arch or state["classes"] != classes:
-        raise ValueError(
-            f"{path} was trained as {state['arch']} on {len(state['classes'])} classes, "
-            f"not {cfg.arch} on {len(classes)}: use another --output or --resume"
-        )
-    model.load_state_dict(state["model"])
+    state = checkpoint.resumable(state, path)
+    check_fits(state, path, cfg.arch, classes)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:  # torch lists every mismatch: thousands of characters
+        raise ValueError(f"{path}: its weights do not fit {cfg.arch} ({_mismatches(e)})") from None
     if state["optimizer"] and optimizer:
         optimizer.load_state_dict(state["optimizer"])
     else:
@@ -83,6 +83,28 @@ def resume(
     if standing.epoch < cfg.epochs:
         standing.first_step = continue_epoch(state, cfg, loader, d, say)
     return standing
+
+
+def check_fits(state: dict[str, Any], path: Path, arch: str, classes: list[str]) -> None:
+    """One line where a checkpoint was trained as another model or on other classes."""
+    if state["arch"] != arch or len(state["classes"]) != len(classes):
+        raise ValueError(
+            f"{path} was trained as {state['arch']} on {len(state['classes'])} classes, "
+            f"not {arch} on {len(classes)}: use another --output or --resume"
+        )
+    if differ := [(a, b) for a, b in zip(state["classes"], classes, strict=True) if a != b]:
+        (theirs, ours), more = differ[0], f" and {len(differ) - 1} more" if len(differ) > 1 else ""
+        raise ValueError(
+            f"{path} was trained on other classes ({theirs!r} where the data has {ours!r}{more}): "
+            "use another --output or --resume"
+        )
+
+
+def _mismatches(e: RuntimeError, limit: int = 200) -> str:
+    """torch's first mismatch (under its heading line) and how many more: its text is one per line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()][1:] or [type(e).__name__]
+    first = lines[0] if len(lines[0]) <= limit else f"{lines[0][:limit]}…"
+    return first + (f"; and {len(lines) - 1} more" if len(lines) > 1 else "")
 
 
 def continue_epoch(

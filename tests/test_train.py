@@ -648,6 +648,35 @@ def test_an_output_weights_or_arch_that_cannot_be_used_is_one_line(tmp_path: Pat
         model.build_model("fasterrcnn_resnet50_fpn", 10)
 
 
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (lambda s: s.pop("optimizer"), "not a checkpoint train.py can continue from (no 'optimizer' in it)"),
+        (
+            lambda s: s["model"].update({"fc.weight": torch.zeros(7, 512), "fc.bias": torch.zeros(7)}),
+            "its weights do not fit resnet18 (size mismatch for fc.weight: copying a param with shape",
+        ),
+        (lambda s: s["classes"].__setitem__(2, "other"), "was trained on other classes ('other' where the data has"),
+    ],
+)
+def test_a_checkpoint_with_a_valid_digest_that_cannot_continue_this_run_is_one_line(
+    edit, says: str, tmp_path: Path
+) -> None:
+    # a raw KeyError; a size mismatch thousands of characters long; "resnet18 on 1000 classes, not resnet18 on 1000"
+    cfg = config.TrainConfig(
+        output=str(tmp_path / "run"), synthetic=True, arch="resnet18", image_size=32, batch_size=2, max_steps=1,
+    )  # fmt: skip
+    training.train(cfg)
+    path = tmp_path / "run" / "last.pt"
+    state = checkpoint.load(path)
+    edit(state)
+    path.unlink()
+    torch.save({**state, checkpoint.DIGEST: checkpoint.digest(state)}, path)
+    with pytest.raises(ValueError, match=re.escape(says)) as e:
+        training.train(dataclasses.replace(cfg, resume="auto", max_steps=2))
+    assert "\n" not in str(e.value) and len(str(e.value)) < 500
+
+
 def test_a_loss_that_stays_nan_stops_the_run_with_exit_5_and_saves_nothing_past_it(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
