@@ -214,8 +214,8 @@ def _fetch_newer(uploaded: str, output: Path, path: Path | None, extra: tuple[st
 def _step_of(path: Path | None) -> int:
     """The step of the checkpoint at ``path``; -1 for none, or one that cannot be loaded."""
     try:
-        return int(load(path)["step"]) if path else -1
-    except DamagedCheckpoint:
+        return int(load(path).get("step", -1)) if path else -1
+    except (DamagedCheckpoint, TypeError, ValueError):
         return -1
 
 

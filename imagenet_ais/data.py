@@ -201,7 +201,7 @@ class _ShardLoader:
         self.device, self.pin = feeding.device, feeding.device.type == "cuda"
         self.to_device = _OnDevice(self.dataset, feeding.device, feeding.channels_last)
         self.feed: DeviceFeed | None = None  # the epoch's, while it is iterated
-        self.interrupted: Callable[[], bool] | None = None  # ends a wait for a batch (feed.Interrupted)
+        self.interrupted: Callable[[float], bool] | None = None  # ends a wait for a batch (feed.Interrupted)
 
     def busy(self) -> dict[str, float]:
         """Seconds each of the feed's threads worked since the last call (see feed.py)."""

@@ -44,7 +44,8 @@ class DataHealth:
     def poll(self, totals: dict[str, int], always: bool = False) -> None:
         """``totals``: the counters summed over ranks (the same on every rank, so every rank
         decides alike whether to gather). Names what is new."""
-        changed, self.totals = totals != self.totals, dict(totals)
+        changed = any(totals[k] != self.totals[k] for k in COUNTERS if k != "drawn")  # drawn moves every window
+        self.totals = dict(totals)
         if not (changed or always):
             return
         lines = [line for q in self.queues for line in drain(q)]

@@ -54,7 +54,7 @@ class DeviceFeed:
     Each stage is a (name, function) pair with a thread of its own. The last stage returns a
     tuple whose tensors (also in nested tuples and lists) live on ``device``; anything else in
     it passes through. Call ``close`` (or exhaust it) so the threads end. While the consumer
-    waits for an item, ``interrupted`` (if given) is asked every 0.2 s; once it is true, the
+    waits for an item, ``interrupted`` (if given) is asked every 0.2 s with the seconds waited; once it is true, the
     wait ends in ``Interrupted`` (a signal must stop a run whose data never comes).
     """
 
@@ -64,7 +64,7 @@ class DeviceFeed:
         stages: Sequence[Stage],
         device: torch.device,
         ahead: int = 2,
-        interrupted: Callable[[], bool] | None = None,
+        interrupted: Callable[[float], bool] | None = None,
     ):
         self.items, self.device, self.interrupted = items, device, interrupted
         # high priority: a batch's few small kernels need not queue behind the step's
@@ -142,12 +142,13 @@ class DeviceFeed:
         return self
 
     def __next__(self) -> tuple:
+        start = time.monotonic()
         while True:
             try:
                 item = self.queues[-1].get(timeout=0.2)
                 break
             except queue.Empty:
-                if self.interrupted and self.interrupted():
+                if self.interrupted and self.interrupted(time.monotonic() - start):
                     raise Interrupted from None
         if item is _END or isinstance(item, BaseException):
             self.close()

@@ -10,7 +10,6 @@ import random
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,24 +45,25 @@ class StopSignal:
     stopping is the framework's business and this does nothing.
     """
 
-    GRACE = 60.0  # seconds several ranks wait on for a batch after a signal, so as to stop together
+    GRACE = 60.0  # seconds one wait for a batch may last after a signal with several ranks (they stop together)
 
     def __init__(self, world: int = 1) -> None:
         self.received: int | None = None
-        self.world, self.received_at = world, 0.0
+        self.world = world
         main = threading.current_thread() is threading.main_thread()
         sigs = (signal.SIGTERM, signal.SIGUSR1) if main else ()
         self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
 
     def _handle(self, signum: int, _frame: object) -> None:
-        self.received, self.received_at = signum, time.monotonic()
+        self.received = signum
 
-    def stop_waiting(self) -> bool:
-        """Whether a wait for data ends now: signalled, and alone, or past the grace (a rank whose
-        data never comes cannot join the others' checkpoint; they would wait for it forever)."""
+    def stop_waiting(self, waited: float) -> bool:
+        """Whether a wait for data that has lasted ``waited`` seconds ends now: signalled, and alone,
+        or this wait past the grace (a rank whose data never comes cannot join the others'
+        checkpoint; they would wait for it forever, while a short wait ends at the next agreement)."""
         if self.received is None:
             return False
-        return self.world == 1 or time.monotonic() - self.received_at > self.GRACE
+        return self.world == 1 or waited > self.GRACE
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():

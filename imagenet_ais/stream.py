@@ -14,7 +14,6 @@ import hashlib
 import itertools
 import multiprocessing as mp
 import signal
-import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -90,7 +89,7 @@ def _files(stream: BinaryIO | _Hashing, where: str, errors: list[Exception]) -> 
     try:
         for name, data in members(stream, _wanted_member):
             yield {"fname": name, "data": data, "__url__": where}
-    except (OSError, ValueError, EOFError, tarfile.TarError) as e:
+    except Exception as e:  # each storage SDK raises its own errors mid-read (GCS: GoogleAPICallError)
         errors.append(e)
 
 
@@ -197,7 +196,8 @@ class ShardStream(IterableDataset):
         self.report(where, problem, self.read_errors)
         self._count(self.unread, unread)
         self._failing = 0 if read_any else self._failing + 1
-        if self._failing >= FAILED_IN_A_ROW:
+        # validation's pieces end: what it misses counts against --max-bad after the epoch is saved
+        if self._failing >= FAILED_IN_A_ROW and self.mode != "val":
             raise UnreadableData(
                 f"{self.spec.location}: the last {self._failing} shard reads of a loader worker failed, the last "
                 f"{where}: {problem}; is the data there? Restore it and continue with --resume auto"
@@ -259,6 +259,7 @@ class ShardStream(IterableDataset):
     def __iter__(self) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        self._failing = 0  # (a persistent worker's count starts again each epoch)
         samples = self._decoded(self._pieces(worker, workers))
         if self.spec.shuffle > 1 and self.mode != "val":
             seed = f"buffer:{self.spec.seed}:{self.epoch.value}:{self.spec.rank}:{worker}"

@@ -201,7 +201,8 @@ def main(compile_: bool, **options: object) -> None:
     Exit status: 0 done (or --max-steps reached); 1 bad input; 3 some upload never made it
     (local copies kept); 4 an epoch's data was damaged beyond --max-bad (checkpoint saved), or
     none of it could be read; 5 the loss stayed NaN or infinite (diverged: nothing saved past the
-    last finite checkpoint); 75 stopped by SIGTERM/SIGUSR1 after saving: continue with --resume auto.
+    last finite checkpoint); 75 stopped by SIGTERM/SIGUSR1 after saving (or, with several ranks
+    whose data never came, without: from the last checkpoint): continue with --resume auto.
     """
     cfg = config(click.get_current_context())
     try:

@@ -37,6 +37,10 @@ NONFINITE_STEPS = 10
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after saving (and uploading): resume with --resume auto
 
 
+class Diverged(Exception):
+    """The weights hold NaN or infinity: never saved over the last finite checkpoint."""
+
+
 @dataclass
 class Stopped:
     """Why and where an epoch stopped before its end."""
@@ -85,11 +89,13 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
             if stopped := train_epoch(run):
                 return stop(run, stopped)
             improved = run.val_loader is not None and evaluate(run)
+            standing.first_step = 0
+            save(run, epoch + 1, 0, best=improved)
         except UnreadableData as e:  # nothing left to read: waiting would be for ever
             say(f"ERROR: {reason(e)}", err=True)
             return finish(run, complete=False, exit_code=EXIT_BAD_DATA)
-        standing.first_step = 0
-        save(run, epoch + 1, 0, best=improved)
+        except Diverged:  # a checkpoint was due, of weights gone NaN before the loss could stop the run
+            return diverged(run, f"the weights hold NaN or infinity at step {standing.step}")
         if damaged := run.health.end_epoch(epoch, len(run.train_loader) * run.global_batch):
             say(f"ERROR: {damaged}", err=True)
             return finish(run, complete=False, exit_code=EXIT_BAD_DATA)
@@ -105,13 +111,7 @@ def stop(run: Run, stopped: Stopped) -> dict[str, Any]:
     """Ends a run whose epoch stopped before its end: saved where it stopped, to be continued."""
     standing = run.standing
     if stopped.diverged:
-        run.say(
-            f"ERROR: the loss was NaN or infinite for the last {run.nonfinite_steps} steps, up to step "
-            f"{standing.step}: the run diverged (too high an --lr, or weights that hold NaN); nothing was saved "
-            "past the last finite checkpoint: continue from it with a lower --lr",
-            err=True,
-        )
-        return finish(run, complete=False, exit_code=EXIT_DIVERGED)
+        return diverged(run, f"the loss was NaN or infinite for the last {run.nonfinite_steps} steps")
     if stopped.unsaved:
         run.say(
             f"stopped by a signal at step {standing.step} while waiting for data that never came: no checkpoint "
@@ -125,6 +125,16 @@ def stop(run: Run, stopped: Stopped) -> dict[str, Any]:
         return finish(run, complete=False, exit_code=EXIT_PREEMPTED)
     run.say(f"stopped at step {standing.step} (--max-steps); continue with --resume auto")
     return finish(run, complete=False)
+
+
+def diverged(run: Run, what: str) -> dict[str, Any]:
+    """Ends a run whose training diverged, with nothing saved past its last finite checkpoint."""
+    run.say(
+        f"ERROR: {what}, up to step {run.standing.step}: the run diverged (too high an --lr, or weights that "
+        "hold NaN); nothing was saved past the last finite checkpoint: continue from it with a lower --lr",
+        err=True,
+    )
+    return finish(run, complete=False, exit_code=EXIT_DIVERGED)
 
 
 def train_epoch(run: Run) -> Stopped | None:
@@ -278,6 +288,8 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
     cfg, d, standing, loader = run.cfg, run.d, run.standing, run.train_loader
     if run.decent and standing.averaged_at != standing.step:
         average(run)  # the model every rank continues from
+    if distributed.any_rank(not finite(run.raw_model), d.device):
+        raise Diverged
     rng = distributed.gather_objects(checkpoint.rng_state())
     exact = cfg.epoch_mode == "exact" and not cfg.synthetic and step_in_epoch > 0
     positions = distributed.gather_objects(loader.position() if exact else None)
@@ -311,6 +323,12 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
         for file in (run.output / METRICS, run.output / LOG, *run.output.glob("events.out.tfevents.*")):
             if file.exists():
                 run.uploader.submit(file)
+
+
+def finite(module: nn.Module) -> bool:
+    """Whether every floating-point weight and buffer of ``module`` is finite (one sync: at saves only)."""
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
 def finish(run: Run, complete: bool, exit_code: int = 0) -> dict[str, Any]:

@@ -31,7 +31,7 @@ import webdataset as wds
 from conftest import ROOT, child_pids, outliving, relist, run_cli, tiny_jpeg, torchrun, wait_until, write_shards
 from torch.utils.tensorboard import SummaryWriter
 
-from imagenet_ais import checkpoint, config, distributed, locks, model, synth, train_cli, training
+from imagenet_ais import checkpoint, config, distributed, locks, model, run_setup, synth, train_cli, training
 from imagenet_ais.data_health import DataHealth
 
 TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--lr", "0.1", "--warmup-epochs", "0"]
@@ -717,6 +717,49 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b"resource_tracker"  # gone: as good as not there
+
+
+def test_weights_gone_nan_before_the_loss_could_stop_the_run_are_never_saved(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # 4 NaN steps to an epoch's end are fewer than the loss's 10: the epoch's checkpoint would have held them
+    weights = torchvision.models.resnet18(num_classes=1000).state_dict()
+    weights["fc.weight"][0, 0] = float("nan")
+    torch.save(weights, tmp_path / "nan.pt")
+    cfg = config.TrainConfig(
+        output=str(tmp_path / "run"), synthetic=True, arch="resnet18", image_size=32, batch_size=2, epochs=2,
+        epoch_size=8, log_every=20, weights=str(tmp_path / "nan.pt"),
+    )  # fmt: skip
+    assert training.train(cfg)["exit_code"] == training.EXIT_DIVERGED
+    assert "ERROR: the weights hold NaN or infinity at step 4, up to step 4" in capsys.readouterr().err
+    assert not list((tmp_path / "run").glob("*.pt"))
+
+
+def test_a_validation_that_reads_nothing_still_saves_its_epoch_then_stops(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # over 50 val shards gone: the val worker gave up like a train worker, and the epoch's training was lost
+    data = tmp_path / "shards"
+    manifest = write_shards(data, {"train": [8], "val": [1] * 55})
+    for shard in manifest.splits["val"].shards:
+        (data / shard.name).unlink()
+    outcome = training.train(tiny_run(data, tmp_path / "run"))
+    assert outcome["exit_code"] == training.EXIT_BAD_DATA
+    assert "validation could not read 55 of the 55 images" in capsys.readouterr().err
+    assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["epoch"] == 1
+
+
+def test_with_several_ranks_only_a_long_wait_for_data_ends_after_a_signal() -> None:
+    alone, several = run_setup.StopSignal(world=1), run_setup.StopSignal(world=2)
+    try:
+        assert not alone.stop_waiting(100) and not several.stop_waiting(100)
+        alone.received = several.received = signal.SIGTERM
+        assert alone.stop_waiting(0.2)
+        # a short stall: this rank goes on to the next agreement, where every rank saves together
+        assert not several.stop_waiting(0.2) and several.stop_waiting(several.GRACE + 1)
+    finally:
+        alone.restore()
+        several.restore()
 
 
 def test_sigterm_stops_a_run_whose_data_never_comes(tmp_path: Path) -> None:
