@@ -677,16 +677,21 @@ def test_a_checkpoint_with_a_valid_digest_that_cannot_continue_this_run_is_one_l
     assert "\n" not in str(e.value) and len(str(e.value)) < 500
 
 
+def nan_weights(tmp_path: Path) -> str:
+    """A ResNet-18 state dict (1,000 classes) with one NaN weight, as a --weights file."""
+    weights = torchvision.models.resnet18(num_classes=1000).state_dict()
+    weights["fc.weight"][0, 0] = float("nan")
+    torch.save(weights, tmp_path / "nan.pt")
+    return str(tmp_path / "nan.pt")
+
+
 def test_a_loss_that_stays_nan_stops_the_run_with_exit_5_and_saves_nothing_past_it(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     # --lr nan, or weights holding NaN (with a valid digest): "loss nan" at every step, a final validation, exit 0
-    weights = torchvision.models.resnet18(num_classes=1000).state_dict()
-    weights["fc.weight"][0, 0] = float("nan")
-    torch.save(weights, tmp_path / "nan.pt")
     cfg = config.TrainConfig(
         output=str(tmp_path / "run"), synthetic=True, arch="resnet18", image_size=32, batch_size=2, epochs=1,
-        log_every=4, weights=str(tmp_path / "nan.pt"),
+        log_every=4, weights=nan_weights(tmp_path),
     )  # fmt: skip
     outcome = training.train(cfg)
     assert outcome["exit_code"] == training.EXIT_DIVERGED and outcome["step"] == 12  # 3 windows of 4 steps
@@ -723,12 +728,9 @@ def test_weights_gone_nan_before_the_loss_could_stop_the_run_are_never_saved(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     # 4 NaN steps to an epoch's end are fewer than the loss's 10: the epoch's checkpoint would have held them
-    weights = torchvision.models.resnet18(num_classes=1000).state_dict()
-    weights["fc.weight"][0, 0] = float("nan")
-    torch.save(weights, tmp_path / "nan.pt")
     cfg = config.TrainConfig(
         output=str(tmp_path / "run"), synthetic=True, arch="resnet18", image_size=32, batch_size=2, epochs=2,
-        epoch_size=8, log_every=20, weights=str(tmp_path / "nan.pt"),
+        epoch_size=8, log_every=20, weights=nan_weights(tmp_path),
     )  # fmt: skip
     assert training.train(cfg)["exit_code"] == training.EXIT_DIVERGED
     assert "ERROR: the weights hold NaN or infinity at step 4, up to step 4" in capsys.readouterr().err
