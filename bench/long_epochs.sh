@@ -7,7 +7,9 @@
 #   bench/long_epochs.sh OUT 4 [NAME=OPTIONS ...]   # 4 GPUs: generate the shards, ceiling, end to end, trace
 #   bench/long_epochs.sh OUT 1,2                    # then 1 and 2 GPUs on 16 cores each, as 1- and 2-GPU nodes
 #
-# NAME=OPTIONS add end-to-end rows with these train.py options (bench/throughput.py --variant).
+# NAME=OPTIONS add end-to-end rows with these train.py options (bench/throughput.py --variant), e.g.
+# 'dali=--decode dali'. DALI's own loop (bench/dali_train.py) is left out: its reader's epochs are
+# passes over these 100,000 images (390 steps at 1 GPU), not ImageNet's length.
 # Python packages the host lacks come from .wheels/ when it is there (`pip download` them first:
 # webdataset, braceexpand, loguru, tenacity, py-spy). The shards stay in /tmp/long-epochs between
 # calls to a machine kept warm.
@@ -56,7 +58,7 @@ nvidia-smi topo -m >"$out/topo-$gpus.txt" 2>&1 || true
 sample_rank0 &
 sampler=$!
 if [ "$gpus" = 4 ]; then
-  python3 bench/throughput.py --preset multi-gpu --gpus 4 --work "$work" --no-breakdown \
+  python3 bench/throughput.py --preset multi-gpu --gpus 4 --work "$work" --no-breakdown --no-dali-loop \
     --json-out "$out/bench-4.json" ${variants[@]+"${variants[@]}"} 2>&1 | tee "$out/bench-4.log"
   gpu_state
   # kernels of steps 300-320 of every rank (the bench's shards, its long epochs)
@@ -69,7 +71,7 @@ if [ "$gpus" = 4 ]; then
 else
   for n in ${gpus//,/ }; do # a node of n GPUs with 16 cores each
     taskset -c "0-$((16 * n - 1))" python3 bench/throughput.py --preset multi-gpu --gpus "$n" --work "$work" \
-      --no-breakdown --json-out "$out/bench-$n.json" ${variants[@]+"${variants[@]}"} 2>&1 | tee "$out/bench-$n.log"
+      --no-breakdown --no-dali-loop --json-out "$out/bench-$n.json" ${variants[@]+"${variants[@]}"} 2>&1 | tee "$out/bench-$n.log"
   done
 fi
 gpu_state

@@ -30,7 +30,6 @@ ratio is to that ceiling.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -50,6 +49,7 @@ import click
 import torch
 from records import HostCpu, describe_ranks, epoch_starts, invalid_because, rank_figures, steady_windows
 
+from imagenet_ais import dali_crops
 from imagenet_ais.augment import NO_AUGMENT, POLICIES, Augment
 from imagenet_ais.data import Feeding, TrainLoader
 from imagenet_ais.manifest import load_manifest
@@ -217,9 +217,11 @@ def measure(
     gpus: int = 1,
     ais: str | None = None,
     extra: dict[str, list[str]] | None = None,
+    dali_loop: bool = True,
 ) -> Iterator[tuple[str, dict[str, Any]]]:
     """The ceiling, then each end-to-end variant (and the first one reading from ``ais``, and
-    the first one again with each of the ``extra`` train.py options), as each is measured."""
+    the first one again with each of the ``extra`` train.py options), then DALI's own loop where
+    DALI is installed and ``dali_loop``, as each is measured."""
     common = ["--arch", model.arch, "--batch-size", str(model.batch), "--image-size", str(model.size)]
     common += ["--epochs", "1000", "--log-every", "10", "--keep-last", "1"]
     common += ["--compile", "--compile-mode", model.compile] if model.compile else ["--no-compile"]
@@ -233,7 +235,7 @@ def measure(
         e2e = [*common, "--data", location, "--workers", workers, "--decode", decode, *options]
         e2e += ["--max-steps", str(model.e2e_steps)]
         yield variant, train(e2e, model.batch, work / variant.split()[0].strip(":/"), log, gpus)
-    if torch.cuda.is_available() and importlib.util.find_spec("nvidia") and importlib.util.find_spec("nvidia.dali"):
+    if dali_loop and torch.cuda.is_available() and dali_crops.available():
         yield "DALI ceiling", dali(model, data, log, gpus, synthetic=True)
         yield "DALI", dali(model, data, log, gpus, synthetic=False)
 
@@ -360,6 +362,11 @@ def parse_variants(values: tuple[str, ...]) -> dict[str, list[str]]:
     metavar="NAME=OPTIONS",
     help="add an end-to-end row with these train.py options, e.g. 'augmented=--auto-augment ta_wide' (repeatable)",
 )
+@click.option(
+    "--dali-loop/--no-dali-loop",
+    default=True,
+    help="where DALI is installed, also DALI's own pipeline and loop (bench/dali_train.py)",
+)
 @click.option("--breakdown/--no-breakdown", default=True, help="per-stage rates on the GPU, after the runs")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), help="also write the numbers here")
 def main(
@@ -370,6 +377,7 @@ def main(
     gpus: str,
     ais_targets: int,
     variants: tuple[str, ...],
+    dali_loop: bool,
     breakdown: bool,
     json_out: Path | None,
 ) -> None:
@@ -408,7 +416,8 @@ def main(
             name = f"{model.arch} bs{model.batch} {model.size}px {model.compile or 'eager'}"
             for n in counts:
                 ceilings: dict[bool, dict] = {}  # ours, DALI's: each loader's ratio is to its own loop's
-                for variant, r in measure(model, data, workers, root / f"{model.arch}-{n}", log, n, ais, extra):
+                runs = measure(model, data, workers, root / f"{model.arch}-{n}", log, n, ais, extra, dali_loop)
+                for variant, r in runs:
                     ceiling = ceilings.setdefault(variant.startswith("DALI"), r)
                     ratio = r["img_per_s"] / ceiling["img_per_s"]
                     if n == 1:

@@ -43,7 +43,7 @@ class TrainConfig:
     channels_last: bool | None = None  # None = on for GPU
     compile: bool | None = None  # None = on for GPU (off with --dp decent)
     compile_mode: str | None = None  # torch.compile mode; None = reduce-overhead (CUDA graphs) on GPU
-    decode: str = "auto"  # "gpu": nvJPEG + crop/resize on the device (see transforms.py); auto = gpu on CUDA
+    decode: str = "auto"  # "gpu": nvJPEG on the device (transforms.py); "dali": dali_crops.py; auto = gpu on CUDA
     dp: str = "ddp"  # or "decent": decentralized data parallel (decentralized.py)
     topology: str = "ring"  # --dp decent: who mixes with whom at each step
     seed: int = 0

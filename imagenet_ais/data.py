@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from imagenet_ais.cache import ShardCache
+from imagenet_ais.dali_crops import DaliCrops, DaliFailed
 from imagenet_ais.feed import DeviceFeed, Stage, close_all
 from imagenet_ais.manifest import SplitInfo
 from imagenet_ais.sampling import Done, exact_assignment, trained
@@ -146,18 +147,26 @@ class _OnDevice:
 
     def __init__(self, dataset: ShardStream, device: torch.device, channels_last: bool):
         self.dataset, self.device, self.channels_last = dataset, device, channels_last
+        self.dali = DaliCrops(device) if dataset.spec.decode == "dali" else None
 
     def stages(self) -> list[Stage]:
-        if self.dataset.spec.decode == "gpu":
-            return [("decode", self.decode), ("crop", self.crop)]
-        return [("copy", self.copy)]
+        if self.dataset.spec.decode == "cpu":
+            return [("copy", self.copy)]
+        return [("decode", self.decode), ("crop", self.crop)]
 
     def copy(self, batch: HostBatch) -> tuple[Batch, torch.Tensor]:
         x = normalize(batch.images, self.device, self.channels_last)  # type: ignore[arg-type]
         return Batch(x, batch.labels.to(self.device, non_blocking=True), batch.keys), batch.ids
 
     def decode(self, batch: HostBatch) -> tuple[Decoded, HostBatch]:
-        decoded = decode_encoded(batch.images, self.device)  # type: ignore[arg-type]
+        encoded: Encoded = batch.images  # type: ignore[assignment]
+        if self.dali:
+            try:
+                crops = self.dali(encoded, self.dataset.size.value)
+                return Decoded(crops.permute(0, 3, 1, 2), encoded.boxes, encoded.plans, None), batch
+            except DaliFailed as e:  # nvJPEG's path finds and replaces the samples that failed
+                self.dataset.report("DALI", f"could not decode a batch ({e}): nvJPEG decodes such batches", None)
+        decoded = decode_encoded(encoded, self.device)
         if rows := decoded.rows:  # samples that failed to decode, replaced by others of the batch
             for i in (i for i, r in enumerate(rows) if r != i):
                 problem = f"could not be decoded on {self.device}, replaced by another of its batch"

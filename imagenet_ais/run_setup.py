@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from imagenet_ais import checkpoint, distributed, keys_log, model, recipe, upload
+from imagenet_ais import checkpoint, dali_crops, distributed, keys_log, model, recipe, upload
 from imagenet_ais.augment import NO_AUGMENT, Augment
 from imagenet_ais.config import TrainConfig
 from imagenet_ais.data import (
@@ -174,8 +174,10 @@ def loaders(
         raise ValueError("--cache-size bounds --cache-dir: give --cache-dir too")
     cuda = d.device.type == "cuda"
     manifest = load_manifest(open_store(cfg.data))
-    if cfg.decode == "gpu" and not cuda:
-        say("note: --decode gpu without a GPU decodes in the training process, on the CPU", err=True)
+    if cfg.decode in ("gpu", "dali") and not cuda:
+        say(f"note: --decode {cfg.decode} without a GPU decodes in the training process, on the CPU", err=True)
+    if cfg.decode == "dali" and not dali_crops.available():
+        raise ValueError("--decode dali needs DALI: pip install .[dali] (NGC's PyTorch images have it) or --decode gpu")
     decode = cfg.decode if cfg.decode != "auto" else "gpu" if cuda else "cpu"
     workers = cfg.workers if cfg.workers is not None else distributed.auto_workers(d.device)
     cache = CacheSpec(cfg.cache_dir, cfg.cache_size) if cfg.cache_dir else None

@@ -48,7 +48,7 @@ from imagenet_ais.transforms import (
 )
 
 IMAGE_EXTS = ("jpg", "jpeg", "png")
-DECODERS = ("cpu", "gpu")
+DECODERS = ("cpu", "gpu", "dali")  # "gpu" and "dali" hand over JPEG bytes and crops
 FAILED_IN_A_ROW = 50  # shard reads of a worker that may fail one after another before it gives up
 
 
@@ -116,7 +116,7 @@ class LoaderSpec:
     batch: int
     seed: int
     image_size: int
-    decode: str = "cpu"  # or "gpu": workers hand over JPEG bytes, the device decodes
+    decode: str = "cpu"  # or "gpu"/"dali": workers hand over JPEG bytes, the device decodes
     classes: int = 0  # labels must be below this (0: not checked)
     cache: CacheSpec | None = None  # keep remote shards on the node's disk
     val_crop: float = VAL_CROP  # validation's centre square, of the short side (--val-resize-size)
@@ -183,12 +183,14 @@ class ShardStream(IterableDataset):
         with counter.get_lock():
             counter.value += n
 
-    def report(self, where: str, problem: str, counter: mp.Value) -> None:
+    def report(self, where: str, problem: str, counter: mp.Value | None) -> None:
+        """Name ``where``'s problem once, and count it in ``counter`` (if any) every time."""
         # the line goes first, so that the training process has it once it sees the count
         if where not in self._told:
             self._told.add(where)
             self.problems.put(f"{where}: {problem}")
-        self._count(counter)
+        if counter is not None:
+            self._count(counter)
 
     def _read_failed(self, where: str, problem: str, unread: int, read_any: bool) -> None:
         """A shard read that failed: reported, its unread samples counted; too many in a row
@@ -286,7 +288,7 @@ class ShardStream(IterableDataset):
             raise ValueError(f"label {label} is not among the manifest's {self.spec.classes} classes")
         rng = augment_rng(self.spec.seed, self.epoch.value, sample["__key__"]) if train else None
         augment = self.spec.augment  # drawn and applied only with rng, i.e. in training
-        if self.spec.decode == "gpu":
+        if self.spec.decode != "cpu":
             raw, box = encode_for_device(data, rng, self.spec.val_crop)
             # drawn after the crop, from the same generator, as on the CPU path
             return (raw, box, augment.draw(rng, size) if rng and augment else []), label

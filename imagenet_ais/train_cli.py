@@ -132,8 +132,9 @@ def parse_workers(value: str) -> int | None:
 @click.option(
     "--decode",
     default=DEFAULTS.decode,
-    type=click.Choice(["auto", "cpu", "gpu"]),
-    help="cpu: PIL in the DataLoader workers; gpu: nvJPEG, crop and resize on the GPU; auto: gpu where CUDA is",
+    type=click.Choice(["auto", "cpu", "gpu", "dali"]),
+    help="cpu: PIL in the DataLoader workers; gpu: nvJPEG, crop and resize on the GPU; dali: the crops decoded "
+    "by DALI on the GPU's JPEG engines (pip install .[dali]); auto: gpu where CUDA is",
 )
 @click.option(
     "--dp",

@@ -204,8 +204,8 @@ def pin_encoded(batch: Encoded) -> Encoded:
 class Decoded(NamedTuple):
     """A batch decoded on the device, not yet cropped."""
 
-    images: list[torch.Tensor]  # uint8 3×H×W each
-    boxes: torch.Tensor  # the crop of each image
+    images: list[torch.Tensor] | torch.Tensor  # uint8 3×H×W each, or N×3×size×size already cropped (DALI)
+    boxes: torch.Tensor  # the crop of each image (its flip only, once cropped)
     plans: torch.Tensor  # its augmentation (augment.py)
     rows: list[int] | None  # None, or which sample each image is (failures replaced by others)
 
@@ -233,8 +233,8 @@ def crop_decoded(
     decoded: Decoded, size: int, device: torch.device, channels_last: bool, augment: Augment = NO_AUGMENT
 ) -> torch.Tensor:
     """Crop, resize, flip, augment (``augment``'s ops, normalisation, erasing): float N×3×size×size on ``device``."""
-    boxes = decoded.boxes
-    out = _resize_crops(decoded.images, boxes, size, device)
+    boxes, images = decoded.boxes, decoded.images
+    out = images if isinstance(images, torch.Tensor) else _resize_crops(images, boxes, size, device)
     flip = boxes[:, 4].bool().to(device, non_blocking=True).view(-1, 1, 1, 1)
     out = augment.apply(torch.where(flip, out.flip(-1), out).float(), decoded.plans)
     mean, std = _mean_std(device)

@@ -178,11 +178,15 @@ def sparse_member(name: str, declared: int) -> bytes:
 
 
 def write_shards(
-    dest: Path, sizes: dict[str, list[int]], classes: int = 4, corrupt: set[str] = frozenset()
+    dest: Path,
+    sizes: dict[str, list[int]],
+    classes: int = 4,
+    corrupt: set[str] = frozenset(),
+    pictures: dict[str, bytes] | None = None,
 ) -> Manifest:
     """Shards of the given sizes per split, with keys `<split>-<shard>-<i>`, plus their manifest.
 
-    Keys named in ``corrupt`` get bytes that are not an image."""
+    Keys named in ``corrupt`` get bytes that are not an image, those in ``pictures`` its bytes."""
     rng = random.Random(0)
     dest.mkdir(parents=True, exist_ok=True)
     manifest = Manifest([f"c{k}" for k in range(classes)], {})
@@ -194,6 +198,7 @@ def write_shards(
                 for i in range(count):
                     key, cls = f"{split}-{s}-{i}", rng.randrange(classes)
                     data = b"garbage" if key in corrupt else tiny_jpeg(rng, cls)
+                    data = (pictures or {}).get(key, data)
                     tar.write({"__key__": key, "jpg": data, "cls": str(cls).encode()})
             path = dest / name
             info.shards.append(ShardInfo(name, count, path.stat().st_size, file_sha256(path), "test"))

@@ -321,9 +321,10 @@ def test_a_samples_crop_and_flip_follow_seed_epoch_and_key_whatever_the_ranks_wo
     for other in (images(2, 2, "cpu"), images(3, 1, "cpu"), images(4, 2, "cpu")):
         common = alone.keys() & other.keys()  # exact mode leaves out a remainder that depends on the world
         assert len(common) >= 24 and all(torch.equal(alone[k], other[k]) for k in common)
-    on_device = images(2, 1, "gpu")  # the GPU path, run on the CPU: same crops, another resampler
-    common = alone.keys() & on_device.keys()
-    assert len(common) >= 24
-    assert max((alone[k] - on_device[k]).abs().mean() for k in common) < 0.1
+    for decoder in ("gpu", "dali"):  # the device paths, run on the CPU: same crops, other resamplers
+        on_device = images(2, 1, decoder)
+        common = alone.keys() & on_device.keys()
+        assert len(common) >= 24
+        assert max((alone[k] - on_device[k]).abs().mean() for k in common) < 0.1, decoder
     next_epoch = images(1, 1, "cpu", epoch=2)
     assert sum((alone[k] - next_epoch[k]).abs().mean() > 0.1 for k in alone) > len(alone) // 2, "new crops each epoch"
