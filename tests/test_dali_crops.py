@@ -68,4 +68,4 @@ def test_the_loader_decodes_with_dali_and_hands_an_undecodable_batch_to_nvjpeg(t
     assert "nvJPEG decodes such batches" in problems[0]
     assert "could not be decoded on cpu, replaced by another of its batch" in problems[1]
     assert loader.dataset.skipped.value == 1
-    assert loader.to_device.dali is not None and loader.to_device.dali.pipe is not None  # the next batch was DALI's
+    assert loader.to_device.dali is not None and loader.to_device.dali.pipes  # the next batch was DALI's
