@@ -37,6 +37,7 @@ THREADS = 4  # DALI's host threads per pipeline: JPEG parsing and the hardware d
 # 512 crops on an H200: 1 part 11,563 img/s, 2 12,337, 3 14,701, 4 18,121 (nvJPEG's 15,996).
 PARTS = 4
 
+
 def available() -> bool:
     """Whether DALI is installed (it is imported only when a pipeline is built)."""
     try:

@@ -62,6 +62,10 @@ def nominal_steps(samples: int, world: int, batch: int) -> int:
     return math.ceil(samples / (world * batch))
 
 
+class WorkerDied(RuntimeError):
+    """A DataLoader worker ended unexpectedly (killed: by the OOM killer, most often)."""
+
+
 class HostBatch(NamedTuple):
     images: torch.Tensor | Encoded  # uint8 N × H × W × 3 (decode "cpu"), or JPEG bytes and crops
     labels: torch.Tensor  # int64, N
@@ -212,6 +216,18 @@ class _ShardLoader:
         self.feed: DeviceFeed | None = None  # the epoch's, while it is iterated
         self.interrupted: Callable[[float], bool] | None = None  # ends a wait for a batch (feed.Interrupted)
 
+    def received(self) -> Iterator[HostBatch]:
+        """The workers' batches as they arrive; a worker that died ends them in one line."""
+        try:
+            yield from map(_received, self.loader)
+        except RuntimeError as e:  # torch's "DataLoader worker (pid(s) 1234) exited unexpectedly"
+            if not str(e).startswith("DataLoader worker"):
+                raise
+            raise WorkerDied(
+                f"{self.spec.location}: {e} (killed? the OOM killer says so in dmesg): lower --workers or "
+                "--batch-size and continue with --resume auto"
+            ) from None
+
     def busy(self) -> dict[str, float]:
         """Seconds each of the feed's threads worked since the last call (see feed.py)."""
         return self.feed.busy() if self.feed else {}
@@ -341,7 +357,7 @@ class TrainLoader(_ShardLoader):
             return
         pool: list[HostBatch] = []  # workers' short last batches
         previous: HostBatch | None = None
-        for received in map(_received, self.loader):
+        for received in self.received():
             if len(received.keys) < batch:
                 pool.append(received)
                 if sum(len(b.keys) for b in pool) < batch:
@@ -377,7 +393,7 @@ class ValLoader(_ShardLoader):
         self.samples = split.samples
 
     def host_batches(self) -> Iterator[HostBatch]:
-        yield from (self._ready(_received(b)) for b in self.loader)
+        yield from (self._ready(b) for b in self.received())
 
     def __iter__(self) -> Iterator[Batch]:
         yield from (batch for batch, _ in self._on_device(self.host_batches(), ahead=2))

@@ -30,6 +30,7 @@ class Standing:
     best_top1: float = 0.0
     last_val: dict[str, float] | None = None
     averaged_at: int | None = None  # --dp decent: the step of the last global average
+    run_id: str = ""  # the run's id (upload.run_id), carried from checkpoint to checkpoint
 
 
 def resume(
@@ -79,7 +80,9 @@ def resume(
             f"{size.get(cfg.epoch_size, f'{cfg.epoch_size} samples')} (--epoch-size): it goes on from epoch "
             f"{state['epoch'] + 1}, as far through it as it was, and the schedule follows the new epochs"
         )
-    standing = Standing(state["epoch"], state["step"], 0, state["best_top1"], state["last_val"])
+    standing = Standing(
+        state["epoch"], state["step"], 0, state["best_top1"], state["last_val"], run_id=state.get("run_id", "")
+    )
     if standing.epoch < cfg.epochs:
         standing.first_step = continue_epoch(state, cfg, loader, d, say)
     return standing

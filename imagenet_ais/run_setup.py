@@ -153,6 +153,20 @@ def held_run(output: Path, cfg: TrainConfig) -> str | None:
     return None
 
 
+def claimed(cfg: TrainConfig, run_id: str) -> str | None:
+    """Why this run must not upload to --upload (another run's location), or None; claimed for
+    this run now where it can be (else by its first upload)."""
+    if not cfg.upload:
+        return None
+    try:
+        upload.claim(open_store(cfg.upload, retry_seconds=cfg.upload_retry_seconds), run_id)
+    except upload.Claimed as e:
+        return str(e)
+    except Exception as e:  # each SDK has its own errors; uploads claim it before they go anyway
+        print(f"warning: {cfg.upload}: not claimed for this run yet ({type(e).__name__}: {e})", file=sys.stderr)
+    return None
+
+
 def loaders(
     cfg: TrainConfig,
     d: distributed.Dist,
@@ -237,6 +251,11 @@ def build(
 def assemble(parts: Parts, standing: Standing, report: Callable[[dict], None] | None) -> Run:
     """The run, continuing where ``standing`` says: its schedule, stepping model, logs, uploads."""
     cfg, d = parts.cfg, parts.d
+    if d.main:
+        standing.run_id = upload.run_id(parts.output, standing.run_id)
+    # before the logs are opened: a run refused here changes none of them
+    if refused := distributed.broadcast_object(claimed(cfg, standing.run_id) if d.main else None):
+        raise upload.Claimed(refused)
     steps_per_epoch = len(parts.train_loader)
     total_steps = steps_per_epoch * cfg.epochs
     # the schedule is a function of the epoch's step (so of how far training is, whatever the
@@ -250,7 +269,11 @@ def assemble(parts: Parts, standing: Standing, report: Callable[[dict], None] | 
     log = MetricsLog(parts.output if d.main else None, step=standing.step, report=report)
     if cfg.log_keys and d.main and standing.step == 0:  # an attempt that died before its first checkpoint
         keys_log.cut_back(parts.output, 0, {})
-    uploader = upload.Uploader(cfg.upload, cfg.upload_retry_seconds) if cfg.upload and d.main else None
+    uploader = (
+        upload.Uploader(cfg.upload, standing.run_id, parts.output, cfg.upload_retry_seconds)
+        if cfg.upload and d.main
+        else None
+    )
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     stop = StopSignal(d.world)
     if isinstance(parts.train_loader, TrainLoader):

@@ -199,7 +199,8 @@ def parse_workers(value: str) -> int | None:
 def main(compile_: bool, **options: object) -> None:
     """Train with fixed-length epochs, DDP, validation and checkpoints every epoch.
 
-    Exit status: 0 done (or --max-steps reached); 1 bad input; 3 some upload never made it
+    Exit status: 0 done (or --max-steps reached); 1 bad input, or a DataLoader worker was killed
+    (continue with --resume auto); 3 some upload never made it
     (local copies kept); 4 an epoch's data was damaged beyond --max-bad (checkpoint saved), or
     none of it could be read; 5 the loss stayed NaN or infinite (diverged: nothing saved past the
     last finite checkpoint); 75 stopped by SIGTERM/SIGUSR1 after saving (or, with several ranks

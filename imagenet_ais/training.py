@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from imagenet_ais import checkpoint, decentralized, distributed, keys_log, locks, resume, run_setup
+from imagenet_ais import checkpoint, decentralized, distributed, keys_log, locks, resume, run_setup, upload
 from imagenet_ais.config import TrainConfig, check, image_sizes
-from imagenet_ais.data import ValLoader
+from imagenet_ais.data import ValLoader, WorkerDied
 from imagenet_ais.data_health import DataHealth
 from imagenet_ais.feed import Interrupted
 from imagenet_ais.metrics import LOG, METRICS, Reporter
@@ -30,6 +30,7 @@ from imagenet_ais.run_setup import Parts, Run
 from imagenet_ais.sampling import merge_positions
 from imagenet_ais.stream import UnreadableData, reason
 
+EXIT_WORKER_DIED = 1  # a DataLoader worker was killed (the OOM killer?): continue with --resume auto
 EXIT_UPLOAD_FAILED = 3  # trained (or stopped cleanly), but some upload never made it: see stderr
 EXIT_BAD_DATA = 4  # an epoch skipped or padded more than --max-bad of its samples (checkpoint saved)
 EXIT_DIVERGED = 5  # the loss stayed NaN or infinite for NONFINITE_STEPS steps (nothing saved past them)
@@ -79,7 +80,8 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         return test_only(parts, standing)
     if standing.epoch >= cfg.epochs:
         say(f"{output}: already trained {cfg.epochs} epochs; use a new --output or more --epochs")
-        return {"step": standing.step, "val": standing.last_val, "complete": True, "exit_code": 0}
+        exit_code = catch_up(cfg, output, standing, say) if d.main else 0
+        return {"step": standing.step, "val": standing.last_val, "complete": True, "exit_code": exit_code}
     run = run_setup.assemble(parts, standing, report)
     run.model.train()
     for epoch in range(standing.epoch, cfg.epochs):
@@ -94,6 +96,9 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         except UnreadableData as e:  # nothing left to read: waiting would be for ever
             say(f"ERROR: {reason(e)}", err=True)
             return finish(run, complete=False, exit_code=EXIT_BAD_DATA)
+        except WorkerDied as e:  # its batches will never come
+            say(f"ERROR: {e}", err=True)
+            return finish(run, complete=False, exit_code=EXIT_WORKER_DIED)
         except Diverged:  # a checkpoint was due, of weights gone NaN before the loss could stop the run
             return diverged(run, f"the weights hold NaN or infinity at step {standing.step}")
         if damaged := run.health.end_epoch(epoch, len(run.train_loader) * run.global_batch):
@@ -305,6 +310,7 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
         "step_in_epoch": step_in_epoch,
         "steps_per_epoch": len(loader),
         "best_top1": standing.best_top1,
+        "run_id": standing.run_id,
         "last_val": standing.last_val,
         "rng": rng,
         # the samples of the epoch trained so far, whichever rank trained them
@@ -320,9 +326,13 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
         checkpoint.link(saved.path, checkpoint.BEST)
     if run.uploader:
         run.uploader.submit(saved.path, checkpoint_step=standing.step, replace=saved.replaced)
-        for file in (run.output / METRICS, run.output / LOG, *run.output.glob("events.out.tfevents.*")):
-            if file.exists():
-                run.uploader.submit(file)
+        for file in logs(run.output):
+            run.uploader.submit(file)
+
+
+def logs(output: Path) -> list[Path]:
+    """The run's files that go up with each checkpoint."""
+    return [f for f in (output / METRICS, output / LOG, *output.glob("events.out.tfevents.*")) if f.exists()]
 
 
 def finite(module: nn.Module) -> bool:
@@ -346,6 +356,34 @@ def finish(run: Run, complete: bool, exit_code: int = 0) -> dict[str, Any]:
             run.say(f"ERROR: never uploaded to {cfg.upload}: {where}", err=True)
             exit_code = EXIT_UPLOAD_FAILED
     return {"step": run.standing.step, "val": run.standing.last_val, "complete": complete, "exit_code": exit_code}
+
+
+def catch_up(cfg: TrainConfig, output: Path, standing: Standing, say: Callable[..., None]) -> int:
+    """A finished run's uploads, completed: what an earlier attempt could not upload (a full or
+    unreachable location) goes up now. Its exit code: EXIT_UPLOAD_FAILED while some still cannot."""
+    if not cfg.upload:
+        return 0
+    uploader = upload.Uploader(cfg.upload, upload.run_id(output, standing.run_id), output, cfg.upload_retry_seconds)
+    final = output / checkpoint.name_for(standing.step)
+    try:
+        pointer = upload.latest(uploader.store)
+        behind = [f for f in logs(output) if not uploader.store.matches(f.name, f)]
+    except upload.BadPointer:
+        raise
+    except Exception as e:  # each SDK has its own errors
+        say(f"ERROR: {cfg.upload} cannot be read ({type(e).__name__}: {e}): its uploads may be incomplete", err=True)
+        return EXIT_UPLOAD_FAILED
+    if final.exists() and (pointer is None or pointer["step"] < standing.step):
+        uploader.submit(final, checkpoint_step=standing.step)
+    for file in behind:
+        uploader.submit(file)
+    if missing := uploader.flush(cfg.flush_timeout):
+        say(f"ERROR: never uploaded to {cfg.upload}: {', '.join(missing)} (local copies in {output})", err=True)
+        return EXIT_UPLOAD_FAILED
+    sent = [final.name] if uploader.pointer_step == standing.step else []
+    if sent := sent + [f.name for f in behind]:
+        say(f"uploaded to {cfg.upload} what was missing or behind there: {', '.join(sent)}")
+    return 0
 
 
 @torch.no_grad()

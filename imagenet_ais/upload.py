@@ -2,9 +2,11 @@
 
 Checkpoints go up write-once under their step name, then the small ``latest.json`` pointer
 is rewritten to name them, so a reader that follows the pointer always finds a complete,
-verified checkpoint. An upload that fails after the store's own retries is reported loudly,
-its local copy is kept, and it is tried again later; ``flush`` waits a bounded time for what is
-left and says what never made it.
+verified checkpoint. A location is one run's: ``run.json`` names its id (kept in the run's
+checkpoints and its ``--output``), and nothing is uploaded where it names another run, so two runs
+given the same ``--upload`` never mix their checkpoints, metrics and logs. An upload that fails
+after the store's own retries is reported loudly, its local copy is kept, and it is tried again
+later; ``flush`` waits a bounded time for what is left and says what never made it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import os
 import queue
 import re
 import shutil
+import socket
 import sys
+import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +30,57 @@ import click
 from imagenet_ais.storage import LocalStore, Store, download, open_store
 
 POINTER = "latest.json"
+CLAIM = "run.json"  # the run whose location it is (and, in --output, the run's id)
+SNAPSHOTS = ".uploading"  # in --output: the copies of files on their way up
+
+
+class Claimed(ValueError):
+    """The upload location is another run's."""
+
+
+def run_id(output: Path, resumed: str | None) -> str:
+    """The run's id: its checkpoint's (``resumed``), else what ``output``'s run.json says (an
+    attempt that died before its first checkpoint: a rerun into the same --output is the same
+    run), else a new one; written to ``output``'s run.json."""
+    mine = output / CLAIM
+    if not resumed and mine.exists():
+        resumed = _claimed_by(mine.read_bytes()).get("run")
+    name = resumed or uuid.uuid4().hex
+    if not mine.exists() or _claimed_by(mine.read_bytes()).get("run") != name:
+        mine.write_text(json.dumps({"run": name, "host": socket.gethostname(), "time": time.time()}) + "\n")
+    return name
+
+
+def claim(store: Store, name: str) -> None:
+    """Make ``store`` run ``name``'s location (its run.json, written once), or find it so already.
+
+    Raises Claimed where another run's id is there: a second run given the same --upload, whose
+    files would be mixed with the first's. AIStore has no create-if-absent: two runs claiming at
+    the same moment may both write; the read-back then tells one of them, and each upload reads
+    the claim again before it goes."""
+    scratch = store.scratch_file(CLAIM)
+    try:
+        scratch.write_text(json.dumps({"run": name, "host": socket.gethostname(), "time": time.time()}) + "\n")
+        store.put_file(scratch, CLAIM, once=True)
+    except FileExistsError:
+        pass
+    finally:
+        scratch.unlink(missing_ok=True)  # put_file consumes it, unless it failed first
+    holder = _claimed_by(store.read_bytes(CLAIM))
+    if holder.get("run") != name:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(holder["time"])) if "time" in holder else "?"
+        raise Claimed(
+            f"{store.url}/{CLAIM}: the location is another run's (run {holder.get('run', '?')}, started {when} on "
+            f"{holder.get('host', '?')}): continue that run with --resume auto, or use another --upload"
+        )
+
+
+def _claimed_by(data: bytes) -> dict:
+    try:
+        holder = json.loads(data)
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) and isinstance(holder.get("run"), str) else {}
 
 
 @dataclass
@@ -36,11 +92,18 @@ class Job:
 
 
 class Uploader:
-    def __init__(self, dest_url: str, retry_seconds: float = 120):
+    """Uploads of the run ``run``'s files from ``output`` to ``dest_url``."""
+
+    def __init__(self, dest_url: str, run: str, output: Path, retry_seconds: float = 120):
         self.store: Store = open_store(dest_url, retry_seconds=retry_seconds)
-        self.url = dest_url
+        self.url, self.run = dest_url, run
+        # Snapshots beside the run's files (a hard link for a checkpoint), never in the destination:
+        # a full one must not fill up with them. A killed run's are its dead jobs': gone.
+        self.snapshots = output / SNAPSHOTS
+        shutil.rmtree(self.snapshots, ignore_errors=True)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.failed: list[Job] = []
+        self.lost: list[str] = []  # files that could not even be copied to go up
         self.pointer_step = -1
         self.in_flight: Job | None = None
         self.lock = threading.Lock()
@@ -51,18 +114,40 @@ class Uploader:
     def submit(self, path: Path, *, checkpoint_step: int | None = None, replace: bool = False) -> None:
         """Queue ``path`` as it is now. Checkpoints (with their step) are written once, unless
         ``replace`` (a newer state saved under the same step), and snapshotted by hard link
-        (free, and safe from local pruning); growing files (metrics, logs) by copy."""
-        snapshot = self.store.scratch_file(path.name)
-        if checkpoint_step is None:
-            shutil.copyfile(path, snapshot)
-        else:
-            snapshot.unlink()
-            try:
-                os.link(path, snapshot)
-            except OSError:  # another file system
-                shutil.copyfile(path, snapshot)
+        (free, and safe from local pruning); growing files (metrics, logs) by copy. A snapshot that
+        cannot be made (a full disk) is said and left out: training goes on, ``flush`` names it."""
+        try:
+            snapshot = self._snapshot(path, link=checkpoint_step is not None)
+        except OSError as e:
+            print(
+                f"WARNING: {path} cannot be copied to go up to {self.url} ({e.strerror or e}): not uploaded",
+                file=sys.stderr,
+                flush=True,
+            )
+            with self.lock:
+                self.lost.append(path.name)
+            return
         once = checkpoint_step is not None and not replace
         self.jobs.put(Job(snapshot, path.name, once, checkpoint_step))
+
+    def _snapshot(self, path: Path, link: bool) -> Path:
+        self.snapshots.mkdir(exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=self.snapshots, prefix=f"{path.name}.")
+        os.close(fd)
+        snapshot = Path(name)
+        try:
+            if link:
+                snapshot.unlink()
+                try:
+                    os.link(path, snapshot)
+                    return snapshot
+                except OSError:  # a file system without hard links
+                    pass
+            shutil.copyfile(path, snapshot)
+        except BaseException:
+            snapshot.unlink(missing_ok=True)
+            raise
+        return snapshot
 
     def flush(self, timeout: float) -> list[str]:
         """Wait up to ``timeout`` s for everything queued, retrying failures; the names that never made it."""
@@ -71,11 +156,11 @@ class Uploader:
         while time.monotonic() < deadline:
             with self.lock:
                 if self.jobs.unfinished_tasks == 0 and not self.failed:
-                    return []
+                    return list(dict.fromkeys(self.lost))
             time.sleep(0.1)
         with self.lock:
             left = [j.name for j in (self.in_flight, *self.failed, *list(self.jobs.queue)) if j is not None]
-        return list(dict.fromkeys(left))
+        return list(dict.fromkeys([*self.lost, *left]))
 
     # the upload thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -97,6 +182,7 @@ class Uploader:
     def _upload(self, job: Job) -> None:
         self.in_flight = job
         try:
+            claim(self.store, self.run)  # still this run's location (or made so, if unreachable at the start)
             try:
                 self.store.put_file(job.snapshot, job.name, keep=True, once=job.once)
             except FileExistsError:
@@ -104,7 +190,7 @@ class Uploader:
                 if not self.store.matches(job.name, job.snapshot):
                     raise
             if job.step is not None and job.step > self.pointer_step:
-                pointer = {"checkpoint": job.name, "step": job.step, "time": time.time()}
+                pointer = {"checkpoint": job.name, "step": job.step, "time": time.time(), "run": self.run}
                 self.store.write_bytes(POINTER, json.dumps(pointer).encode())
                 self.pointer_step = job.step
         except Exception as e:
@@ -127,6 +213,8 @@ def sync(src: Path, dest_url: str, retry_seconds: float = 120) -> tuple[list[str
 
     Returns (uploaded, skipped) names; raises on the first upload that fails."""
     store = open_store(dest_url, retry_seconds=retry_seconds)
+    if (mine := src / CLAIM).exists() and (name := _claimed_by(mine.read_bytes()).get("run")):
+        claim(store, name)  # a run's --output: not over another run's uploads
     uploaded, skipped = [], []
     for path in sorted(p for p in src.rglob("*") if p.is_file() and not p.name.endswith(".partial")):
         name = path.relative_to(src).as_posix()

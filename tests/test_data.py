@@ -8,6 +8,7 @@ import os
 import pickle
 import random
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -18,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from conftest import ROOT, relist, sparse_member, tiny_jpeg, write_shards
+from conftest import ROOT, child_pids, relist, sparse_member, tiny_jpeg, write_shards
 from PIL import Image
 
 from imagenet_ais import shards, synth
-from imagenet_ais.data import Feeding, TrainLoader, ValLoader
+from imagenet_ais.data import Feeding, TrainLoader, ValLoader, WorkerDied
 from imagenet_ais.manifest import Manifest, load_manifest
 from imagenet_ais.sampling import contiguous_assignment, exact_assignment, split_among_workers
 from imagenet_ais.storage import open_store
@@ -328,3 +329,24 @@ def test_a_samples_crop_and_flip_follow_seed_epoch_and_key_whatever_the_ranks_wo
         assert max((alone[k] - on_device[k]).abs().mean() for k in common) < 0.1, decoder
     next_epoch = images(1, 1, "cpu", epoch=2)
     assert sum((alone[k] - next_epoch[k]).abs().mean() > 0.1 for k in alone) > len(alone) // 2, "new crops each epoch"
+
+
+def test_a_killed_worker_ends_the_epoch_in_one_line(tmp_path: Path) -> None:
+    # torch's RuntimeError traceback ended the run (the OOM killer kills workers first)
+    manifest = write_shards(tmp_path, {"train": [40] * 4})
+    (loader,) = loaders(tmp_path, manifest, "resampled", world=1, batch=2, workers=2)
+    loader.set_epoch(0)
+    before = child_pids(os.getpid())
+    batches = iter(loader)
+    next(batches)
+    workers = child_pids(os.getpid()) - before
+    assert len(workers) == 2
+    os.kill(min(workers), signal.SIGKILL)
+    with pytest.raises(WorkerDied) as e:
+        for _ in batches:
+            pass
+    assert re.fullmatch(
+        rf"{tmp_path}: DataLoader worker \(pid\(s\) {min(workers)}\) exited unexpectedly \(killed\? the OOM killer "
+        r"says so in dmesg\): lower --workers or --batch-size and continue with --resume auto",
+        str(e.value),
+    )

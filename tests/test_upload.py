@@ -21,7 +21,7 @@ from conftest import ROOT, GCSEmulator, free_port, run_cli, wait_until, write_sh
 
 from imagenet_ais import training, upload
 from imagenet_ais.config import TrainConfig
-from imagenet_ais.storage import GCSStore, file_crc32c
+from imagenet_ais.storage import GCSStore, LocalStore, file_crc32c
 
 UNEVEN = [3, 11, 7, 19, 8]  # 48 samples: 12 steps per epoch at batch 4
 TINY = ["--arch", "resnet18", "--batch-size", "4", "--lr", "0.1", "--warmup-epochs", "0", "--log-every", "1"]
@@ -361,6 +361,44 @@ def test_files_fetched_for_a_resume_get_the_runs_usual_mode(tmp_path: Path) -> N
     training.train(tiny_synthetic(tmp_path / "second", uploads, max_steps=3))  # a fresh node: fetched
     for name in ("ckpt-00000002.pt", "metrics.jsonl"):
         assert (tmp_path / "second" / name).stat().st_mode & 0o777 == 0o644, name
+    # the same run, continued on another node: it keeps its id, and its location
+    assert run_of(tmp_path / "second") == run_of(tmp_path / "first") == run_of(uploads)
+
+
+def run_of(folder: Path) -> str:
+    return json.loads((folder / "run.json").read_text())["run"]
+
+
+def test_two_runs_given_one_upload_location_never_mix_their_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # Two runs with one --upload: one ended with exit 0 while the uploaded metrics.jsonl was the
+    # other's; another time ckpt-6 came from one run and ckpt-12 with latest.json from the other.
+    uploads, first, second = tmp_path / "up", tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    (first / "run.json").write_text('{"run": "0123abcd"}')  # the first run started, uploaded nothing yet
+    upload.claim(LocalStore(uploads), "0123abcd")
+    with pytest.raises(upload.Claimed) as e:
+        training.train(tiny_synthetic(second, uploads, max_steps=2, resume=None))
+    assert str(e.value).startswith(f"{uploads}/run.json: the location is another run's (run 0123abcd, started ")
+    assert "\n" not in str(e.value) and str(e.value).endswith(
+        "continue that run with --resume auto, or use another --upload"
+    )
+    assert sorted(p.name for p in uploads.iterdir()) == ["run.json"]  # nothing of the second run's went up
+    # the first run, restarted into its --output (it died before its first checkpoint), is that run
+    training.train(tiny_synthetic(first, uploads, max_steps=2, resume=None))
+    assert {"ckpt-00000002.pt", "latest.json", "metrics.jsonl"} <= {p.name for p in uploads.iterdir()}
+    assert run_of(uploads) == "0123abcd" and json.loads((uploads / "latest.json").read_text())["run"] == "0123abcd"
+    # upload.sh from the second run's output into it is refused the same way
+    (second / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(upload.Claimed, match="the location is another run's"):
+        upload.sync(second, str(uploads))
+    # a location taken over mid-run (its run.json replaced): nothing more goes up, and the run says so
+    uploader = upload.Uploader(str(uploads), "0123abcd", retry_seconds=1)
+    (uploads / "run.json").write_text('{"run": "ffff0000"}')
+    uploader.submit(first / "metrics.jsonl")
+    assert uploader.flush(5) == ["metrics.jsonl"]
+    assert "run.json: the location is another run's (run ffff0000" in capsys.readouterr().err
 
 
 def test_a_nodes_stale_last_pt_alone_does_not_beat_a_newer_upload(
@@ -377,3 +415,35 @@ def test_a_nodes_stale_last_pt_alone_does_not_beat_a_newer_upload(
     said = capsys.readouterr().out
     assert f"{uploads} holds a newer checkpoint than {stale / 'last.pt'}: continuing from ckpt-00000008.pt" in said
     assert "epoch 1, step 8" in said and outcome == {**outcome, "step": 10, "exit_code": 0}
+
+
+def test_a_full_upload_location_never_stops_training_and_a_rerun_uploads_what_is_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # A full tmpfs as --upload stopped training and kept 17 .partial files; a rerun with --resume
+    # auto then said "already trained", exit 0, with no checkpoint uploaded at all.
+    if not shutil.which("unshare") or run_cli("unshare", "-rm", "true", check=False).returncode:
+        pytest.skip("no unshare, or user namespaces are not allowed here")
+    uploads, output = tmp_path / "up", tmp_path / "run"
+    uploads.mkdir()
+    train = [sys.executable, ROOT / "train.py", "--synthetic", *TINY, "--batch-size", "2", "--image-size", "32"]
+    train += ["--epochs", "2", "--epoch-size", "4", "--output", output, "--upload", uploads]
+    train += ["--upload-retry-seconds", "1", "--flush-timeout", "3"]
+    # the location on a 512 KiB tmpfs (in a mount namespace of the run's own), listed after the run
+    full = 'mount -t tmpfs -o size=512k tmpfs "$0" && "$@"; code=$?; echo "left: $(ls -A "$0")"; exit $code'
+    proc = run_cli("unshare", "-rm", "sh", "-c", full, uploads, *train, check=False)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "final validation" not in proc.stdout and (output / "ckpt-00000004.pt").exists()  # trained to the end
+    assert "WARNING: upload of ckpt-00000002.pt" in proc.stderr and "Traceback" not in proc.stderr
+    assert "ERROR: never uploaded to" in proc.stderr and "ckpt-00000004.pt" in proc.stderr
+    left = proc.stdout.strip().splitlines()[-1].split()[1:]
+    assert not [name for name in left if name.endswith(".partial")], left  # snapshots stay beside --output
+    # the same run again, the location writable now: its missing uploads go up, then it is done
+    outcome = training.train(tiny_synthetic(output, uploads, epochs=2, epoch_size=4))
+    said = capsys.readouterr().out
+    assert "already trained 2 epochs" in said and outcome["exit_code"] == 0
+    assert f"uploaded to {uploads} what was missing or behind there: ckpt-00000004.pt, metrics.jsonl" in said
+    assert json.loads((uploads / "latest.json").read_text())["checkpoint"] == "ckpt-00000004.pt"
+    assert (uploads / "metrics.jsonl").read_bytes() == (output / "metrics.jsonl").read_bytes()
+    again = training.train(tiny_synthetic(output, uploads, epochs=2, epoch_size=4))
+    assert again["exit_code"] == 0 and "behind there: train.log\n" in capsys.readouterr().out  # its new line only

@@ -54,23 +54,26 @@ class LocalStore(_StoreBase):
     def put_file(self, src: Path, name: str, *, keep: bool = False, once: bool = False) -> None:
         """Publish ``src`` under ``name`` atomically (fsync, then rename; with once, link)."""
         dest = self._path(name)
-        if keep or src.stat().st_dev != self.root.stat().st_dev:
-            tmp = self.scratch_file(name)
-            shutil.copyfile(src, tmp)
-            if not keep:
-                src.unlink()
-            src = tmp
-        src.chmod(0o644)
-        with src.open("rb") as f:
-            os.fsync(f.fileno())
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        if once:
-            try:
-                os.link(src, dest)  # atomic, and fails rather than replace
-            finally:
-                src.unlink()
-        else:
-            os.replace(src, dest)
+        copy = keep or src.stat().st_dev != self.root.stat().st_dev
+        tmp = self.scratch_file(name) if copy else src
+        try:
+            if copy:
+                shutil.copyfile(src, tmp)
+            tmp.chmod(0o644)
+            with tmp.open("rb") as f:
+                os.fsync(f.fileno())
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if once:
+                os.link(tmp, dest)  # atomic, and fails rather than replace
+                tmp.unlink()
+            else:
+                os.replace(tmp, dest)
+        except BaseException:  # (a full destination): no copy left in it, only under a final name
+            if copy or once:
+                tmp.unlink(missing_ok=True)
+            raise
+        if copy and not keep:
+            src.unlink()
         dir_fd = os.open(dest.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
