@@ -2,8 +2,8 @@
 
 A header can declare anything: a GNU sparse member of 3 GiB stored in 30 KB (tarfile fills its
 holes with zeros as it reads: a worker held 3.6 GB for one draw), a link, a device. Only regular
-files of at most ``MAX_MEMBER_BYTES`` are read; any other member is a ``BadMember`` error, and
-the shard is unreadable from there on, for training and ``verify`` alike.
+files of at most ``MAX_MEMBER_BYTES``, named in UTF-8, are read; any other member is a
+``BadMember`` error, and the shard is unreadable from there on, for training and ``verify`` alike.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ def members(stream: BinaryIO, wanted: Callable[[str], bool] | None = None) -> It
             if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
                 kind = _KINDS.get(member.type, f"of tar type {member.type!r}")
                 raise BadMember(f"member {member.name!r} is {kind}, not a regular file")
+            if not member.name.isascii() and not _utf8(member.name):  # tarfile keeps other bytes as surrogates
+                raw = member.name.encode("utf-8", "surrogateescape")
+                raise BadMember(f"member name {raw!r} is not UTF-8, as sample keys must be: rename it")
             if wanted and not wanted(member.name):
                 continue  # passed over unread (a stream skips its stored bytes)
             if member.size > MAX_MEMBER_BYTES:
@@ -47,3 +50,11 @@ def members(stream: BinaryIO, wanted: Callable[[str], bool] | None = None) -> It
                 )
             data = tar.extractfile(member)
             yield member.name, data.read() if data else b""
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

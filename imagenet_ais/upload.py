@@ -216,7 +216,8 @@ def sync(src: Path, dest_url: str, retry_seconds: float = 120) -> tuple[list[str
     if (mine := src / CLAIM).exists() and (name := _claimed_by(mine.read_bytes()).get("run")):
         claim(store, name)  # a run's --output: not over another run's uploads
     uploaded, skipped = [], []
-    for path in sorted(p for p in src.rglob("*") if p.is_file() and not p.name.endswith(".partial")):
+    files = (p for p in src.rglob("*") if p.is_file() and not p.name.endswith(".partial"))
+    for path in sorted(p for p in files if SNAPSHOTS not in p.relative_to(src).parts):  # (a killed run's)
         name = path.relative_to(src).as_posix()
         if store.matches(name, path):
             skipped.append(name)

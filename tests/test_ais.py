@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_cli, wait_until
+from conftest import ROOT, free_port, run_cli, wait_until
 
 from imagenet_ais import shards
 from imagenet_ais.storage import AISStore
@@ -356,3 +356,17 @@ def test_read_back_finds_a_stored_shard_that_its_checksum_vouched_for(
     ):
         shards.convert(tree, checked, ["train"], 10, int(1e9), 1, 0, read_back=True)
     assert not [o for o in objects(checked) if o.endswith(".tar")]
+
+
+def test_an_unreachable_endpoint_is_one_line_while_the_sdk_retries(tmp_path: Path) -> None:
+    # the SDK logged each retry and then 4 chained tracebacks (79 lines) before our one-line error
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    cmd = [sys.executable, ROOT / "imagenet_shards.py", "verify", "ais://demo/shards"]
+    env = {**os.environ, "AIS_ENDPOINT": endpoint}
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True) as proc:
+        first = proc.stderr.readline()  # type: ignore[union-attr]
+        time.sleep(3)  # two more tries (1-2 s apart): said once, not once per try
+        proc.kill()
+        rest = proc.stderr.read()  # type: ignore[union-attr]
+    assert first == f"note: AIStore at {endpoint}: [Errno 111] Connection refused; retrying for up to a minute\n"
+    assert rest == "", rest

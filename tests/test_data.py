@@ -158,17 +158,20 @@ def test_truncated_shard_is_reported_and_the_epoch_completes(tmp_path: Path) -> 
 def test_a_member_that_is_no_regular_file_or_too_large_is_refused_unread(tmp_path: Path) -> None:
     manifest = write_shards(tmp_path, {"train": UNEVEN})
     # a header declaring 65 MiB of holes, stored in 512 bytes (one of 3 GiB took a worker to 3.6 GB)
-    for shard, member in ((1, sparse_member("big.jpg", 65 * 2**20)), (3, tar_member("huge.jpg", 65 * 2**20))):
+    bad = {1: sparse_member("big.jpg", 65 * 2**20), 3: tar_member("huge.jpg", 65 * 2**20)}
+    bad[4] = tar_member("k\udcff.jpg", 10)  # a name not in UTF-8 (verify passed it, training skipped its sample)
+    for shard, member in bad.items():
         path = tmp_path / f"imagenet-train-{shard:06d}.tar"
         path.write_bytes(member + path.read_bytes())
     manifest = relist(tmp_path)  # as a converter's bug might have listed them
     (loader,) = loaders(tmp_path, manifest, "exact", world=1, batch=8, workers=1)
     loader.set_epoch(0)
     assert len(list(loader)) == 6
-    assert loader.dataset.read_errors.value == 2 and loader.dataset.skipped.value == 0
-    said = " ".join(loader.dataset.problems.get(timeout=10) for _ in range(2))
+    assert loader.dataset.read_errors.value == 3 and loader.dataset.skipped.value == 0
+    said = " ".join(loader.dataset.problems.get(timeout=10) for _ in range(3))
     assert "member 'big.jpg' is a sparse file, not a regular file" in said
     assert "member 'huge.jpg' declares 68,157,440 bytes, over the 67,108,864 one sample may hold" in said
+    assert "member name b'k\\xff.jpg' is not UTF-8, as sample keys must be: rename it" in said
 
 
 def tar_member(name: str, size: int) -> bytes:

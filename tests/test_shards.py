@@ -779,6 +779,11 @@ def bomb_png(width: int, height: int) -> bytes:
             1,
             "unreadable (BadMember: member 'big.jpg' is a sparse file, not a regular file)",
         ),
+        (  # verify passed it and training skipped its sample: they agree now
+            ["k\udcff.jpg", "k\udcff.cls"],
+            1,
+            "unreadable (BadMember: member name b'k\\xff.jpg' is not UTF-8, as sample keys must be: rename it)",
+        ),
     ],
 )
 def test_verify_names_what_is_wrong_inside_a_shard(names: list[str], samples: int, says: str, tmp_path: Path) -> None:

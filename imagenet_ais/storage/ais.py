@@ -8,6 +8,8 @@ import hashlib
 import io
 import json
 import os
+import re
+import sys
 import time
 from collections.abc import Iterator
 from http.client import IncompleteRead
@@ -19,10 +21,11 @@ from aistore.sdk import Client
 from aistore.sdk.errors import AISError
 from aistore.sdk.request_client import RequestClient
 from aistore.sdk.response_handler import AISResponseHandler
+from aistore.sdk.retry_config import RetryConfig
 from requests import ConnectionError as RequestsConnectionError
 from requests import RequestException, Response, Timeout
 from requests.exceptions import ChunkedEncodingError, SSLError
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 from urllib3.exceptions import ProtocolError, ReadTimeoutError
 
 from imagenet_ais.storage.base import _bucket_and_prefix, _checked, _hexdigest, _same_bytes, _StoreBase
@@ -49,6 +52,28 @@ def _ais_retryable(e: BaseException) -> bool:
     return isinstance(e, _VerifyFailed | RequestsConnectionError | Timeout | ChunkedEncodingError) and not isinstance(
         e, SSLError
     )
+
+
+def _client(endpoint: str) -> Client:
+    """The SDK's client, retrying a network error as the SDK does by default (7 tries, 1-30 s
+    apart), but saying so in one line. The SDK logs each retry and then the whole traceback to
+    the root logger: where the program configured no logging, 79 lines on stderr before the one
+    that says what went wrong."""
+    policy = RetryConfig.default()
+    policy.network_retry = policy.network_retry.copy(before_sleep=_retrying, retry_error_callback=None, reraise=True)
+    return Client(endpoint, token=os.environ.get("AIS_AUTHN_TOKEN") or None, retry_config=policy)
+
+
+def _retrying(state: RetryCallState) -> None:
+    if state.attempt_number == 1 and state.outcome is not None:  # once per request
+        error = state.outcome.exception()
+        why = re.search(r"\[Errno -?\d+\] [^'\")]+", str(error))
+        print(
+            f"note: AIStore at {os.environ.get('AIS_ENDPOINT')}: {why[0] if why else type(error).__name__}; "
+            "retrying for up to a minute",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _put_on_target(client: RequestClient, url: str, body: BinaryIO | bytes, size: int) -> Response:
@@ -198,7 +223,7 @@ class AISStore(_StoreBase):
         if not endpoint:
             raise ValueError(f"{url}: set AIS_ENDPOINT to the cluster's URL (e.g. http://aistore-proxy:51080)")
         self.url = url.rstrip("/")
-        self.bucket = Client(endpoint, token=os.environ.get("AIS_AUTHN_TOKEN") or None).bucket(bucket)
+        self.bucket = _client(endpoint).bucket(bucket)
         self._bucket_ready = False
 
     def _obj(self, name: str):
