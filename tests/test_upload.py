@@ -394,7 +394,7 @@ def test_two_runs_given_one_upload_location_never_mix_their_files(
     with pytest.raises(upload.Claimed, match="the location is another run's"):
         upload.sync(second, str(uploads))
     # a location taken over mid-run (its run.json replaced): nothing more goes up, and the run says so
-    uploader = upload.Uploader(str(uploads), "0123abcd", retry_seconds=1)
+    uploader = upload.Uploader(str(uploads), "0123abcd", first, retry_seconds=1)
     (uploads / "run.json").write_text('{"run": "ffff0000"}')
     uploader.submit(first / "metrics.jsonl")
     assert uploader.flush(5) == ["metrics.jsonl"]
