@@ -19,6 +19,7 @@ batches) while others make them ready on the device (decode, then crop), ahead o
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import math
@@ -79,17 +80,26 @@ class Batch(NamedTuple):
     keys: list[str]
 
 
-@atexit.register
 def _stop_at_exit() -> None:
-    # For loaders never shut down (say, still referenced by a crashed run): feed threads
-    # first, as a thread still inside torch at interpreter shutdown aborts the process; then
-    # the workers, which ignore SIGTERM (stream.worker_init), so multiprocessing's own exit hook, which
-    # terminates daemonic children and joins them, would wait forever. Runs before it (LIFO).
+    """Registered once a loader exists (not on import): for loaders never shut down (say, still
+    referenced by a crashed run), feed threads first, as a thread still inside torch at
+    interpreter shutdown aborts the process; then our DataLoader workers (only ours), which ignore
+    SIGTERM (stream.worker_init), so multiprocessing's own exit hook, which terminates daemonic
+    children and joins them, would wait forever. Runs before it (atexit is LIFO)."""
     close_all()
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the DataLoader's handler would report the kills
-    for child in mp.active_children():
-        if child.daemon:
-            child.kill()
+    ours = [child for child in _workers if child.is_alive()]
+    if ours:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the DataLoader's handler would report the kills
+    for child in ours:
+        child.kill()
+
+
+_workers: set[mp.process.BaseProcess] = set()  # our loaders' DataLoader workers (theirs outlive them)
+
+
+@functools.cache
+def _exit_hook() -> None:
+    atexit.register(_stop_at_exit)
 
 
 def _received(batch: tuple) -> HostBatch:
@@ -210,6 +220,7 @@ class _ShardLoader:
             shuffle=shuffle,
         )  # fmt: skip
         self.dataset = ShardStream(self.spec, mode)
+        _exit_hook()
         self.loader = _loader(self.dataset, self.spec.batch, feeding.workers)
         self.device, self.pin = feeding.device, feeding.device.type == "cuda"
         self.to_device = _OnDevice(self.dataset, feeding.device, feeding.channels_last)
@@ -219,7 +230,11 @@ class _ShardLoader:
     def received(self) -> Iterator[HostBatch]:
         """The workers' batches as they arrive; a worker that died ends them in one line."""
         try:
-            yield from map(_received, self.loader)
+            before = set(mp.active_children())
+            batches = iter(self.loader)  # (the first time, its workers start)
+            _workers.intersection_update(mp.active_children())  # (those gone need no killing)
+            _workers.update(set(mp.active_children()) - before)
+            yield from map(_received, batches)
         except RuntimeError as e:  # torch's "DataLoader worker (pid(s) 1234) exited unexpectedly"
             if not str(e).startswith("DataLoader worker"):
                 raise

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +32,24 @@ class Dist:
 WORK_QUEUES = "32"
 
 
-def setup() -> Dist:
+@contextlib.contextmanager
+def joined() -> Iterator[Dist]:
+    """This process set up for a run (rank, device, CPU threads, process group), and set back
+    as it was once the run is over: the package may be used from another program."""
+    threads, queues = torch.get_num_threads(), os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", WORK_QUEUES)  # a user's own value stands
+    ours = not dist.is_initialized()  # (a caller's own group is left to its caller)
+    try:
+        yield _setup()
+    finally:
+        if ours and dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_num_threads(threads)
+        if queues is None:
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+
+
+def _setup() -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -132,8 +150,3 @@ def broadcast_buffers(module: torch.nn.Module) -> None:
     if dist.is_initialized():
         for buffer in module.buffers():
             dist.broadcast(buffer, src=0)
-
-
-def teardown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()

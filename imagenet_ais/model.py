@@ -160,11 +160,7 @@ def wrap(
             gradient_as_bucket_view=True,
             broadcast_buffers=False,
         )
-    if compiled:
-        # DDP compiled as one graph rather than split at its buckets to overlap the all-reduce
-        # with the backward pass: faster over NVLink (4 H200s: 25,319 img/s against 24,832,
-        # bench/RESULTS.md run S)
-        torch._dynamo.config.optimize_ddp = False
+    if compiled:  # (training.train compiles DDP as one graph: optimize_ddp off while it runs)
         # static shapes: a new --progressive size gets its own graph, as fast as the first; by
         # default the second size turns on dynamic shapes, and ResNet-50 at 224 px then ran at
         # 3,800 img/s instead of 5,330 on an H100 (bench/RESULTS.md run T)

@@ -55,13 +55,15 @@ class Stopped:
 def train(cfg: TrainConfig, report: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Train as ``cfg`` says; ``report`` also gets every metrics record, on every rank."""
     check(cfg)  # before anything is made
-    d = distributed.setup()
-    try:
-        # rank 0 writes the output: a second run into it would mix checkpoints and event files
-        with locks.lock_output(Path(cfg.output)) if d.main else nullcontext():
-            return _train(cfg, d, report)
-    finally:
-        distributed.teardown()
+    # DDP compiled as one graph rather than split at its buckets to overlap the all-reduce with
+    # the backward pass: faster over NVLink (4 H200s: 25,319 img/s against 24,832, RESULTS run S)
+    # Rank 0 writes the output: a second run into it would mix checkpoints and event files.
+    with (
+        distributed.joined() as d,
+        torch._dynamo.config.patch(optimize_ddp=False),
+        locks.lock_output(Path(cfg.output)) if d.main else nullcontext(),
+    ):
+        return _train(cfg, d, report)
 
 
 def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None] | None) -> dict[str, Any]:
@@ -83,6 +85,15 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         exit_code = catch_up(cfg, output, standing, say) if d.main else 0
         return {"step": standing.step, "val": standing.last_val, "complete": True, "exit_code": exit_code}
     run = run_setup.assemble(parts, standing, report)
+    try:
+        return epochs(run, sizes)
+    finally:
+        run.stop.restore()  # the caller's signal handlers back, however the run ended
+
+
+def epochs(run: Run, sizes: list[int]) -> dict[str, Any]:
+    """The run's epochs from where it stands, each validated and saved; its outcome."""
+    cfg, standing, say = run.cfg, run.standing, run.say
     run.model.train()
     for epoch in range(standing.epoch, cfg.epochs):
         standing.epoch = epoch

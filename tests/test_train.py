@@ -947,17 +947,17 @@ def test_the_training_process_asks_cuda_for_32_work_queues_unless_told_otherwise
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # With CUDA's default 8, nvJPEG's stream queued behind the training step's kernels
-    # (bench/RESULTS.md, run L); set before CUDA starts, and a user's own value stands.
+    # (bench/RESULTS.md, run L); set before CUDA starts, and a user's own value stands. Both only
+    # while the run lasts, as its CPU threads.
     threads = torch.get_num_threads()
-    try:
-        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-        distributed.setup()
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    with distributed.joined():
         assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
-        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "4")
-        distributed.setup()
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ and torch.get_num_threads() == threads
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "4")
+    with distributed.joined():
         assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "4"
-    finally:
-        torch.set_num_threads(threads)
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "4"
 
 
 def test_each_records_img_per_s_accounts_for_all_the_time_since_the_last_record(

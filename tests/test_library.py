@@ -1,0 +1,92 @@
+"""The package used from someone else's program: importing it changes nothing in the process, and
+a run changes the process only while it runs. A fresh interpreter each (the state is the point)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT, write_shards
+
+STATE = """
+import atexit, os, signal, torch, torch._dynamo
+def state():
+    return {
+        "atexit handlers": atexit._ncallbacks(),
+        "SIGTERM": signal.getsignal(signal.SIGTERM), "SIGUSR1": signal.getsignal(signal.SIGUSR1),
+        "SIGCHLD": signal.getsignal(signal.SIGCHLD), "threads": torch.get_num_threads(),
+        "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+        "optimize_ddp": torch._dynamo.config.optimize_ddp,
+    }
+"""
+
+
+def run_python(script: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_importing_the_package_and_a_run_leave_the_process_as_they_found_it(tmp_path: Path) -> None:
+    # Process-wide, on import or use: an atexit handler killing every daemonic child, optimize_ddp,
+    # CUDA_DEVICE_MAX_CONNECTIONS, torch's threads, the run's signal handlers.
+    run_python(
+        STATE
+        + f"""
+import ast, importlib, pathlib, pkgutil
+# what the libraries we import do on import is theirs (matplotlib and loguru register atexit
+# handlers): imported first, so that what is measured is our own modules'
+for path in pathlib.Path("imagenet_ais").rglob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        for name in names:
+            if not name.startswith("imagenet_ais") and not name.startswith("nvidia"):  # (DALI: when used)
+                importlib.import_module(name)
+import tqdm  # tqdm's monitor thread registers its own atexit handler with the first bar
+tqdm.tqdm(total=1, file=open(os.devnull, "w")).close()
+before = state()
+import imagenet_ais
+for module in pkgutil.walk_packages(imagenet_ais.__path__, "imagenet_ais."):
+    importlib.import_module(module.name)
+assert state() == before, ("import", before, state())
+from imagenet_ais import training
+from imagenet_ais.config import TrainConfig
+cfg = TrainConfig(output={str(tmp_path / "run")!r}, synthetic=True, arch="resnet18", image_size=32, batch_size=2,
+                  epochs=1, epoch_size=4, warmup_epochs=0)
+assert training.train(cfg)["exit_code"] == 0
+assert state() == before, ("run", before, state())
+"""
+    )
+
+
+def test_at_exit_only_our_own_loader_workers_are_killed(tmp_path: Path) -> None:
+    # Our workers ignore SIGTERM, so they are killed at exit; another daemonic child of the same
+    # program is left to multiprocessing's own exit hook, which terminates it (SIGTERM) as usual.
+    write_shards(tmp_path / "data", {"train": [40, 40]})
+    proc = run_python(
+        f"""
+import multiprocessing as mp, signal, sys, time
+def theirs(path):
+    signal.signal(signal.SIGTERM, lambda *_: (open(path, "w").write("terminated"), sys.exit(0)))
+    time.sleep(60)
+if __name__ == "__main__":
+    child = mp.get_context("fork").Process(target=theirs, args=({str(tmp_path / "theirs")!r},), daemon=True)
+    child.start()
+    from imagenet_ais.data import Feeding, TrainLoader
+    from imagenet_ais.manifest import load_manifest
+    from imagenet_ais.storage import open_store
+    from imagenet_ais.stream import LoaderSpec
+    split = load_manifest(open_store({str(tmp_path / "data")!r})).split("train")
+    spec = LoaderSpec(world=1, rank=0, batch=2, seed=0, image_size=32)
+    batches = iter(TrainLoader(split, {str(tmp_path / "data")!r}, "resampled", spec, Feeding(2), 4))
+    next(batches)
+    time.sleep(0.5)  # the other child has its handler by now
+    print("leaving", flush=True)
+"""
+    )
+    assert "leaving" in proc.stdout and "Traceback" not in proc.stderr
+    assert (tmp_path / "theirs").read_text() == "terminated"
