@@ -401,15 +401,16 @@ def catch_up(cfg: TrainConfig, output: Path, standing: Standing, say: Callable[.
 def validate(model: nn.Module, loader: ValLoader, cfg: TrainConfig, d: distributed.Dist) -> dict[str, float]:
     """Top-1/top-5 over the whole split: each rank scores its own disjoint share, then sums."""
     model.eval()
-    correct1 = correct5 = seen = size = 0
+    correct = torch.zeros(2, dtype=torch.int64, device=d.device)  # top-1, top-5: counted on the device, no sync a batch
+    seen = size = 0
     for x, y, _ in loader:
         size = x.shape[-1]
         with autocast(cfg, d.device):
             logits = model(x)
         top = logits.topk(min(5, logits.shape[1]), dim=1).indices
-        correct1 += int((top[:, 0] == y).sum())
-        correct5 += int((top == y[:, None]).any(dim=1).sum())
+        correct += torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(dim=1).sum()])
         seen += len(y)
+    correct1, correct5 = correct.tolist()
     c1, c5, n, skipped = distributed.all_reduce_sum([correct1, correct5, seen, loader.dataset.skipped.value], d.device)
     model.train()
     top1, top5 = 100 * c1 / max(n, 1), 100 * c5 / max(n, 1)
