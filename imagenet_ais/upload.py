@@ -47,7 +47,7 @@ def run_id(output: Path, resumed: str | None) -> str:
         resumed = _claimed_by(mine.read_bytes()).get("run")
     name = resumed or uuid.uuid4().hex
     if not mine.exists() or _claimed_by(mine.read_bytes()).get("run") != name:
-        mine.write_text(json.dumps({"run": name, "host": socket.gethostname(), "time": time.time()}) + "\n")
+        mine.write_text(_claim_text(name))
     return name
 
 
@@ -60,7 +60,7 @@ def claim(store: Store, name: str) -> None:
     the claim again before it goes."""
     scratch = store.scratch_file(CLAIM)
     try:
-        scratch.write_text(json.dumps({"run": name, "host": socket.gethostname(), "time": time.time()}) + "\n")
+        scratch.write_text(_claim_text(name))
         store.put_file(scratch, CLAIM, once=True)
     except FileExistsError:
         pass
@@ -73,6 +73,10 @@ def claim(store: Store, name: str) -> None:
             f"{store.url}/{CLAIM}: the location is another run's (run {holder.get('run', '?')}, started {when} on "
             f"{holder.get('host', '?')}): continue that run with --resume auto, or use another --upload"
         )
+
+
+def _claim_text(name: str) -> str:
+    return json.dumps({"run": name, "host": socket.gethostname(), "time": time.time()}) + "\n"
 
 
 def _claimed_by(data: bytes) -> dict:
