@@ -20,6 +20,8 @@ from imagenet_ais.storage import open_store
 from imagenet_ais.stream import LoaderSpec
 from imagenet_ais.transforms import Box, Decoded, _crop_resize, crop_decoded, encode_batch, encode_for_device
 
+pytestmark = pytest.mark.dali
+
 
 def broken_jpeg(seed: int = 0) -> bytes:
     """A JPEG whose header reads (the worker picks its crop) but whose picture is cut short."""
