@@ -232,8 +232,9 @@ class _ShardLoader:
         try:
             before = set(mp.active_children())
             batches = iter(self.loader)  # (the first time, its workers start)
-            _workers.intersection_update(mp.active_children())  # (those gone need no killing)
-            _workers.update(set(mp.active_children()) - before)
+            after = set(mp.active_children())
+            _workers.intersection_update(after)  # (those gone need no killing)
+            _workers.update(after - before)
             yield from map(_received, batches)
         except RuntimeError as e:  # torch's "DataLoader worker (pid(s) 1234) exited unexpectedly"
             if not str(e).startswith("DataLoader worker"):

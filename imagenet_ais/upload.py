@@ -43,10 +43,9 @@ def run_id(output: Path, resumed: str | None) -> str:
     attempt that died before its first checkpoint: a rerun into the same --output is the same
     run), else a new one; written to ``output``'s run.json."""
     mine = output / CLAIM
-    if not resumed and mine.exists():
-        resumed = _claimed_by(mine.read_bytes()).get("run")
-    name = resumed or uuid.uuid4().hex
-    if not mine.exists() or _claimed_by(mine.read_bytes()).get("run") != name:
+    there = _claimed_by(mine.read_bytes()).get("run") if mine.exists() else None
+    name = resumed or there or uuid.uuid4().hex
+    if there != name:
         mine.write_text(_claim_text(name))
     return name
 
@@ -58,14 +57,15 @@ def claim(store: Store, name: str) -> None:
     files would be mixed with the first's. AIStore has no create-if-absent: two runs claiming at
     the same moment may both write; the read-back then tells one of them, and each upload reads
     the claim again before it goes."""
-    scratch = store.scratch_file(CLAIM)
-    try:
-        scratch.write_text(_claim_text(name))
-        store.put_file(scratch, CLAIM, once=True)
-    except FileExistsError:
-        pass
-    finally:
-        scratch.unlink(missing_ok=True)  # put_file consumes it, unless it failed first
+    if not store.exists(CLAIM):  # (read before every upload: written once)
+        scratch = store.scratch_file(CLAIM)
+        try:
+            scratch.write_text(_claim_text(name))
+            store.put_file(scratch, CLAIM, once=True)
+        except FileExistsError:
+            pass
+        finally:
+            scratch.unlink(missing_ok=True)  # put_file consumes it, unless it failed first
     holder = _claimed_by(store.read_bytes(CLAIM))
     if holder.get("run") != name:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(holder["time"])) if "time" in holder else "?"
