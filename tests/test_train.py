@@ -103,6 +103,9 @@ def _batchnorm_rank(rank: int, store: Path, out: Path) -> None:
     before = raw[1].running_mean.clone()
     distributed.broadcast_buffers(raw)
     torch.save({"before": before, "alone": alone[1].running_mean, "after": raw[1].running_mean}, out / f"rank{rank}.pt")
+    # DDP's reducer must not drop the last reference to the gloo group: it would join gloo's
+    # threads holding the GIL, which a thread still freeing a finished broadcast waits for
+    del ddp
     torch.distributed.destroy_process_group()
 
 
