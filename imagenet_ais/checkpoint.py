@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple, cast
 
 import torch
 
@@ -62,7 +62,8 @@ class _Writer:
     into "unexpected pos N vs M", which never says that the disk is full."""
 
     def __init__(self, f: Any):
-        self.f, self.error = f, None
+        self.f = f
+        self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
         try:
@@ -96,7 +97,7 @@ def save(state: dict[str, Any], output: Path, step: int, keep_last: int) -> Save
         with tmp.open("wb") as f:
             writer = _Writer(f)
             try:
-                torch.save({**state, DIGEST: digest(state)}, writer)
+                torch.save({**state, DIGEST: digest(state)}, cast(IO[bytes], writer))  # (it writes and flushes)
             except RuntimeError:
                 if writer.error is None:
                     raise
@@ -190,11 +191,11 @@ def _fetch_newer(uploaded: str, output: Path, path: Path | None, extra: tuple[st
     """Download what the run uploaded where ``output`` has no checkpoint (a fresh node) or only
     older ones (this node's copy of a run that went on elsewhere): continuing from those would
     train steps again, and their checkpoints could never be uploaded over the newer ones."""
-    newest = _newest(output)
+    newest, have = _newest(output), path
     if newest:
         have, after = newest[0], int(newest[0].stem.removeprefix("ckpt-"))
     else:  # nothing, or a last.pt alone (a copy of the run dropped the rest): its step is inside it
-        have, after = path, _step_of(path)
+        after = _step_of(path)
     try:
         fetched = upload.fetch_latest(uploaded, output, extra=extra, after=after)
     except upload.BadPointer:

@@ -7,6 +7,7 @@ import dataclasses
 import math
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -65,7 +66,7 @@ class TrainConfig:
     cache_size: int | None = None  # bytes the cache may hold; None = no bound
 
 
-RECIPES: dict[str, dict[str, object]] = {
+RECIPES: dict[str, dict[str, Any]] = {
     # FFCV's ResNet-50 settings (its 16-88 epoch configs): 1.7 at a global batch of 1,024, peak at
     # epoch 2, low resolution first (160 -> 192 px), validation at 256, label smoothing, no mixing
     "fast": {

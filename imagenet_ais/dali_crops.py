@@ -84,11 +84,12 @@ class DaliCrops:
         runs[0]()
         for thread in threads:
             thread.join()
-        if failed := next((run for run in runs if run.error), None):
+        if failures := [(run.error, run.reason()) for run in runs if run.error is not None]:
             self.pipes = []
-            if isinstance(failed.error, RuntimeError):  # DALI's errors: a sample it cannot decode
-                raise DaliFailed(failed.reason()) from failed.error
-            raise failed.error
+            error, reason = failures[0]
+            if isinstance(error, RuntimeError):  # DALI's errors: a sample it cannot decode
+                raise DaliFailed(reason) from error
+            raise error
         return out
 
     def _build(self, batch: int, size: int) -> Any:
@@ -109,7 +110,7 @@ class DaliCrops:
             anchors = fn.external_source(name="anchors", dtype=types.INT32)
             shapes = fn.external_source(name="shapes", dtype=types.INT32)
             # Pixels as PIL and torchvision read them: EXIF orientation is not applied there either.
-            mixed = {"hw_decoder_load": HW_DECODER_LOAD} if cuda else {}
+            mixed: dict[str, Any] = {"hw_decoder_load": HW_DECODER_LOAD} if cuda else {}
             images = fn.decoders.image_slice(
                 jpegs, anchors, shapes, device="mixed" if cuda else "cpu", output_type=types.RGB,
                 adjust_orientation=False, axis_names="WH", **mixed,

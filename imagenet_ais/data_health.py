@@ -11,13 +11,14 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from multiprocessing import queues as mp_queues
 
 from imagenet_ais import distributed
 
 COUNTERS = ("skipped", "read_errors", "unread", "drawn", "padded")
 
 
-def drain(problems: queue.Queue) -> list[str]:
+def drain(problems: queue.Queue | mp_queues.Queue) -> list[str]:
     """The lines waiting in a loader's problem queue."""
     lines = []
     while True:
@@ -32,7 +33,7 @@ class DataHealth:
     """Call ``poll`` at every metrics record and ``end_epoch`` after each epoch, on every rank
     (both may gather from all ranks); ``say`` is rank 0's voice."""
 
-    queues: Iterable[queue.Queue]  # the loaders' problem queues, filled by their workers
+    queues: Iterable[queue.Queue | mp_queues.Queue]  # the loaders' problem queues, filled by their workers
     say: Callable[..., None]
     max_bad: float  # the fraction of an epoch's samples that may be skipped or padded
     totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))

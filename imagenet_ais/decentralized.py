@@ -14,6 +14,7 @@ model continue where they were.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,11 @@ def wrap(
         ) from e
 
 
+def lr(model: nn.Module) -> float:
+    """The learning rate ``model`` (decent-dp's wrapper) steps with now."""
+    return cast(Any, model).get_lr()
+
+
 @torch.no_grad()
 def consensus(model: nn.Module) -> dict[str, float]:
     """Replace every rank's model by the global average; returns how far apart they were.
@@ -65,7 +71,7 @@ def consensus(model: nn.Module) -> dict[str, float]:
     ``spread`` is the largest difference of any parameter from rank 0's after it (0 when
     the ranks agree, as they must).
     """
-    distance = model.global_avg(will_revert=False, return_d2c=True)
+    distance = cast(Any, model).global_avg(will_revert=False, return_d2c=True)  # (decent-dp's wrapper)
     flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
     reference = flat.clone()
     dist.broadcast(reference, 0)

@@ -150,10 +150,11 @@ class DeviceFeed:
             except queue.Empty:
                 if self.interrupted and self.interrupted(time.monotonic() - start):
                     raise Interrupted from None
-        if item is _END or isinstance(item, BaseException):
+        if item is _END:
             self.close()
-            if item is _END:
-                raise StopIteration
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
             raise item
         if self.stream:
             current = torch.cuda.current_stream(self.device)

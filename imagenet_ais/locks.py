@@ -36,7 +36,8 @@ LOCK = "_convert.lock"
 TRAIN_LOCK = "train.lock"
 STALE_S = 15 * 60  # generous against clock skew between hosts: a live holder refreshes far more often
 REFRESH_S = 60
-FIELDS = {"pid": int, "host": str, "time": (int, float), "token": str}  # what a readable lock names
+# what a readable lock names
+FIELDS: dict[str, type | tuple[type, ...]] = {"pid": int, "host": str, "time": (int, float), "token": str}
 
 
 def _who(holder: dict) -> str:

@@ -170,8 +170,8 @@ def brace_pattern(names: list[str]) -> str:
     """``a-000.tar, a-001.tar, a-002.tar`` → ``a-{000..002}.tar`` (the seeds' shardsum)."""
     if not names:
         return "(no shards)"
-    parsed = [re.fullmatch(r"(.*?)(\d+)(\D*)", n) for n in names]
-    if all(parsed):
+    parsed = [m for n in names if (m := re.fullmatch(r"(.*?)(\d+)(\D*)", n))]
+    if len(parsed) == len(names):
         heads = {(m.group(1), m.group(3), len(m.group(2))) for m in parsed}
         numbers = sorted(int(m.group(2)) for m in parsed)
         if len(heads) == 1 and numbers == list(range(numbers[0], numbers[0] + len(numbers))):

@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torchvision
@@ -164,5 +164,5 @@ def wrap(
         # static shapes: a new --progressive size gets its own graph, as fast as the first; by
         # default the second size turns on dynamic shapes, and ResNet-50 at 224 px then ran at
         # 3,800 img/s instead of 5,330 on an H100 (bench/RESULTS.md run T)
-        model = torch.compile(model, mode=compile_mode(cfg, cuda), dynamic=False)
+        model = cast(nn.Module, torch.compile(model, mode=compile_mode(cfg, cuda), dynamic=False))
     return model

@@ -74,7 +74,7 @@ def resume(
         keys_log.cut_back(Path(cfg.output), state["epoch"], state["keys_logged"])
     say(f"resumed from {path}: epoch {state['epoch'] + 1}, step {state['step']}")
     if (before := state["config"].get("epoch_size")) != cfg.epoch_size and not cfg.synthetic:
-        size = {None: "the manifest's train samples"}
+        size: dict[int | None, str] = {None: "the manifest's train samples"}
         say(
             f"note: {path} trained epochs of {size.get(before, f'{before} samples')}, this run's are "
             f"{size.get(cfg.epoch_size, f'{cfg.epoch_size} samples')} (--epoch-size): it goes on from epoch "
@@ -118,7 +118,7 @@ def continue_epoch(
     per-rank batch and workers may differ from the interrupted run's; where the epoch cannot
     be continued as it would have gone on, says so in one line and what it does instead."""
     epoch, step, steps = state["epoch"], state["step_in_epoch"], len(loader)
-    if not step or cfg.synthetic:
+    if not step or isinstance(loader, SyntheticLoader):  # (--synthetic: every step is alike)
         return min(step, steps)
     world, batch, mode = len(state["rng"]), state["config"]["batch_size"], state["config"]["epoch_mode"]
     moved = (world, batch) != (d.world, cfg.batch_size)

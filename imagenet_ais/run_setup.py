@@ -231,7 +231,7 @@ def build(
         model.load_weights(raw_model, cfg.weights)
     raw_model = model.sync_batchnorm(raw_model.to(d.device), cfg, d)
     if channels_last:
-        raw_model = raw_model.to(memory_format=torch.channels_last)
+        raw_model = raw_model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # (documented)
     decent, compiled = model.parallelism(cfg, d, say)
     if decent and cfg.clip_grad_norm:
         raise ValueError("--clip-grad-norm with --dp decent: its wrapper steps inside backward; leave one out")

@@ -47,10 +47,11 @@ def as_training_jpeg(data: bytes) -> bytes:
                 img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
                 img.load()
                 return data
+            pixels: Image.Image = img
             if img.mode.startswith("I"):
                 # 16-bit gray (PNG, TIFF): Pillow's convert clips at 255, i.e. nearly all white
-                img = Image.fromarray((np.asarray(img, dtype=np.int64).clip(0, 65535) // 257).astype(np.uint8))
-            rgb = img.convert("RGB")
+                pixels = Image.fromarray((np.asarray(img, dtype=np.int64).clip(0, 65535) // 257).astype(np.uint8))
+            rgb = pixels.convert("RGB")
     except UnidentifiedImageError as e:
         raise ValueError("not an image format Pillow can read") from e
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
@@ -250,7 +251,7 @@ def convert(
     for split, (split_plans, _) in plans.items():
         if not allow_empty:
             check_counts(split, classes, _labels(split_plans))
-    source = {"seed": seed, "maxcount": maxcount, "maxsize": maxsize}
+    source: dict[str, object] = {"seed": seed, "maxcount": maxcount, "maxsize": maxsize}
     try:
         with lock_dest(store) as lock:
             return _convert_locked(store, src, classes, plans, source, workers, read_back, allow_empty, lock.check)
@@ -343,8 +344,8 @@ def _build(
         ):
             try:
                 while True:
-                    while len(building) + len(publishing) < 2 * max(1, workers) and (plan := next(queued, None)):
-                        building[pool.submit(build_shard, src, store.url, plan)] = plan
+                    while len(building) + len(publishing) < 2 * max(1, workers) and (step := next(queued, None)):
+                        building[pool.submit(build_shard, src, store.url, step)] = step
                     if not building and not publishing:
                         break
                     for future in wait([*building, *publishing], return_when=FIRST_COMPLETED).done:

@@ -16,7 +16,8 @@ import multiprocessing as mp
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from multiprocessing.sharedctypes import Synchronized
+from typing import BinaryIO, cast
 
 import numpy as np
 import torch
@@ -87,7 +88,7 @@ def _files(stream: BinaryIO | _Hashing, where: str, errors: list[Exception]) -> 
     """The wanted members of a shard as webdataset's grouping takes them; a member that cannot be
     read (or must not be: members.py) ends them, its error in ``errors``."""
     try:
-        for name, data in members(stream, _wanted_member):
+        for name, data in members(cast(BinaryIO, stream), _wanted_member):  # (tarfile only reads it)
             yield {"fname": name, "data": data, "__url__": where}
     except Exception as e:  # each storage SDK raises its own errors mid-read (GCS: GoogleAPICallError)
         errors.append(e)
@@ -179,11 +180,11 @@ class ShardStream(IterableDataset):
             mine = contiguous_assignment(s.counts, s.world)[s.rank]
         yield from split_among_workers(mine, workers)[worker]
 
-    def _count(self, counter: mp.Value, n: int = 1) -> None:
+    def _count(self, counter: Synchronized[int], n: int = 1) -> None:
         with counter.get_lock():
             counter.value += n
 
-    def report(self, where: str, problem: str, counter: mp.Value | None) -> None:
+    def report(self, where: str, problem: str, counter: Synchronized[int] | None) -> None:
         """Name ``where``'s problem once, and count it in ``counter`` (if any) every time."""
         # the line goes first, so that the training process has it once it sees the count
         if where not in self._told:

@@ -18,7 +18,7 @@ from torch import nn
 
 from imagenet_ais import checkpoint, decentralized, distributed, keys_log, locks, resume, run_setup, upload
 from imagenet_ais.config import TrainConfig, check, image_sizes
-from imagenet_ais.data import ValLoader, WorkerDied
+from imagenet_ais.data import TrainLoader, ValLoader, WorkerDied
 from imagenet_ais.data_health import DataHealth
 from imagenet_ais.feed import Interrupted
 from imagenet_ais.metrics import LOG, METRICS, Reporter
@@ -76,8 +76,8 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         cfg, d, parts.raw_model, optimizer, parts.scaler, parts.classes, parts.train_loader, say, parts.ema
     )
     previous = standing.last_val or {}  # until the next validation
-    parts.health.val_missing = previous.get("missing", 0)
-    parts.health.val_listed = previous.get("samples", 0) + parts.health.val_missing
+    parts.health.val_missing = int(previous.get("missing", 0))
+    parts.health.val_listed = int(previous.get("samples", 0)) + parts.health.val_missing
     if cfg.test_only:
         return test_only(parts, standing)
     if standing.epoch >= cfg.epochs:
@@ -101,7 +101,7 @@ def epochs(run: Run, sizes: list[int]) -> dict[str, Any]:
         try:
             if stopped := train_epoch(run):
                 return stop(run, stopped)
-            improved = run.val_loader is not None and evaluate(run)
+            improved = evaluate(run)
             standing.first_step = 0
             save(run, epoch + 1, 0, best=improved)
         except UnreadableData as e:  # nothing left to read: waiting would be for ever
@@ -189,7 +189,7 @@ def train_epoch(run: Run) -> Stopped | None:
         if signalled or (cfg.max_steps is not None and standing.step >= cfg.max_steps):
             stopped = Stopped(step_in_epoch + 1, signalled)
         if standing.step % cfg.log_every == 0 or last_of_epoch or stopped:
-            lr = run.model.get_lr() if run.decent else run.scheduler.get_last_lr()[0]
+            lr = decentralized.lr(run.model) if run.decent else float(run.scheduler.get_last_lr()[0])
             record, totals = window.record(loader, d, run.global_batch, epoch, standing.step, lr, x.shape[-1])
             tail = record["nonfinite_tail"]
             run.nonfinite_steps = run.nonfinite_steps + tail if tail == window.steps else tail
@@ -253,24 +253,27 @@ def test_only(parts: Parts, standing: Standing) -> dict[str, Any]:
 
 
 def evaluate(run: Run) -> bool:
-    """Validates at the end of an epoch, logs and says it; whether top-1 is the best so far."""
-    standing = run.standing
+    """Validates at the end of an epoch (if the run has a val split), logs and says it; whether
+    top-1 is the best so far."""
+    standing, val_loader = run.standing, run.val_loader
+    if val_loader is None:
+        return False
     # decentralized ranks agree on one model first (the average); record how far apart they were
     agreement = average(run) if run.decent else {}
     if not run.decent:  # every rank's share scored with the statistics the checkpoint keeps: rank 0's
         for module in [run.raw_model] + ([run.ema.module] if run.ema else []):
             distributed.broadcast_buffers(module)
-    val = standing.last_val = validate(run.raw_model, run.val_loader, run.cfg, run.d)
+    val = standing.last_val = validate(run.raw_model, val_loader, run.cfg, run.d)
     top = f"val top-1 {val['top1']:.2f}% top-5 {val['top5']:.2f}%"
     best_of = val["top1"]
     if run.ema:
-        ema = validate(run.ema.module, run.val_loader, run.cfg, run.d)
+        ema = validate(run.ema.module, val_loader, run.cfg, run.d)
         val = {**val, "ema_top1": ema["top1"], "ema_top5": ema["top5"]}
         top += f" (EMA {ema['top1']:.2f}% / {ema['top5']:.2f}%)"
         best_of = ema["top1"] if run.cfg.model_ema_best else best_of
     run.log.write(kind="val", epoch=standing.epoch, step=standing.step, **val, **agreement)
     run.say(f"epoch {standing.epoch + 1}: {top} over {val['samples']} images")
-    run.health.val_missing, run.health.val_listed = val["missing"], val["samples"] + val["missing"]
+    run.health.val_missing, run.health.val_listed = int(val["missing"]), int(val["samples"] + val["missing"])
     warn_if_partial(val, run.health)
     if best_of <= standing.best_top1:
         return False
@@ -307,8 +310,10 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
     if distributed.any_rank(not finite(run.raw_model), d.device):
         raise Diverged
     rng = distributed.gather_objects(checkpoint.rng_state())
-    exact = cfg.epoch_mode == "exact" and not cfg.synthetic and step_in_epoch > 0
-    positions = distributed.gather_objects(loader.position() if exact else None)
+    # an exact epoch stopped inside: where each rank's share of it stands (synthetic data has none)
+    inside = cfg.epoch_mode == "exact" and step_in_epoch > 0
+    mine = loader.position() if inside and isinstance(loader, TrainLoader) else None
+    positions, exact = distributed.gather_objects(mine), mine is not None
     if not d.main:
         return
     state = {

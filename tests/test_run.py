@@ -63,6 +63,12 @@ def test_python_is_ruff_clean() -> None:
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_python_types_check() -> None:
+    # mypy over the package, tools/ and the top-level scripts (pyproject.toml's [tool.mypy])
+    proc = subprocess.run([VENV_BIN / "python", "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_shell_is_shellcheck_clean() -> None:
     scripts = ["run", "config.sh", ".ci/run", *(p.name for p in ROOT.glob("*.sh"))]
     scripts += [f"tools/{p.name}" for p in (ROOT / "tools").glob("*.sh")]

@@ -11,14 +11,15 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.client import IncompleteRead
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import xxhash
 from aistore.sdk import Client
 from aistore.sdk.errors import AISError
+from aistore.sdk.obj.object import Object
 from aistore.sdk.request_client import RequestClient
 from aistore.sdk.response_handler import AISResponseHandler
 from aistore.sdk.retry_config import RetryConfig
@@ -30,6 +31,7 @@ from urllib3.exceptions import ProtocolError, ReadTimeoutError
 
 from imagenet_ais.storage.base import _bucket_and_prefix, _checked, _hexdigest, _same_bytes, _StoreBase
 
+T = TypeVar("T")
 # AIStore's checksum types this client computes too; "xxhash2" is XXH64 with seed 0
 _CHECKSUMS = ("xxhash2", "sha256", "md5")
 
@@ -98,7 +100,7 @@ def _put_on_target(client: RequestClient, url: str, body: BinaryIO | bytes, size
     return handler.handle_response(session.put(target, data=body, headers=auth, timeout=client.timeout))
 
 
-def _ais_message(e) -> str:
+def _ais_message(e: AISError) -> str:
     """The reason in an AIStore error body (JSON with a "message"), else the body, else a hint."""
     try:
         return json.loads(e.message)["message"]
@@ -127,12 +129,12 @@ def _one_line_errors(where: str) -> Iterator[None]:
         raise OSError(f"{where}: {e}") from e
 
 
-def _ais_errors(method):
+def _ais_errors(method: Callable[..., T]) -> Callable[..., T]:
     """``_one_line_errors`` around a method that takes the object name (or prefix) as its last
     positional argument."""
 
     @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: AISStore, *args: Any, **kwargs: Any) -> T:
         with _one_line_errors(f"{self.url}/{args[-1] if args else ''}"):
             return method(self, *args, **kwargs)
 
@@ -226,7 +228,7 @@ class AISStore(_StoreBase):
         self.bucket = _client(endpoint).bucket(bucket)
         self._bucket_ready = False
 
-    def _obj(self, name: str):
+    def _obj(self, name: str) -> Object:
         return self.bucket.object(self.prefix + _checked(name, self.url))
 
     @_ais_errors
@@ -314,7 +316,7 @@ class AISStore(_StoreBase):
             self.delete(name)
             raise _VerifyFailed(f"{self.url}/{name}: stored copy differs from {src} (size or checksum); deleted")
 
-    def _put_multipart(self, obj, src: Path) -> None:
+    def _put_multipart(self, obj: Object, src: Path) -> None:
         upload = obj.multipart_upload().create()
         try:
             with src.open("rb") as f:

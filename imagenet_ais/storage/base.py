@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
@@ -48,7 +48,7 @@ def _bucket_and_prefix(url: str, scheme: str) -> tuple[str, str]:
     return bucket, f"{prefix}/" if prefix else ""
 
 
-def _blocks(stream: BinaryIO):
+def _blocks(stream: BinaryIO) -> Iterator[bytes]:
     """Everything left in ``stream``, 1 MiB at a time; the stream is closed afterwards."""
     with stream:
         yield from iter(lambda: stream.read(1 << 20), b"")
@@ -72,8 +72,8 @@ def _same_bytes(store: Store, name: str, path: Path) -> bool:
     return stream_sha256(store.open(name)) == stream_sha256(path.open("rb"))
 
 
-class _StoreBase:
-    """What every store does the same way on top of its own primitives."""
+class _StoreBase(Store):
+    """What every store does the same way on top of its own primitives (the rest of Store)."""
 
     def write_bytes(self, name: str, data: bytes) -> None:
         tmp = self.scratch_file(name)

@@ -67,7 +67,7 @@ class GCSStore(_StoreBase):
         # every call here is idempotent (uploads are whole-object), so retry them all, with backoff
         self.retry = Retry(initial=1.0, maximum=16.0, multiplier=2.0, timeout=retry_seconds, predicate=_gcs_transient)
 
-    def _blob(self, name: str):
+    def _blob(self, name: str) -> storage.Blob:
         return self.bucket.blob(self.prefix + _checked(name, self.url))
 
     def exists(self, name: str) -> bool:

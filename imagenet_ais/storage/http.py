@@ -7,7 +7,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import requests
 from tenacity import Retrying, retry_if_exception_type, retry_if_not_exception_type, stop_after_delay, wait_exponential
@@ -28,7 +28,7 @@ class _ResumingReader(io.RawIOBase):
         self.offset, self.total, self.validator = 0, -1, ""
         self.response = self._get()
 
-    def _get(self):
+    def _get(self) -> requests.Response:
         headers = {}
         if self.offset:
             headers = {"Range": f"bytes={self.offset}-"}
@@ -46,9 +46,10 @@ class _ResumingReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer) -> int:
+    def readinto(self, buffer: Any) -> int:  # (a writable buffer: memoryview, bytearray)
         deadline = time.monotonic() + self.store.retry_seconds
         while True:
+            error: Exception | None
             try:
                 data = self.response.raw.read1(len(buffer), decode_content=False)  # what has arrived
             except (HTTPError, requests.RequestException, OSError) as e:
@@ -92,7 +93,7 @@ class HTTPStore(_StoreBase):
         if bundle:
             self.session.verify = bundle
 
-    def request(self, method: str, name: str, headers: dict[str, str] | None = None):
+    def request(self, method: str, name: str, headers: dict[str, str] | None = None) -> requests.Response:
         """One request, retried on connection errors and 5xx; 404 is FileNotFoundError."""
         url = f"{self.url}/{_checked(name, self.url)}"
         retrying = Retrying(
