@@ -14,11 +14,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import click
 import pytest
 import webdataset as wds
+from click.testing import CliRunner
 from PIL import Image
 
-from imagenet_ais import synth
+from imagenet_ais import shards_cli, synth, train_cli
 from imagenet_ais.ais_playground import Playground
 from imagenet_ais.manifest import Manifest, ShardInfo, SplitInfo, load_manifest
 from imagenet_ais.shards import file_sha256
@@ -38,6 +40,28 @@ def run_cli(*args: str | Path, check: bool = True, env: dict[str, str] | None = 
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def here(command: click.Command, *args: str | Path, check: bool = True, env: dict[str, str] | None = None):
+    """A CLI run in this process, as ``run_cli`` reports one: for tests of what it does, where the
+    process boundary is not the point (each new process imports torch again: 4-5 s here).
+
+    ``env`` is set only while it runs; an exception other than the CLI's own exit is raised."""
+    result = CliRunner().invoke(command, [str(a) for a in args], env=env, catch_exceptions=False)
+    proc = subprocess.CompletedProcess([command.name, *map(str, args)], result.exit_code, result.stdout, result.stderr)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{proc.args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def shards_here(*args: str | Path, check: bool = True, env: dict[str, str] | None = None):
+    """imagenet_shards.py ARGS, run in this process (see ``here``)."""
+    return here(shards_cli.cli, *args, check=check, env=env)
+
+
+def train_here(*args: str | Path, check: bool = True, env: dict[str, str] | None = None):
+    """train.py ARGS, run in this process (see ``here``)."""
+    return here(train_cli.main, *args, check=check, env=env)
 
 
 def torchrun(nproc: int, *args: str | Path, check: bool = True, env: dict[str, str] | None = None):

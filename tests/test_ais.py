@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port, run_cli, wait_until
+from conftest import ROOT, free_port, shards_here, train_here, wait_until
 
 from imagenet_ais import shards
 from imagenet_ais.storage import AISStore
@@ -44,18 +44,17 @@ def objects(url: str) -> list[str]:
 @pytest.mark.parametrize("mode", ["exact", "resampled"])
 def test_convert_verify_and_train_from_ais(mode: str, tree: Path, env: dict, tmp_path: Path) -> None:
     url = bucket_url()
-    out = run_cli("imagenet_shards.py", "convert", tree, url, "--maxcount", "10", "--workers", "2", env=env)
+    out = shards_here("convert", tree, url, "--maxcount", "10", "--workers", "2", env=env)
     assert "3 rejected" in out.stdout
     names = objects(url)
     manifest = json.loads(AISStore(url).read_bytes("manifest.json"))
     shards = [s["name"] for split in manifest["splits"].values() for s in split["shards"]]
     assert sorted(names) == sorted([*shards, "manifest.json"]), "exactly the manifest's shards, no leftovers"
-    assert "all shards match" in run_cli("imagenet_shards.py", "verify", url, env=env).stdout
-    assert "imagenet-train-{000000..000007}.tar" in run_cli("imagenet_shards.py", "summary", url, env=env).stdout
+    assert "all shards match" in shards_here("verify", url, env=env).stdout
+    assert "imagenet-train-{000000..000007}.tar" in shards_here("summary", url, env=env).stdout
 
     output = tmp_path / "run"
-    run_cli(
-        "train.py",
+    train_here(
         "--data",
         url,
         "--output",
@@ -82,7 +81,7 @@ def test_convert_verify_and_train_from_ais(mode: str, tree: Path, env: dict, tmp
 
 def test_training_survives_a_killed_and_restarted_target(tree: Path, ais, env: dict, tmp_path: Path) -> None:
     url = bucket_url()
-    run_cli("imagenet_shards.py", "convert", tree, url, "--maxcount", "4", "--workers", "2", env=env)
+    shards_here("convert", tree, url, "--maxcount", "4", "--workers", "2", env=env)
     output = tmp_path / "run"
     args = [
         "--data",
@@ -119,7 +118,7 @@ def test_training_survives_a_killed_and_restarted_target(tree: Path, ais, env: d
     log, _ = proc.communicate(timeout=600)
     if proc.returncode != 0:  # a run that gave up must say why, and --resume auto must finish it
         assert "Error" in log, log
-        run_cli("train.py", *args, env=env)
+        train_here(*args, env=env)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["epoch"] for r in records if r["kind"] == "val"][-1] == 3
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 4 * (72 // 8)
@@ -181,16 +180,16 @@ def test_killed_upload_resumes_to_exactly_the_manifest_shards(tree: Path, env: d
     proc.wait()
     assert "manifest.json" not in objects(url)
 
-    run_cli("imagenet_shards.py", "convert", *args, env=env)
+    shards_here("convert", *args, env=env)
     manifest = json.loads(AISStore(url).read_bytes("manifest.json"))
     shards = sorted(s["name"] for split in manifest["splits"].values() for s in split["shards"])
     assert len(shards) == 75 + 24  # one per input file; the 3 unreadable ones leave valid empty shards
     assert sorted(objects(url)) == sorted([*shards, "manifest.json"])
-    assert "all shards match" in run_cli("imagenet_shards.py", "verify", url, env=env).stdout
+    assert "all shards match" in shards_here("verify", url, env=env).stdout
 
 
 def test_a_location_the_cluster_refuses_is_a_one_line_error(tree: Path, env: dict) -> None:
-    out = run_cli("imagenet_shards.py", "convert", tree, "ais://no:colons/x", check=False, env=env)
+    out = shards_here("convert", tree, "ais://no:colons/x", check=False, env=env)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1] == (  # the first object convert writes: its lock
         "Error: ais://no:colons/x/_convert.lock: AIStore answered 400: bucket name is invalid: "

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import ROOT, run_cli, torchrun, wait_until, write_shards
+from conftest import ROOT, run_cli, shards_here, torchrun, train_here, wait_until, write_shards
 
 from imagenet_ais.cache import usage
 
@@ -78,9 +78,9 @@ def test_a_dataset_converted_again_is_fetched_again_not_read_from_the_cache(serv
     write_shards(data, sizes)
     server = serve(data)
     common = ["--data", server.url, *TINY, "--workers", "1", "--cache-dir", cache, "--epochs", "1"]
-    run_cli("train.py", *common, "--output", tmp_path / "first")
+    train_here(*common, "--output", tmp_path / "first")
     write_shards(data, sizes, classes=3)  # converted again: the same names, other pictures and labels
-    out = run_cli("train.py", *common, "--output", tmp_path / "second")
+    out = train_here(*common, "--output", tmp_path / "second")
     cached = sorted(cache.rglob("imagenet-*.tar"))
     assert len(cached) == 3
     for copy in cached:
@@ -110,7 +110,7 @@ def test_preload_killed_midway_and_rerun_ends_with_a_verified_copy(serve, tmp_pa
 
     out = run_cli(*args)
     assert f"{dest}: train: 6 shards, 240 samples" in out.stdout
-    assert "all shards match" in run_cli("imagenet_shards.py", "verify", dest).stdout
+    assert "all shards match" in shards_here("verify", dest).stdout
     gets = server.gets()
     assert all(gets[name] == 1 for name in done), "what was there already was not fetched again"
     assert not list(dest.glob(".*.partial"))
@@ -122,7 +122,7 @@ def test_preload_of_a_split_that_is_not_there_names_the_splits(serve, tmp_path: 
     data = tmp_path / "shards"
     write_shards(data, {"train": [4], "val": [4]})
     server = serve(data)
-    out = run_cli("imagenet_shards.py", "preload", server.url, tmp_path / "x", "--splits", "test", check=False)
+    out = shards_here("preload", server.url, tmp_path / "x", "--splits", "test", check=False)
     assert out.returncode == 1
     assert out.stderr.strip() == f"Error: {server.url}/manifest.json has no split 'test' (it has train, val)"
     assert not (tmp_path / "x").exists()
@@ -134,7 +134,7 @@ def test_preload_leaves_a_manifest_json_that_is_not_ours_alone(serve, tmp_path: 
     server = serve(data)
     dest.mkdir()
     (dest / "manifest.json").write_text('{"my": "own"}')
-    out = run_cli("imagenet_shards.py", "preload", server.url, dest, check=False)
+    out = shards_here("preload", server.url, dest, check=False)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.strip() == (
         f"Error: {dest}/manifest.json is not a shard manifest (not a imagenet-ais-shards manifest): "

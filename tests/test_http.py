@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import ROOT, Server, run_cli, wait_until, write_shards
+from conftest import ROOT, Server, run_cli, shards_here, train_here, wait_until, write_shards
 
 from imagenet_ais.storage import HTTPStore
 
@@ -33,8 +33,8 @@ def test_train_one_epoch_over_http(mode: str, serve, tmp_path: Path) -> None:
     data = tmp_path / "shards"
     manifest = write_shards(data, {"train": UNEVEN, "val": [6, 6]})
     server = serve(data)
-    out = run_cli(
-        "train.py", "--data", server.url, "--output", tmp_path / "run", *TINY, "--epochs", "1", "--workers", "2",
+    out = train_here(
+        "--data", server.url, "--output", tmp_path / "run", *TINY, "--epochs", "1", "--workers", "2",
         "--epoch-mode", mode,
     )  # fmt: skip
     assert "final validation" in out.stdout and "over 12 images" in out.stdout
@@ -139,7 +139,7 @@ def test_an_http_location_cannot_be_written(serve, tree: Path, tmp_path: Path) -
     data = tmp_path / "shards"
     write_shards(data, {"train": [4]})
     server: Server = serve(data)
-    out = run_cli("imagenet_shards.py", "convert", tree, server.url, check=False)
+    out = shards_here("convert", tree, server.url, check=False)
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1] == (
         f"Error: {server.url}: HTTP locations are read-only (write to a directory, then ./run serve it)"

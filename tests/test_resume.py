@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, child_pids, free_port, run_cli, wait_until, write_shards
+from conftest import ROOT, child_pids, free_port, run_cli, train_here, wait_until, write_shards
 from test_train import TINY, metrics
 
 TRAIN = [37, 81, 53, 99, 50]  # 320 samples in unequal shards
@@ -180,8 +180,8 @@ def _listening(port: int) -> bool:
 
 def test_a_run_stopped_on_an_epochs_last_step_resumes_at_the_next_epoch(tmp_path: Path) -> None:
     synthetic = ["--synthetic", *TINY, "--epochs", "2", "--output", str(tmp_path / "syn"), "--resume", "auto"]
-    run_cli("train.py", *synthetic, "--max-steps", "100")  # the whole first epoch (100 steps)
-    run_cli("train.py", *synthetic)
+    train_here(*synthetic, "--max-steps", "100")  # the whole first epoch (100 steps)
+    train_here(*synthetic)
     assert torch.load(tmp_path / "syn" / "last.pt", weights_only=True)["step"] == 200, "no step trained twice"
 
     # exact mode, checkpoints uploaded: the epoch ends (validated) at the step it stopped at, and
@@ -189,8 +189,8 @@ def test_a_run_stopped_on_an_epochs_last_step_resumes_at_the_next_epoch(tmp_path
     data, output, uploaded = tmp_path / "shards", tmp_path / "run", tmp_path / "uploaded"
     write_shards(data, {"train": TRAIN, "val": [4]})
     common = [*args(data, output, 8, 1), "--upload", str(uploaded)]
-    run_cli("train.py", *common, "--max-steps", "40")  # 40 steps per epoch on 1 × 8
+    train_here(*common, "--max-steps", "40")  # 40 steps per epoch on 1 × 8
     assert torch.load(uploaded / "ckpt-00000040.pt", weights_only=True)["epoch"] == 0
-    run_cli("train.py", *common)  # exits 0: every upload made it
+    train_here(*common)  # exits 0: every upload made it
     assert torch.load(uploaded / "ckpt-00000040.pt", weights_only=True)["epoch"] == 1, "the validated state"
     assert json.loads((uploaded / "latest.json").read_text())["step"] == 80

@@ -23,7 +23,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import ROOT, child_pids, outliving, run_cli, sparse_member, tiny_jpeg, wait_until, write_shards
+from conftest import (
+    ROOT,
+    child_pids,
+    outliving,
+    run_cli,
+    shards_here,
+    sparse_member,
+    tiny_jpeg,
+    wait_until,
+    write_shards,
+)
 from PIL import Image
 
 from imagenet_ais import shards, shards_cli, synth
@@ -40,7 +50,7 @@ def members(shard: Path) -> dict[str, bytes]:
 
 def test_convert_accepts_quirks_rejects_bad_and_shuffles(tree: Path, tmp_path: Path) -> None:
     dest = tmp_path / "shards"
-    out = run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "10", "--workers", "2", "--seed", "3")
+    out = shards_here("convert", tree, dest, "--maxcount", "10", "--workers", "2", "--seed", "3")
     manifest = json.loads((dest / "manifest.json").read_text())
     train, val = manifest["splits"]["train"], manifest["splits"]["val"]
     assert manifest["classes"] == [wnid(k) for k in range(6)]
@@ -75,9 +85,9 @@ def test_convert_accepts_quirks_rejects_bad_and_shuffles(tree: Path, tmp_path: P
     assert samples[f"{wnid(3)}_0.jpg"] == plain_src
     assert samples[f"{wnid(3)}_0.cls"] == b"3"
 
-    verified = run_cli("imagenet_shards.py", "verify", dest)
+    verified = shards_here("verify", dest)
     assert "all shards match" in verified.stdout
-    summary = run_cli("imagenet_shards.py", "summary", dest).stdout
+    summary = shards_here("summary", dest).stdout
     assert "train: imagenet-train-{000000..000007}.tar  shards=8 samples=72" in summary
     assert "val: imagenet-val-{000000..000002}.tar  shards=3 samples=24" in summary
     assert not list(dest.glob(".*")), "scratch files left behind"
@@ -85,12 +95,12 @@ def test_convert_accepts_quirks_rejects_bad_and_shuffles(tree: Path, tmp_path: P
 
 def test_verify_names_the_shard_with_a_flipped_byte(tree: Path, tmp_path: Path) -> None:
     dest = tmp_path / "shards"
-    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20", "--workers", "2")
+    shards_here("convert", tree, dest, "--maxcount", "20", "--workers", "2")
     victim = dest / "imagenet-train-000002.tar"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
-    proc = run_cli("imagenet_shards.py", "verify", dest, check=False)
+    proc = shards_here("verify", dest, check=False)
     assert proc.returncode == 1
     assert "imagenet-train-000002.tar: sha256" in proc.stderr
     assert proc.stderr.count("BAD") == 1
@@ -110,7 +120,7 @@ def test_verify_of_an_unreadable_manifest_is_one_line(tmp_path: Path) -> None:
 
 def test_verify_and_summary_refuse_a_missing_manifest(tmp_path: Path) -> None:
     for verb in ("verify", "summary"):
-        proc = run_cli("imagenet_shards.py", verb, tmp_path, check=False)
+        proc = shards_here(verb, tmp_path, check=False)
         assert proc.returncode == 1
         assert f"no manifest.json in {tmp_path}" in proc.stderr
 
@@ -118,7 +128,7 @@ def test_verify_and_summary_refuse_a_missing_manifest(tmp_path: Path) -> None:
 def test_killed_conversion_leaves_no_partial_shard_and_resumes(tree: Path, tmp_path: Path) -> None:
     args = ["--maxcount", "1", "--workers", "1", "--seed", "5"]
     reference = tmp_path / "reference"
-    run_cli("imagenet_shards.py", "convert", tree, reference, *args)
+    shards_here("convert", tree, reference, *args)
 
     dest = tmp_path / "killed"
     proc = subprocess.Popen(
@@ -140,22 +150,22 @@ def test_killed_conversion_leaves_no_partial_shard_and_resumes(tree: Path, tmp_p
     before = {p.name: p.stat().st_mtime_ns for p in finished}
     (dest / ".imagenet-train-000000.tar.x1y2z3.partial").write_bytes(b"half a shard")  # as a kill leaves it
 
-    run_cli("imagenet_shards.py", "convert", tree, dest, *args)
+    shards_here("convert", tree, dest, *args)
     assert {p.name: p.stat().st_mtime_ns for p in finished} == before, "finished shards were rewritten"
     assert (dest / "manifest.json").read_text() == (reference / "manifest.json").read_text()
     assert sorted(p.name for p in dest.glob("imagenet-*.tar")) == sorted(p.name for p in reference.glob("*.tar"))
     assert not (dest / "_progress").exists() and not list(dest.glob(".*.partial"))
-    run_cli("imagenet_shards.py", "verify", dest)
+    shards_here("verify", dest)
 
 
 def test_rerun_rebuilds_only_a_damaged_shard(tree: Path, tmp_path: Path) -> None:
     dest = tmp_path / "shards"
     args = ["--maxcount", "20", "--workers", "2"]
-    run_cli("imagenet_shards.py", "convert", tree, dest, *args)
+    shards_here("convert", tree, dest, *args)
     good = (dest / "imagenet-train-000001.tar").read_bytes()
     (dest / "imagenet-train-000001.tar").write_bytes(good[:1000])  # a damaged copy under the final name
     mtimes = {p.name: p.stat().st_mtime_ns for p in dest.glob("*.tar")}
-    run_cli("imagenet_shards.py", "convert", tree, dest, *args)
+    shards_here("convert", tree, dest, *args)
     assert (dest / "imagenet-train-000001.tar").read_bytes() == good
     changed = [p.name for p in dest.glob("*.tar") if p.stat().st_mtime_ns != mtimes[p.name]]
     assert changed == ["imagenet-train-000001.tar"]
@@ -163,26 +173,26 @@ def test_rerun_rebuilds_only_a_damaged_shard(tree: Path, tmp_path: Path) -> None
 
 def test_changed_plan_replaces_old_shards(tree: Path, tmp_path: Path) -> None:
     dest = tmp_path / "shards"
-    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "5", "--splits", "train")
-    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "30", "--splits", "train")
+    shards_here("convert", tree, dest, "--maxcount", "5", "--splits", "train")
+    shards_here("convert", tree, dest, "--maxcount", "30", "--splits", "train")
     names = sorted(p.name for p in dest.glob("*.tar"))
     assert names == [f"imagenet-train-{i:06d}.tar" for i in range(3)]
     manifest = json.loads((dest / "manifest.json").read_text())
     counts = [s["samples"] for s in manifest["splits"]["train"]["shards"]]
     assert sum(counts) == 72 and max(counts) <= 30  # 75 files planned 30/30/15, 3 of them rejected
-    run_cli("imagenet_shards.py", "verify", dest)
+    shards_here("verify", dest)
 
 
 def test_convert_rejects_a_tree_without_train(tmp_path: Path) -> None:
     (tmp_path / "src" / "val").mkdir(parents=True)
-    proc = run_cli("imagenet_shards.py", "convert", tmp_path / "src", tmp_path / "out", check=False)
+    proc = shards_here("convert", tmp_path / "src", tmp_path / "out", check=False)
     assert proc.returncode == 1
     assert "train not found" in proc.stderr
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
 def test_synth_pictures_have_varied_sizes(tmp_path: Path) -> None:
-    run_cli("imagenet_shards.py", "synth", tmp_path, "--classes", "2", "--train-per-class", "8", "--val-per-class", "1")
+    shards_here("synth", tmp_path, "--classes", "2", "--train-per-class", "8", "--val-per-class", "1")
     sizes = [Image.open(p).size for p in (tmp_path / "train").rglob("*.JPEG")]
     assert len(sizes) == 16
     assert all(150 <= s <= 600 for wh in sizes for s in wh)
@@ -192,15 +202,15 @@ def test_synth_pictures_have_varied_sizes(tmp_path: Path) -> None:
 
 def test_converting_one_split_keeps_the_others(tree: Path, tmp_path: Path) -> None:
     dest = tmp_path / "shards"
-    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20")
+    shards_here("convert", tree, dest, "--maxcount", "20")
     before = json.loads((dest / "manifest.json").read_text())
     train = {p.name: p.read_bytes() for p in dest.glob("imagenet-train-*.tar")}
-    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "10", "--splits", "val")
+    shards_here("convert", tree, dest, "--maxcount", "10", "--splits", "val")
     after = json.loads((dest / "manifest.json").read_text())
     assert after["splits"]["train"] == before["splits"]["train"], "train kept as it was"
     assert {p.name: p.read_bytes() for p in dest.glob("imagenet-train-*.tar")} == train
     assert len(after["splits"]["val"]["shards"]) == 3 and len(before["splits"]["val"]["shards"]) == 2
-    run_cli("imagenet_shards.py", "verify", dest)
+    shards_here("verify", dest)
 
 
 @pytest.mark.parametrize(
@@ -218,14 +228,14 @@ def test_a_dest_with_files_not_ours_is_refused_untouched(
     for name, data in foreign.items():
         (dest / name).parent.mkdir(parents=True, exist_ok=True)
         (dest / name).write_bytes(data)
-    proc = run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20", check=False)
+    proc = shards_here("convert", tree, dest, "--maxcount", "20", check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert says in proc.stderr.strip().splitlines()[-1] and "nothing was changed" in proc.stderr
     assert {str(p.relative_to(dest)): p.read_bytes() for p in dest.rglob("*") if p.is_file()} == foreign
 
 
 def test_no_splits_is_refused(tree: Path, tmp_path: Path) -> None:
-    proc = run_cli("imagenet_shards.py", "convert", tree, tmp_path / "out", "--splits", ",", check=False)
+    proc = shards_here("convert", tree, tmp_path / "out", "--splits", ",", check=False)
     assert proc.returncode == 1 and "--splits names no split" in proc.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
@@ -239,7 +249,7 @@ def test_a_16_bit_gray_png_keeps_its_tones(tmp_path: Path) -> None:
     Image.fromarray(ramp).save(folder / "ramp.JPEG", format="PNG")
     assert Image.open(folder / "ramp.JPEG").mode.startswith("I")
     dest = tmp_path / "shards"
-    run_cli("imagenet_shards.py", "convert", tmp_path / "src", dest, "--splits", "train")
+    shards_here("convert", tmp_path / "src", dest, "--splits", "train")
     (stored,) = [v for k, v in members(dest / "imagenet-train-000000.tar").items() if k.endswith(".jpg")]
     gray = np.asarray(Image.open(io.BytesIO(stored)).convert("L"), dtype=np.float64)
     assert abs(gray.mean() - 127.5) < 4 and gray[:, :16].mean() < 12 and gray[:, -16:].mean() > 243
@@ -318,7 +328,7 @@ def test_a_second_convert_into_the_same_dest_is_refused(tree: Path, tmp_path: Pa
     wait_until(first, lambda: len(list(dest.glob("imagenet-*.tar"))) >= 2, "2 shards written", poll=0.002)
     os.killpg(first.pid, signal.SIGSTOP)  # mid-run for as long as the second one takes
     try:
-        second = run_cli("imagenet_shards.py", "convert", tree, dest, *args, check=False)
+        second = shards_here("convert", tree, dest, *args, check=False)
     finally:
         os.killpg(first.pid, signal.SIGCONT)
     assert second.returncode == 1 and "Traceback" not in second.stderr
@@ -333,14 +343,14 @@ def test_a_second_convert_into_the_same_dest_is_refused(tree: Path, tmp_path: Pa
     assert sorted(p.name for p in dest.iterdir()) == sorted(
         ["manifest.json", *(s["name"] for split in manifest["splits"].values() for s in split["shards"])]
     ), "no lock or journal left behind"
-    run_cli("imagenet_shards.py", "verify", dest)
+    shards_here("verify", dest)
 
 
 def test_a_failed_run_publishes_no_manifest_and_the_next_keeps_the_other_splits(tree: Path, tmp_path: Path) -> None:
     """The manifest a run starts from is set aside, not lost: killed while rewriting val, DEST has
     no manifest (readers see no dataset), and the next run still knows train is ours and keeps it."""
     dest = tmp_path / "shards"
-    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20")
+    shards_here("convert", tree, dest, "--maxcount", "20")
     before = json.loads((dest / "manifest.json").read_text())
     train = {p.name: p.read_bytes() for p in dest.glob("imagenet-train-*.tar")}
 
@@ -351,20 +361,20 @@ def test_a_failed_run_publishes_no_manifest_and_the_next_keeps_the_other_splits(
     killed.wait()
     assert not (dest / "manifest.json").exists(), "a manifest describing shards being rewritten"
 
-    run_cli("imagenet_shards.py", "convert", tree, dest, *args)
+    shards_here("convert", tree, dest, *args)
     after = json.loads((dest / "manifest.json").read_text())
     assert after["splits"]["train"] == before["splits"]["train"]
     assert len(after["splits"]["val"]["shards"]) == 24
     assert {p.name: p.read_bytes() for p in dest.glob("imagenet-train-*.tar")} == train
     assert not (dest / "_progress").exists() and not (dest / "_convert.lock").exists()
-    run_cli("imagenet_shards.py", "verify", dest)
+    shards_here("verify", dest)
 
 
 def test_a_split_being_rewritten_when_a_run_stopped_is_not_kept(tree: Path, tmp_path: Path) -> None:
     """Killed while rewriting val (maxcount 20 → 1), a run converting train alone must not keep
     val from the set-aside manifest: some of its shards are already the new ones."""
     dest = tmp_path / "shards"
-    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20")
+    shards_here("convert", tree, dest, "--maxcount", "20")
     killed = start_convert(tree, dest, "--splits", "val", "--maxcount", "1", "--workers", "1")
     record = dest / "_progress" / "imagenet-val-000003.tar.json"  # so val 0..2 are rewritten
     wait_until(killed, record.exists, "4 val shards begun", poll=0.002)
@@ -375,8 +385,8 @@ def test_a_split_being_rewritten_when_a_run_stopped_is_not_kept(tree: Path, tmp_
         "Error: val was being rewritten when a run stopped: add it to --splits "
         "(--splits train,val; nothing was changed)"
     )
-    run_cli("imagenet_shards.py", "convert", tree, dest, "--splits", "train,val", "--maxcount", "20")
-    run_cli("imagenet_shards.py", "verify", dest)
+    shards_here("convert", tree, dest, "--splits", "train,val", "--maxcount", "20")
+    shards_here("verify", dest)
 
 
 def this_machine() -> dict:
@@ -406,7 +416,7 @@ def test_an_object_store_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(
         lock["time"] = "yesterday"
     store.write_bytes("_convert.lock", json.dumps(lock).encode())
 
-    proc = run_cli("imagenet_shards.py", "convert", src, url, "--workers", "1", check=False)
+    proc = shards_here("convert", src, url, "--workers", "1", check=False)
     if holder in ("alive", "dead in another pid namespace"):
         assert proc.returncode == 1
         assert proc.stderr.strip().splitlines()[-1] == (
@@ -503,7 +513,7 @@ def test_a_rerun_rereads_inputs_that_changed(tree: Path, tmp_path: Path) -> None
     src, dest = tmp_path / "src", tmp_path / "shards"
     shutil.copytree(tree, src)
     args = ["--maxcount", "10", "--workers", "2"]
-    run_cli("imagenet_shards.py", "convert", src, dest, *args)
+    shards_here("convert", src, dest, *args)
     mtimes = {p.name: p.stat().st_mtime_ns for p in dest.glob("*.tar")}
 
     fixed = src / "train" / wnid(0) / f"{wnid(0)}_truncated.JPEG"
@@ -512,7 +522,7 @@ def test_a_rerun_rereads_inputs_that_changed(tree: Path, tmp_path: Path) -> None
     data = bytearray(replaced.read_bytes())
     data[len(data) // 2] ^= 0x01  # other bytes, the same size
     replaced.write_bytes(bytes(data))
-    run_cli("imagenet_shards.py", "convert", src, dest, *args)
+    shards_here("convert", src, dest, *args)
 
     train = json.loads((dest / "manifest.json").read_text())["splits"]["train"]
     assert train["samples"] == 73
@@ -557,7 +567,7 @@ def test_every_input_file_is_in_a_shard_or_listed_with_a_reason(tmp_path: Path) 
         },
     )
     dest = tmp_path / "shards"
-    out = run_cli("imagenet_shards.py", "convert", src, dest, "--workers", "1").stdout
+    out = shards_here("convert", src, dest, "--workers", "1").stdout
     train = json.loads((dest / "manifest.json").read_text())["splits"]["train"]
     stored = members(dest / "imagenet-train-000000.tar")
     assert sorted(n for n in stored if n.endswith(".cls")) == ["a.cls", "b.cls", "c.cls"]
@@ -593,7 +603,7 @@ def test_an_image_reached_twice_is_stored_once_under_the_class_it_is_in(tmp_path
     )
     os.link(src / "train/n1/a.JPEG", src / "val/n1/a.JPEG")  # the same image in train and val
     dest = tmp_path / "shards"
-    run_cli("imagenet_shards.py", "convert", src, dest, "--workers", "1")
+    shards_here("convert", src, dest, "--workers", "1")
     manifest = json.loads((dest / "manifest.json").read_text())
     train = members(dest / "imagenet-train-000000.tar")
     assert {n: v for n, v in train.items() if n.endswith(".cls")} == {"a.cls": b"0", "y.cls": b"1", "c.cls": b"1"}
@@ -624,7 +634,7 @@ def test_an_unreadable_subfolder_is_listed_as_rejected(tmp_path: Path) -> None:
 
 def refused(src: Path, dest: Path, *args: str) -> str:
     """convert's one-line error; DEST is left as it was (absent here) and no manifest is written."""
-    proc = run_cli("imagenet_shards.py", "convert", src, dest, "--workers", "1", *args, check=False)
+    proc = shards_here("convert", src, dest, "--workers", "1", *args, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert not (dest / "manifest.json").exists()
     return proc.stderr.strip().splitlines()[-1]
@@ -647,7 +657,7 @@ def test_a_class_with_no_samples_is_an_error_unless_allowed(extra: dict, says: s
     dest = tmp_path / "shards"
     line = refused(src, dest)
     assert line.startswith(says) and line.endswith("or pass --allow-empty to convert without them")
-    run_cli("imagenet_shards.py", "convert", src, dest, "--workers", "1", "--allow-empty")
+    shards_here("convert", src, dest, "--workers", "1", "--allow-empty")
     assert (dest / "manifest.json").exists()
 
 
@@ -656,7 +666,7 @@ def test_an_empty_split_is_an_error_unless_allowed(tmp_path: Path) -> None:
     assert refused(src, tmp_path / "shards") == (
         "Error: val has no samples: add images to val/<wnid>/, or pass --allow-empty to convert without them"
     )
-    run_cli("imagenet_shards.py", "convert", src, tmp_path / "shards", "--allow-empty")
+    shards_here("convert", src, tmp_path / "shards", "--allow-empty")
     assert json.loads((tmp_path / "shards" / "manifest.json").read_text())["splits"]["val"]["shards"] == []
 
 
@@ -733,7 +743,7 @@ def test_a_manifest_field_of_the_wrong_type_is_one_line(edit, says: str, tmp_pat
     doc = edit(doc) or doc  # (an edit returns a whole new document, or changes this one)
     (tmp_path / "manifest.json").write_text(json.dumps(doc))
     for verb in ("summary", "verify"):
-        proc = run_cli("imagenet_shards.py", verb, tmp_path, check=False)
+        proc = shards_here(verb, tmp_path, check=False)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stderr.strip().splitlines() == [
             f"Error: {tmp_path / 'manifest.json'}: unreadable manifest ({says}); re-run `imagenet_shards.py convert`"
@@ -807,7 +817,7 @@ def test_verify_names_what_is_wrong_inside_a_shard(names: list[str], samples: in
     doc = json.loads((tmp_path / "manifest.json").read_text())
     doc["splits"]["train"]["shards"][0].update(samples=samples, bytes=shard.stat().st_size, sha256=file_sha256(shard))
     (tmp_path / "manifest.json").write_text(json.dumps(doc))
-    proc = run_cli("imagenet_shards.py", "verify", tmp_path, check=False)
+    proc = shards_here("verify", tmp_path, check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == f"BAD {tmp_path}/imagenet-train-000000.tar: {says}"
 
@@ -823,13 +833,13 @@ def test_verify_names_what_is_wrong_inside_a_shard(names: list[str], samples: in
 )
 def test_a_malformed_journal_record_is_one_line(record: str, says: str, tree: Path, tmp_path: Path) -> None:
     dest = tmp_path / "shards"
-    run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20")
+    shards_here("convert", tree, dest, "--maxcount", "20")
     shard = json.loads((dest / "manifest.json").read_text())["splits"]["train"]["shards"][0]
     path = dest / "_progress" / "imagenet-train-000000.tar.json"
     path.parent.mkdir()
     path.write_text(record.replace("SHARD", json.dumps(shard)))
     before = {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()}
-    proc = run_cli("imagenet_shards.py", "convert", tree, dest, "--maxcount", "20", check=False)
+    proc = shards_here("convert", tree, dest, "--maxcount", "20", check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith(f"Error: {path}: unreadable journal record ({says}")
@@ -848,9 +858,9 @@ def test_a_split_named_with_a_dash_resumes_after_a_kill(tree: Path, tmp_path: Pa
     wait_until(killed, record.exists, "4 shards begun", poll=0.002)
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait()
-    run_cli("imagenet_shards.py", "convert", src, dest, *args)
+    shards_here("convert", src, dest, *args)
     assert len(json.loads((dest / "manifest.json").read_text())["splits"]["mini-val"]["shards"]) == 24
-    run_cli("imagenet_shards.py", "verify", dest)
+    shards_here("verify", dest)
 
 
 def test_a_split_named_twice_is_refused(tree: Path, tmp_path: Path) -> None:

@@ -28,7 +28,19 @@ import pytest
 import torch
 import torchvision
 import webdataset as wds
-from conftest import ROOT, child_pids, outliving, relist, run_cli, tiny_jpeg, torchrun, wait_until, write_shards
+from conftest import (
+    ROOT,
+    child_pids,
+    outliving,
+    relist,
+    run_cli,
+    shards_here,
+    tiny_jpeg,
+    torchrun,
+    train_here,
+    wait_until,
+    write_shards,
+)
 from torch.utils.tensorboard import SummaryWriter
 
 from imagenet_ais import checkpoint, config, distributed, locks, model, run_setup, synth, train_cli, training
@@ -177,12 +189,12 @@ def test_stopped_run_resumes_at_the_right_step(tmp_path: Path) -> None:
         "--resume",
         "auto",
     ]
-    first = run_cli("train.py", *args, "--max-steps", "17")  # 12 steps per epoch: stops inside epoch 2
+    first = train_here(*args, "--max-steps", "17")  # 12 steps per epoch: stops inside epoch 2
     assert "stopped at step 17" in first.stdout
     state = torch.load(output / "last.pt", weights_only=True)
     assert (state["epoch"], state["step"], state["step_in_epoch"]) == (1, 17, 5)
 
-    second = run_cli("train.py", *args)
+    second = train_here(*args)
     assert "resumed from" in second.stdout and "epoch 2, step 17" in second.stdout
     train = [r for r in metrics(output) if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, 37)), "no step repeated or skipped across the restart"
@@ -191,7 +203,7 @@ def test_stopped_run_resumes_at_the_right_step(tmp_path: Path) -> None:
     assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [0, 1, 2]
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 36
 
-    third = run_cli("train.py", *args)  # nothing left to do, and it says so
+    third = train_here(*args)  # nothing left to do, and it says so
     assert "already trained 3 epochs" in third.stdout
 
 
@@ -238,7 +250,7 @@ def test_killed_run_resumes_from_its_last_epoch(tmp_path: Path) -> None:
     done = torch.load(output / "last.pt", weights_only=True)
     assert done["step"] == done["epoch"] * 12 and done["epoch"] >= 1
 
-    second = run_cli("train.py", *args)
+    second = train_here(*args)
     assert f"epoch {done['epoch'] + 1}, step {done['step']}" in second.stdout
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 48
     assert not list(output.glob(".*")), "no half-written checkpoint left behind"
@@ -247,9 +259,8 @@ def test_killed_run_resumes_from_its_last_epoch(tmp_path: Path) -> None:
 def test_resume_refuses_a_checkpoint_of_another_model(tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [8]})
-    run_cli("train.py", "--data", data, "--output", output, *TINY, "--epochs", "1", "--workers", "0")
-    proc = run_cli(
-        "train.py",
+    train_here("--data", data, "--output", output, *TINY, "--epochs", "1", "--workers", "0")
+    proc = train_here(
         "--data",
         data,
         "--output",
@@ -269,13 +280,12 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path: Path) -> None:
 
 
 def test_bad_inputs_get_one_line_errors(tmp_path: Path) -> None:
-    proc = run_cli("train.py", "--data", tmp_path, "--output", tmp_path / "o", check=False)
+    proc = train_here("--data", tmp_path, "--output", tmp_path / "o", check=False)
     assert proc.returncode == 1 and f"no manifest.json in {tmp_path}" in proc.stderr
     write_shards(tmp_path, {"train": [8]})
-    proc = run_cli("train.py", "--data", tmp_path, "--output", tmp_path / "o", "--arch", "resnet5000", check=False)
+    proc = train_here("--data", tmp_path, "--output", tmp_path / "o", "--arch", "resnet5000", check=False)
     assert proc.returncode == 1 and "'resnet5000' is not a torchvision classification model" in proc.stderr
-    proc = run_cli(
-        "train.py",
+    proc = train_here(
         "--data",
         tmp_path,
         "--output",
@@ -287,7 +297,7 @@ def test_bad_inputs_get_one_line_errors(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 1 and "fewer than one global batch" in proc.stderr
-    proc = run_cli("train.py", "--data", tmp_path, "--output", tmp_path / "o", "--progressive", "224:128", check=False)
+    proc = train_here("--data", tmp_path, "--output", tmp_path / "o", "--progressive", "224:128", check=False)
     assert proc.returncode == 1 and "--progressive '224:128': give START:END" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     afile, picture = tmp_path / "afile", tmp_path / "tree" / "train" / "c0" / "a.jpg"
@@ -307,9 +317,8 @@ def test_bad_inputs_get_one_line_errors(tmp_path: Path) -> None:
 def test_training_learns_the_synthetic_classes(decode: str, tmp_path: Path) -> None:
     tree, data, output = tmp_path / "tree", tmp_path / "shards", tmp_path / "run"
     synth.make_tree(tree, classes=4, train_per_class=48, val_per_class=12, seed=3)
-    run_cli("imagenet_shards.py", "convert", tree, data, "--maxcount", "40", "--workers", "2")
-    out = run_cli(
-        "train.py",
+    shards_here("convert", tree, data, "--maxcount", "40", "--workers", "2")
+    out = train_here(
         "--data",
         data,
         "--output",
@@ -339,7 +348,7 @@ def test_training_learns_the_synthetic_classes(decode: str, tmp_path: Path) -> N
 
 
 def test_synthetic_mode_trains_without_data(tmp_path: Path) -> None:
-    out = run_cli("train.py", "--synthetic", "--output", tmp_path, *TINY, "--epochs", "1", "--max-steps", "3")
+    out = train_here("--synthetic", "--output", tmp_path, *TINY, "--epochs", "1", "--max-steps", "3")
     assert "stopped at step 3" in out.stdout
     assert [r["step"] for r in metrics(tmp_path) if r["kind"] == "train"][-1] == 3
 
@@ -347,8 +356,7 @@ def test_synthetic_mode_trains_without_data(tmp_path: Path) -> None:
 def test_step_checkpoints_are_pruned_to_keep_last(tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": UNEVEN})
-    run_cli(
-        "train.py",
+    train_here(
         "--data",
         data,
         "--output",
@@ -420,8 +428,7 @@ def test_sigterm_to_torchrun_saves_both_ranks_mid_epoch_and_resumes(tmp_path: Pa
 def test_progressive_resizing_follows_its_schedule(decode: str, tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [16, 16], "val": [6]})
-    run_cli(
-        "train.py",
+    train_here(
         "--data",
         data,
         "--output",
@@ -454,7 +461,7 @@ def test_a_run_shows_in_tensorboard_and_plots_to_a_png(tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [16, 8], "val": [6]})
     args = ["--data", data, "--output", output, *TINY, "--epochs", "2", "--workers", "1", "--log-every", "2"]
-    run_cli("train.py", *args)
+    train_here(*args)
     records = metrics(output)
 
     board = EventAccumulator(str(output))
@@ -495,7 +502,7 @@ def test_the_defaults_are_sized_on_the_machine_that_trains(
 
 
 def test_workers_must_be_auto_or_a_count(tmp_path: Path) -> None:
-    proc = run_cli("train.py", "--synthetic", "--output", tmp_path, "--workers", "many", check=False)
+    proc = train_here("--synthetic", "--output", tmp_path, "--workers", "many", check=False)
     assert proc.returncode == 2 and "'many' is neither 'auto' nor a number of workers" in proc.stderr
 
 
@@ -509,7 +516,7 @@ def test_a_run_resumed_before_its_first_checkpoint_logs_each_step_once(tmp_path:
         '{"kind": "train", "epoch": 0, "step": 1, "loss": 9.0}\n{"kind": "train", "epoch": 0, "st'
     )
     args = ["--data", data, "--output", output, *TINY, "--epochs", "1", "--log-every", "1", "--resume", "auto"]
-    run_cli("train.py", *args, "--workers", "1")
+    train_here(*args, "--workers", "1")
     assert [r["step"] for r in metrics(output) if r["kind"] == "train"] == [1, 2, 3, 4]
     assert all(r["loss"] != 9.0 for r in metrics(output)), "the crashed run's record is gone"
 
@@ -521,7 +528,7 @@ def test_a_damaged_checkpoint_is_never_trained_on(tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [16]})
     args = ["--data", data, "--output", output, *TINY, "--workers", "1", "--log-every", "1", "--keep-last", "5"]
-    run_cli("train.py", *args, "--epochs", "2")  # checkpoints at steps 4 and 8; last.pt is step 8
+    train_here(*args, "--epochs", "2")  # checkpoints at steps 4 and 8; last.pt is step 8
     last = output / "last.pt"
     raw = bytearray(last.read_bytes())
     middle = len(raw) // 2
@@ -529,18 +536,18 @@ def test_a_damaged_checkpoint_is_never_trained_on(tmp_path: Path) -> None:
     last.write_bytes(raw)  # in place: ckpt-00000008.pt is the same file
     assert torch.load(last, weights_only=True)["step"] == 8, "torch itself loads it without complaint"
 
-    explicit = run_cli("train.py", *args, "--epochs", "3", "--resume", last, check=False)
+    explicit = train_here(*args, "--epochs", "3", "--resume", last, check=False)
     assert explicit.returncode == 1 and "Traceback" not in explicit.stderr
     assert f"{last}: damaged" in explicit.stderr.strip().splitlines()[-1]
 
-    out = run_cli("train.py", *args, "--epochs", "3", "--resume", "auto")
+    out = train_here(*args, "--epochs", "3", "--resume", "auto")
     assert "resuming from" in out.stderr and "ckpt-00000004.pt, the newest intact checkpoint" in out.stderr
     assert "resumed from" in out.stdout and "step 4" in out.stdout
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 12, "epochs 2 and 3 trained again from step 4"
 
     foreign = tmp_path / "notes.pt"
     foreign.write_text("not a checkpoint\n")
-    proc = run_cli("train.py", *args, "--epochs", "3", "--resume", foreign, check=False)
+    proc = train_here(*args, "--epochs", "3", "--resume", foreign, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "weights_only" not in proc.stderr
     assert f"{foreign}: not a checkpoint this tool can load" in proc.stderr.strip().splitlines()[-1]
 
@@ -878,7 +885,7 @@ def test_a_second_training_into_one_output_is_refused(tmp_path: Path) -> None:
     )
     try:
         wait_until(first, (output / "train.lock").exists, "the first run's lock")
-        second = run_cli("train.py", *args, "--log-every", "1", check=False)
+        second = train_here(*args, "--log-every", "1", check=False)
         assert second.returncode == 1 and "Traceback" not in second.stderr
         assert second.stderr.strip().splitlines()[-1] == (
             f"Error: {output} is being trained into by PID {first.pid} on {socket.gethostname()}: "
@@ -888,7 +895,7 @@ def test_a_second_training_into_one_output_is_refused(tmp_path: Path) -> None:
     finally:
         first.kill()
         first.wait()
-    again = run_cli("train.py", *args, "--max-steps", "2", "--resume", "auto")
+    again = train_here(*args, "--max-steps", "2", "--resume", "auto")
     assert again.returncode == 0, "a killed holder's lock is free"
 
 
@@ -896,7 +903,7 @@ def test_a_validation_that_cannot_read_all_of_its_split_says_so(tmp_path: Path) 
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [16], "val": [5, 5, 5]})
     (data / "imagenet-val-000000.tar").unlink()
-    out = run_cli("train.py", "--data", data, "--output", output, *TINY, "--workers", "1", "--epochs", "1", check=False)
+    out = train_here("--data", data, "--output", output, *TINY, "--workers", "1", "--epochs", "1", check=False)
     assert out.returncode == training.EXIT_BAD_DATA, "a third of the split unread is over --max-bad"
     assert "ERROR: epoch 1: validation could not read 5 of the 15 images the manifest lists" in out.stderr
     assert f"{data}/imagenet-val-000000.tar: could not be read" in out.stderr
@@ -911,10 +918,10 @@ def test_a_fresh_run_into_an_output_holding_one_is_refused_and_one_without_last_
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [16]})
     args = ["--data", data, "--output", output, *TINY, "--workers", "1", "--keep-last", "5"]
-    run_cli("train.py", *args, "--epochs", "2")  # checkpoints at steps 4 and 8; last.pt is step 8
+    train_here(*args, "--epochs", "2")  # checkpoints at steps 4 and 8; last.pt is step 8
     files = {p: p.read_bytes() for p in output.iterdir() if p.is_file()}
 
-    fresh = run_cli("train.py", *args, "--epochs", "1", "--seed", "5", check=False)
+    fresh = train_here(*args, "--epochs", "1", "--seed", "5", check=False)
     assert fresh.returncode == 1 and "Traceback" not in fresh.stderr
     assert fresh.stderr.strip().splitlines()[-1] == (
         f"Error: {output} holds a run (last.pt, ckpt-00000008.pt): continue it with --resume auto, "
@@ -923,7 +930,7 @@ def test_a_fresh_run_into_an_output_holding_one_is_refused_and_one_without_last_
     assert {p: p.read_bytes() for p in output.iterdir() if p.is_file()} == files, "nothing was changed"
 
     (output / "last.pt").unlink()  # a kill between a checkpoint and its link, or a copy that left it out
-    out = run_cli("train.py", *args, "--epochs", "3", "--resume", "auto")
+    out = train_here(*args, "--epochs", "3", "--resume", "auto")
     newest = output / "ckpt-00000008.pt"
     assert f"{output / 'last.pt'} is missing; resuming from {newest}, the newest checkpoint there" in out.stderr
     assert "resumed from" in out.stdout and "step 8" in out.stdout
@@ -997,8 +1004,8 @@ def test_train_py_takes_its_defaults_from_the_config() -> None:
 
 
 def test_a_log_that_is_no_terminal_gets_one_plain_line_per_record_and_no_progress_bar(tmp_path: Path) -> None:
-    proc = run_cli(
-        "train.py", "--synthetic", "--output", tmp_path, *TINY, "--epochs", "1", "--max-steps", "6", "--log-every", "2"
+    proc = train_here(
+        "--synthetic", "--output", tmp_path, *TINY, "--epochs", "1", "--max-steps", "6", "--log-every", "2"
     )
     steps = [line for line in proc.stdout.splitlines() if line.startswith("epoch 1/1 step")]
     assert [line.split(" loss ")[0] for line in steps] == [f"epoch 1/1 step {n}/100" for n in (2, 4, 6)]

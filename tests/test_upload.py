@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, GCSEmulator, free_port, run_cli, wait_until, write_shards
+from conftest import ROOT, GCSEmulator, free_port, run_cli, train_here, wait_until, write_shards
 
 from imagenet_ais import training, upload
 from imagenet_ais.config import TrainConfig
@@ -174,8 +174,7 @@ def test_exit_status_says_when_uploads_never_made_it(gcs, tmp_path: Path) -> Non
     dest = f"gs://{gcs.make_bucket()}/run"
     gcs.stop()
     try:
-        proc = run_cli(
-            "train.py",
+        proc = train_here(
             "--data",
             data,
             "--output",
@@ -240,7 +239,7 @@ def test_sigterm_mid_epoch_then_resume_on_a_fresh_node_from_gcs(gcs, tmp_path: P
     assert 15 <= stopped_at < 24, "stopped inside the second epoch"
     assert "stopped by a signal" in log
 
-    resumed = run_cli("train.py", *common, "--output", second)  # an empty --output: all from gs://
+    resumed = train_here(*common, "--output", second)  # an empty --output: all from gs://
     assert f"epoch 2, step {stopped_at}" in resumed.stdout
     assert torch.load(second / "last.pt", weights_only=True)["step"] == 24
     steps = [
@@ -254,7 +253,7 @@ def test_sigterm_mid_epoch_then_resume_on_a_fresh_node_from_gcs(gcs, tmp_path: P
     assert len(seen) == len(set(seen)) == 48, "no training key twice in the interrupted epoch, none missed"
 
     # the first node, back with its own older checkpoints, continues from the uploaded newer one
-    again = run_cli("train.py", *common, "--output", first, "--epochs", "3")
+    again = train_here(*common, "--output", first, "--epochs", "3")
     assert f"{dest} holds a newer checkpoint than {first / f'ckpt-{stopped_at:08d}.pt'}" in again.stdout
     assert "epoch 3, step 24" in again.stdout and "WARNING: upload" not in again.stderr
     log = (first / "train.log").read_text()  # the fetched log, and this run's lines after it
@@ -263,7 +262,7 @@ def test_sigterm_mid_epoch_then_resume_on_a_fresh_node_from_gcs(gcs, tmp_path: P
 
     # a fresh run (no --resume) would replace that run's uploaded metrics, log and pointer
     fresh = [a for a in common if a not in ("--resume", "auto")]
-    refused = run_cli("train.py", *fresh, "--output", tmp_path / "node3", check=False)
+    refused = train_here(*fresh, "--output", tmp_path / "node3", check=False)
     assert refused.returncode == 1 and refused.stderr.strip().splitlines()[-1] == (
         f"Error: {dest} holds a run's uploads (latest.json names ckpt-00000036.pt): continue it with "
         "--resume auto, or use another --upload"
@@ -278,8 +277,8 @@ def test_train_streams_shards_from_gcs_into_the_cache(gcs, tmp_path: Path) -> No
     store = GCSStore(source)
     for path in data.iterdir():
         store.put_file(path, path.name, keep=True)
-    out = run_cli(
-        "train.py", "--data", source, "--output", tmp_path / "run", *TINY, "--image-size", "32", "--epochs", "2",
+    out = train_here(
+        "--data", source, "--output", tmp_path / "run", *TINY, "--image-size", "32", "--epochs", "2",
         "--workers", "2", "--epoch-mode", "exact", "--cache-dir", cache,
     )  # fmt: skip
     assert "final validation" in out.stdout and "over 6 images" in out.stdout
