@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import random
@@ -10,14 +11,16 @@ import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import click
 import pytest
 import webdataset as wds
-from click.testing import CliRunner
 from PIL import Image
 
 from imagenet_ais import shards_cli, synth, train_cli
@@ -27,6 +30,9 @@ from imagenet_ais.shards import file_sha256
 from imagenet_ais.storage import open_store
 
 ROOT = Path(__file__).resolve().parent.parent
+# A few seconds of CPU training: a model of 3 MB (ResNet-18's checkpoint is 90 MB, and steps 3× slower)
+TINY_ARCH = "shufflenet_v2_x0_5"
+TINY = ["--arch", TINY_ARCH, "--image-size", "32", "--batch-size", "4", "--warmup-epochs", "0"]
 
 
 def run_cli(*args: str | Path, check: bool = True, env: dict[str, str] | None = None, timeout: float = 600):
@@ -42,13 +48,53 @@ def run_cli(*args: str | Path, check: bool = True, env: dict[str, str] | None = 
     return proc
 
 
+@contextlib.contextmanager
+def _output_to(out: BinaryIO, err: BinaryIO) -> Iterator[None]:
+    """This process's stdout and stderr into ``out`` and ``err``, its file descriptors too: what
+    the processes it forks meanwhile (DataLoader and pool workers) print is caught as well."""
+    saved = sys.stdout, sys.stderr, os.dup(1), os.dup(2)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    sys.stdout = open(1, "w", closefd=False, encoding="utf-8", errors="replace", buffering=1)  # noqa: SIM115
+    sys.stderr = open(2, "w", closefd=False, encoding="utf-8", errors="replace", buffering=1)  # noqa: SIM115
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = saved[:2]
+        for fd, copy in ((1, saved[2]), (2, saved[3])):
+            os.dup2(copy, fd)
+            os.close(copy)
+
+
 def here(command: click.Command, *args: str | Path, check: bool = True, env: dict[str, str] | None = None):
     """A CLI run in this process, as ``run_cli`` reports one: for tests of what it does, where the
     process boundary is not the point (each new process imports torch again: 4-5 s here).
 
     ``env`` is set only while it runs; an exception other than the CLI's own exit is raised."""
-    result = CliRunner().invoke(command, [str(a) for a in args], env=env, catch_exceptions=False)
-    proc = subprocess.CompletedProcess([command.name, *map(str, args)], result.exit_code, result.stdout, result.stderr)
+    argv, code = [str(a) for a in args], 0
+    before = {k: os.environ.get(k) for k in env or {}}
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        os.environ.update(env or {})
+        try:
+            with _output_to(out, err):
+                command.main(argv, prog_name=command.name)
+        except SystemExit as e:  # (click's standalone mode exits, 0 included)
+            code = e.code if isinstance(e.code, int) else 1
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        printed = []
+        for f in (out, err):
+            f.seek(0)
+            printed.append(f.read().decode("utf-8", "replace"))
+    proc = subprocess.CompletedProcess([command.name, *argv], code, *printed)
     if check and proc.returncode != 0:
         raise AssertionError(f"{proc.args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -253,7 +299,7 @@ def tiny_run_env(data: Path, output: Path) -> dict[str, str]:
     return {
         "DATA": str(data),
         "OUTPUT": str(output),
-        "ARCH": "resnet18",
+        "ARCH": TINY_ARCH,
         "IMAGE_SIZE": "32",
         "BATCH_SIZE": "4",
         "EPOCHS": "1",

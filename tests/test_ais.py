@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port, shards_here, train_here, wait_until
+from conftest import ROOT, TINY, free_port, shards_here, train_here, wait_until
 
 from imagenet_ais import shards
 from imagenet_ais.storage import AISStore
 from imagenet_ais.storage import ais as ais_storage
 
-TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "8", "--lr", "0.1", "--warmup-epochs", "0"]
+TINY8 = [*TINY, "--batch-size", "8"]
 
 
 def bucket_url(prefix: str = "imagenet") -> str:
@@ -59,7 +59,7 @@ def test_convert_verify_and_train_from_ais(mode: str, tree: Path, env: dict, tmp
         url,
         "--output",
         output,
-        *TINY,
+        *TINY8,
         "--epochs",
         "1",
         "--workers",
@@ -88,7 +88,7 @@ def test_training_survives_a_killed_and_restarted_target(tree: Path, ais, env: d
         url,
         "--output",
         output,
-        *TINY,
+        *TINY8,
         "--epochs",
         "4",
         "--workers",

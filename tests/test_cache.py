@@ -9,11 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import ROOT, run_cli, shards_here, torchrun, train_here, wait_until, write_shards
+from conftest import ROOT, TINY, run_cli, shards_here, torchrun, train_here, wait_until, write_shards
 
 from imagenet_ais.cache import usage
-
-TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--lr", "0.1", "--warmup-epochs", "0"]
 
 
 def test_two_ranks_two_workers_fetch_each_shard_once_and_a_bad_copy_again(serve, tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli, write_shards
+from conftest import ROOT, TINY, run_cli, write_shards
 
 USER = "1234:1234"  # no user of the image: as NGC and docker run --user start it
 CA = Path("/etc/ssl/certs/ca-certificates.crt")  # this machine's trust, for downloads in the build
@@ -87,7 +87,7 @@ def test_a_training_in_the_image_writes_metrics_and_a_checkpoint_to_the_mounted_
     results = tmp_path / "results"
     results.mkdir()
     results.chmod(0o777)  # the container's user is not this one
-    args = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--epochs", "1", "--max-steps", "2"]
+    args = [*TINY, "--epochs", "1", "--max-steps", "2"]
     trained = inside(
         image,
         *("python", "train.py", "--data", "/data", "--output", "/results/run", "--workers", "1", *args),

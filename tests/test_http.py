@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import ROOT, Server, run_cli, shards_here, train_here, wait_until, write_shards
+from conftest import ROOT, TINY, Server, run_cli, shards_here, train_here, wait_until, write_shards
 
 from imagenet_ais.storage import HTTPStore
 
-TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--lr", "0.1", "--warmup-epochs", "0"]
 UNEVEN = [3, 11, 7, 19, 8]  # 48 training samples: 12 steps per epoch at batch 4
 
 

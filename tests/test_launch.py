@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port, run_cli, tiny_run_env, write_shards
+from conftest import ROOT, TINY_ARCH, free_port, run_cli, tiny_run_env, write_shards
 
 SECRET = "s3cr3t-token-value"
 
@@ -224,7 +224,7 @@ def test_node_entry_script_really_trains_one_node_two_processes(tmp_path: Path) 
         "--output",
         output,
         "--arch",
-        "resnet18",
+        TINY_ARCH,
         "--image-size",
         "32",
         "--batch-size",

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, write_shards
+from conftest import ROOT, TINY_ARCH, write_shards
 
 STATE = """
 import atexit, os, signal, torch, torch._dynamo
@@ -55,7 +55,7 @@ for module in pkgutil.walk_packages(imagenet_ais.__path__, "imagenet_ais."):
 assert state() == before, ("import", before, state())
 from imagenet_ais import training
 from imagenet_ais.config import TrainConfig
-cfg = TrainConfig(output={str(tmp_path / "run")!r}, synthetic=True, arch="resnet18", image_size=32, batch_size=2,
+cfg = TrainConfig(output={str(tmp_path / "run")!r}, synthetic=True, arch={TINY_ARCH!r}, image_size=32, batch_size=2,
                   epochs=1, epoch_size=4, warmup_epochs=0)
 assert training.train(cfg)["exit_code"] == 0
 assert state() == before, ("run", before, state())

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from conftest import torchrun, train_here, write_shards
+from conftest import TINY, TINY_ARCH, torchrun, train_here, write_shards
 
 from imagenet_ais.config import TrainConfig
 from imagenet_ais.recipe import ModelEma, batch_mixer, ema_decay
@@ -75,7 +75,7 @@ def test_ema_decay_keeps_the_horizon_in_images(world: int, every: int) -> None:
 
 # --- the options in real training runs (tiny shards, CPU) ------------------------------------
 
-TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--workers", "1", "--warmup-epochs", "0"]
+ONE_WORKER = [*TINY, "--workers", "1"]
 RECIPE = ["--model-ema", "--model-ema-steps", "2", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"]
 
 
@@ -96,7 +96,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("recipe")
     data, output = root / "shards", root / "run"
     write_shards(data, {"train": [12, 12, 8], "val": [6, 6]})  # 8 steps an epoch
-    common = ["--data", data, "--output", output, *TINY, *RECIPE, "--epochs", "2", "--log-every", "4"]
+    common = ["--data", data, "--output", output, *ONE_WORKER, *RECIPE, "--epochs", "2", "--log-every", "4"]
     train_here(*common, "--max-steps", "5")
     stopped = torch.load(output / "last.pt", weights_only=True)
     assert int(stopped["model_ema"]["n_averaged"]) == 2  # updates at steps 2 and 4
@@ -129,7 +129,7 @@ def test_mixing_changes_what_the_model_is_trained_on(trained: tuple[Path, Path],
     )
     for extra in variants:
         output = tmp_path / f"run{len(losses)}"
-        train_here("--data", data, "--output", output, *TINY, "--epochs", "1", "--log-every", "2", *extra)
+        train_here("--data", data, "--output", output, *ONE_WORKER, "--epochs", "1", "--log-every", "2", *extra)
         losses.append([r["loss"] for r in records(output, "train")])
     assert len({tuple(run) for run in losses[:5]}) == 5
     assert losses[5] != losses[6]  # the device path augments too
@@ -153,14 +153,14 @@ def test_test_only_reproduces_the_last_validation_at_any_world_size(trained: tup
     data, output = trained
     last = records(output, "val")[-1]
     expected = (round(last["top1"], 4), round(last["top5"], 4))
-    args = ["--data", data, *TINY, "--test-only", "--resume", output / "last.pt"]
+    args = ["--data", data, *ONE_WORKER, "--test-only", "--resume", output / "last.pt"]
     assert scores(train_here(*args, "--output", tmp_path / "one")) == expected
     # training's augmentation is not validation's
     augmented = ["--auto-augment", "augmix", "--random-erase", "1"]
     assert scores(train_here(*args, *augmented, "--output", tmp_path / "aug")) == expected
     assert scores(torchrun(2, *args, "--output", tmp_path / "two")) == expected
     # nothing to test: a fresh output and no weights
-    refused = train_here("--data", data, *TINY, "--test-only", "--output", tmp_path / "none", check=False)
+    refused = train_here("--data", data, *ONE_WORKER, "--test-only", "--output", tmp_path / "none", check=False)
     assert refused.returncode == 1 and "--test-only: nothing to test" in refused.stderr
 
 
@@ -169,14 +169,14 @@ def test_a_model_started_from_weights_validates_as_the_run_it_came_from(
 ) -> None:
     data, output = trained
     last = records(output, "val")[-1]
-    plain = tmp_path / "resnet18.pth"  # a bare state dict, as torchvision's released weights are
+    plain = tmp_path / "weights.pth"  # a bare state dict, as torchvision's released weights are
     torch.save(torch.load(output / "last.pt", weights_only=True)["model"], plain)
     for weights in (plain, output / "last.pt"):
         test = ["--test-only", "--weights", weights, "--output", tmp_path / "t"]
-        proc = train_here("--data", data, *TINY, *test)
+        proc = train_here("--data", data, *ONE_WORKER, *test)
         assert scores(proc) == (round(last["top1"], 4), round(last["top5"], 4))
     wrong = train_here(
-        "--data", data, *TINY, "--arch", "resnet34", "--test-only", "--weights", plain,
+        "--data", data, *ONE_WORKER, "--arch", "resnet34", "--test-only", "--weights", plain,
         "--output", tmp_path / "w", check=False,
     )  # fmt: skip
     assert wrong.returncode == 1 and f"--weights {plain}: does not fit this model" in wrong.stderr
@@ -186,11 +186,11 @@ def test_clipped_gradients_move_the_weights_less(trained: tuple[Path, Path], tmp
     data, _ = trained
     torch.manual_seed(0)
     start = tmp_path / "start.pth"
-    torch.save(torchvision.models.resnet18(num_classes=4).state_dict(), start)
+    torch.save(torchvision.models.get_model(TINY_ARCH, num_classes=4).state_dict(), start)
     moved = []
     for clip in ([], ["--clip-grad-norm", "0.001"]):
         output = tmp_path / f"clip{len(moved)}"
-        train_here("--data", data, "--output", output, *TINY, "--weights", start, "--max-steps", "3", *clip)
+        train_here("--data", data, "--output", output, *ONE_WORKER, "--weights", start, "--max-steps", "3", *clip)
         end = torch.load(output / "last.pt", weights_only=True)["model"]
         begin = torch.load(start, weights_only=True)
         # the weights the optimizer steps: BatchNorm's running statistics follow the data, clipped or not
@@ -201,14 +201,14 @@ def test_clipped_gradients_move_the_weights_less(trained: tuple[Path, Path], tmp
 
 def test_sync_bn_is_refused_without_gpus(trained: tuple[Path, Path], tmp_path: Path) -> None:
     data, _ = trained
-    args = ["--data", data, "--output", tmp_path / "run", *TINY, "--sync-bn", "--max-steps", "1"]
+    args = ["--data", data, "--output", tmp_path / "run", *ONE_WORKER, "--sync-bn", "--max-steps", "1"]
     proc = torchrun(2, *args, check=False)
     assert proc.returncode != 0 and "--sync-bn: SyncBatchNorm runs on GPUs only" in proc.stderr
 
 
 def test_a_validation_resize_below_its_crop_is_refused(trained: tuple[Path, Path], tmp_path: Path) -> None:
     data, output = trained
-    args = ["--data", data, *TINY, "--test-only", "--resume", output / "last.pt", "--output", tmp_path / "t"]
+    args = ["--data", data, *ONE_WORKER, "--test-only", "--resume", output / "last.pt", "--output", tmp_path / "t"]
     proc = train_here(*args, "--val-resize-size", "24", check=False)
     assert proc.returncode == 1 and "--val-resize-size 24 is smaller than the validation crop (32)" in proc.stderr
     whole = scores(train_here(*args, "--val-resize-size", "32"))  # the whole short side, at 32 px

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, child_pids, free_port, run_cli, train_here, wait_until, write_shards
-from test_train import TINY, metrics
+from conftest import ROOT, TINY, child_pids, free_port, run_cli, train_here, wait_until, write_shards
+from test_train import metrics
 
 TRAIN = [37, 81, 53, 99, 50]  # 320 samples in unequal shards
 ALL_KEYS = {f"train-{s}-{i}" for s, n in enumerate(TRAIN) for i in range(n)}

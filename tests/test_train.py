@@ -30,6 +30,8 @@ import torchvision
 import webdataset as wds
 from conftest import (
     ROOT,
+    TINY,
+    TINY_ARCH,
     child_pids,
     outliving,
     relist,
@@ -46,7 +48,6 @@ from torch.utils.tensorboard import SummaryWriter
 from imagenet_ais import checkpoint, config, distributed, locks, model, run_setup, synth, train_cli, training
 from imagenet_ais.data_health import DataHealth
 
-TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-size", "4", "--lr", "0.1", "--warmup-epochs", "0"]
 UNEVEN = [3, 11, 7, 19, 8]  # 48 training samples in 5 unequal shards: 6 steps at 2 ranks × 4
 
 
@@ -213,7 +214,7 @@ def test_epoch_size_sets_the_epochs_that_the_schedule_checkpoints_and_resume_cou
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": UNEVEN, "val": [6]})
     cfg = training.TrainConfig(
-        data=str(data), output=str(output), arch="resnet18", image_size=32, batch_size=4, warmup_epochs=0,
+        data=str(data), output=str(output), arch=TINY_ARCH, image_size=32, batch_size=4, warmup_epochs=0,
         epochs=3, workers=0, epoch_size=20, log_every=1, resume="auto",
     )  # fmt: skip
     training.train(dataclasses.replace(cfg, max_steps=7))  # 5 steps an epoch (the manifest's 48 would make 12)
@@ -276,7 +277,7 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path: Path) -> None:
         "auto",
         check=False,
     )
-    assert proc.returncode == 1 and "was trained as resnet18" in proc.stderr
+    assert proc.returncode == 1 and f"was trained as {TINY_ARCH}" in proc.stderr
 
 
 def test_bad_inputs_get_one_line_errors(tmp_path: Path) -> None:
@@ -598,7 +599,7 @@ def test_damaged_shards_are_named_once_counted_and_bounded(tmp_path: Path) -> No
 def tiny_run(data: Path, output: Path, **changes: object) -> config.TrainConfig:
     """A short CPU run of a tiny model on ``data``, in this process."""
     cfg = config.TrainConfig(
-        data=str(data), output=str(output), arch="resnet18", image_size=32, batch_size=4, warmup_epochs=0, epochs=1,
+        data=str(data), output=str(output), arch=TINY_ARCH, image_size=32, batch_size=4, warmup_epochs=0, epochs=1,
         workers=1, log_every=2,
     )  # fmt: skip
     return dataclasses.replace(cfg, **changes)
@@ -688,8 +689,8 @@ def test_a_checkpoint_with_a_valid_digest_that_cannot_continue_this_run_is_one_l
 
 
 def nan_weights(tmp_path: Path) -> str:
-    """A ResNet-18 state dict (1,000 classes) with one NaN weight, as a --weights file."""
-    weights = torchvision.models.resnet18(num_classes=1000).state_dict()
+    """A tiny model's state dict (1,000 classes) with one NaN weight, as a --weights file."""
+    weights = torchvision.models.get_model(TINY_ARCH, num_classes=1000).state_dict()
     weights["fc.weight"][0, 0] = float("nan")
     torch.save(weights, tmp_path / "nan.pt")
     return str(tmp_path / "nan.pt")
@@ -700,7 +701,7 @@ def test_a_loss_that_stays_nan_stops_the_run_with_exit_5_and_saves_nothing_past_
 ) -> None:
     # --lr nan, or weights holding NaN (with a valid digest): "loss nan" at every step, a final validation, exit 0
     cfg = config.TrainConfig(
-        output=str(tmp_path / "run"), synthetic=True, arch="resnet18", image_size=32, batch_size=2, epochs=1,
+        output=str(tmp_path / "run"), synthetic=True, arch=TINY_ARCH, image_size=32, batch_size=2, epochs=1,
         log_every=4, weights=nan_weights(tmp_path),
     )  # fmt: skip
     outcome = training.train(cfg)
@@ -739,7 +740,7 @@ def test_weights_gone_nan_before_the_loss_could_stop_the_run_are_never_saved(
 ) -> None:
     # 4 NaN steps to an epoch's end are fewer than the loss's 10: the epoch's checkpoint would have held them
     cfg = config.TrainConfig(
-        output=str(tmp_path / "run"), synthetic=True, arch="resnet18", image_size=32, batch_size=2, epochs=2,
+        output=str(tmp_path / "run"), synthetic=True, arch=TINY_ARCH, image_size=32, batch_size=2, epochs=2,
         epoch_size=8, log_every=20, weights=nan_weights(tmp_path),
     )  # fmt: skip
     assert training.train(cfg)["exit_code"] == training.EXIT_DIVERGED
@@ -978,7 +979,7 @@ def test_each_records_img_per_s_accounts_for_all_the_time_since_the_last_record(
     monkeypatch.setattr(DataHealth, "poll", lambda self, totals: time.sleep(0.3))
     seen: list[tuple[float, dict]] = []
     cfg = training.TrainConfig(
-        data=None, output=str(tmp_path), synthetic=True, arch="resnet18", image_size=32, batch_size=4,
+        data=None, output=str(tmp_path), synthetic=True, arch=TINY_ARCH, image_size=32, batch_size=4,
         warmup_epochs=0, epochs=1, max_steps=8, log_every=2,
     )  # fmt: skip
     training.train(cfg, report=lambda record: seen.append((time.perf_counter(), record)))

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, GCSEmulator, free_port, run_cli, train_here, wait_until, write_shards
+from conftest import ROOT, TINY, TINY_ARCH, GCSEmulator, free_port, run_cli, train_here, wait_until, write_shards
 
 from imagenet_ais import training, upload
 from imagenet_ais.config import TrainConfig
 from imagenet_ais.storage import GCSStore, LocalStore, file_crc32c
 
 UNEVEN = [3, 11, 7, 19, 8]  # 48 samples: 12 steps per epoch at batch 4
-TINY = ["--arch", "resnet18", "--batch-size", "4", "--lr", "0.1", "--warmup-epochs", "0", "--log-every", "1"]
+LOGGED = [*TINY, "--log-every", "1"]  # (the image size: each test's own)
 
 
 class FlippingProxy:
@@ -129,7 +129,7 @@ def test_uploads_survive_an_emulator_outage_and_finish_at_exit(gcs, tmp_path: Pa
                 data,
                 "--output",
                 output,
-                *TINY,
+                *LOGGED,
                 "--image-size",
                 "32",
                 "--epochs",
@@ -179,7 +179,7 @@ def test_exit_status_says_when_uploads_never_made_it(gcs, tmp_path: Path) -> Non
             data,
             "--output",
             output,
-            *TINY,
+            *LOGGED,
             "--image-size",
             "32",
             "--epochs",
@@ -208,7 +208,7 @@ def test_sigterm_mid_epoch_then_resume_on_a_fresh_node_from_gcs(gcs, tmp_path: P
     common = [
         "--data",
         data,
-        *TINY,
+        *LOGGED,
         "--image-size",
         "64",
         "--epochs",
@@ -278,7 +278,7 @@ def test_train_streams_shards_from_gcs_into_the_cache(gcs, tmp_path: Path) -> No
     for path in data.iterdir():
         store.put_file(path, path.name, keep=True)
     out = train_here(
-        "--data", source, "--output", tmp_path / "run", *TINY, "--image-size", "32", "--epochs", "2",
+        "--data", source, "--output", tmp_path / "run", *LOGGED, "--image-size", "32", "--epochs", "2",
         "--workers", "2", "--epoch-mode", "exact", "--cache-dir", cache,
     )  # fmt: skip
     assert "final validation" in out.stdout and "over 6 images" in out.stdout
@@ -320,7 +320,7 @@ def test_no_gcs_call_reaches_outside_the_run_prefix(gcs, tmp_path: Path) -> None
 def tiny_synthetic(output: Path, upload_to: Path, **changes: object) -> TrainConfig:
     """A few steps of a tiny model on random data, in this process, uploading to ``upload_to``."""
     cfg = TrainConfig(
-        output=str(output), upload=str(upload_to), synthetic=True, arch="resnet18", image_size=32, batch_size=2,
+        output=str(output), upload=str(upload_to), synthetic=True, arch=TINY_ARCH, image_size=32, batch_size=2,
         warmup_epochs=0, epochs=1, resume="auto", upload_retry_seconds=1, flush_timeout=30,
     )  # fmt: skip
     return dataclasses.replace(cfg, **changes)
@@ -425,7 +425,7 @@ def test_a_full_upload_location_never_stops_training_and_a_rerun_uploads_what_is
         pytest.skip("no unshare, or user namespaces are not allowed here")
     uploads, output = tmp_path / "up", tmp_path / "run"
     uploads.mkdir()
-    train = [sys.executable, ROOT / "train.py", "--synthetic", *TINY, "--batch-size", "2", "--image-size", "32"]
+    train = [sys.executable, ROOT / "train.py", "--synthetic", *LOGGED, "--batch-size", "2", "--image-size", "32"]
     train += ["--epochs", "2", "--epoch-size", "4", "--output", output, "--upload", uploads]
     train += ["--upload-retry-seconds", "1", "--flush-timeout", "3"]
     # the location on a 512 KiB tmpfs (in a mount namespace of the run's own), listed after the run
