@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from imagenet_ais.errors import ConfigError
+
 POLICIES = ("imagenet", "ra", "ta_wide", "augmix")
 ERASE_SCALE = (0.02, 0.33)
 ERASE_RATIO = (0.3, 3.3)
@@ -95,9 +97,9 @@ class Augment:
 
     def __post_init__(self) -> None:
         if self.policy is not None and self.policy not in POLICIES:
-            raise ValueError(f"--auto-augment {self.policy!r}: one of {', '.join(POLICIES)}")
+            raise ConfigError(f"--auto-augment {self.policy!r}: one of {', '.join(POLICIES)}")
         if not 0 <= self.erase <= 1:
-            raise ValueError(f"--random-erase {self.erase}: give a probability from 0 to 1")
+            raise ConfigError(f"--random-erase {self.erase}: give a probability from 0 to 1")
 
     def __bool__(self) -> bool:
         return self.policy is not None or self.erase > 0

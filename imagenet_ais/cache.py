@@ -19,6 +19,7 @@ from typing import BinaryIO
 
 from tqdm import tqdm
 
+from imagenet_ais.errors import DataError
 from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, load_manifest
 from imagenet_ais.storage import LocalStore, Store, download, open_store
 
@@ -171,7 +172,7 @@ def preload(url: str, dest: Path, splits: list[str] | None, workers: int) -> Man
     manifest = load_manifest(store)
     wanted = splits or list(manifest.splits)
     if missing := [s for s in wanted if s not in manifest.splits]:
-        raise ValueError(f"{url}/{MANIFEST} has no split {missing[0]!r} (it has {', '.join(manifest.splits)})")
+        raise DataError(f"{url}/{MANIFEST} has no split {missing[0]!r} (it has {', '.join(manifest.splits)})")
     kept = Manifest(manifest.classes, {s: manifest.splits[s] for s in wanted}, manifest.source)
     shards = [s for split in kept.splits.values() for s in split.shards]
     dest.mkdir(parents=True, exist_ok=True)
@@ -180,7 +181,7 @@ def preload(url: str, dest: Path, splits: list[str] | None, workers: int) -> Man
             load_manifest(local)
         except ValueError as e:
             why = e.__cause__ or e
-            raise ValueError(f"{dest}/{MANIFEST} is not a shard manifest ({why}): preload into another DEST") from None
+            raise DataError(f"{dest}/{MANIFEST} is not a shard manifest ({why}): preload into another DEST") from None
     local.delete(MANIFEST)  # the copy is not complete until it is back
     todo = [s for s in shards if s.problem(local)]
     with (

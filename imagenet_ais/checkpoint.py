@@ -21,6 +21,7 @@ from typing import IO, Any, NamedTuple, cast
 import torch
 
 from imagenet_ais import distributed, upload
+from imagenet_ais.errors import DataError, NotFound, StorageError
 from imagenet_ais.storage import LocalStore
 
 LAST = "last.pt"  # hard links to the newest and the best ckpt-<step>.pt
@@ -29,7 +30,7 @@ DIGEST = "sha256"  # the state's own key for its checksum
 PARTIAL_STALE_S = 600  # a temp file untouched this long has no writer left
 
 
-class DamagedCheckpoint(ValueError):
+class DamagedCheckpoint(DataError):
     """A checkpoint file that cannot be loaded, or whose contents do not match its checksum."""
 
 
@@ -104,7 +105,7 @@ def save(state: dict[str, Any], output: Path, step: int, keep_last: int) -> Save
                 raise writer.error from None
         store.put_file(tmp, name)
     except OSError as e:
-        raise OSError(
+        raise StorageError(
             f"{output / name}: not written ({e.strerror or e}): free some space, or lift the file-size "
             "limit, then continue with --resume auto (the checkpoints already there are intact)"
         ) from None
@@ -158,7 +159,7 @@ def find(resume: str | None, output: Path) -> Path | None:
         return last if last.is_file() else next(iter(_newest(output)), None)
     path = Path(resume)
     if not path.is_file():
-        raise FileNotFoundError(f"--resume {resume}: no such checkpoint file")
+        raise NotFound(f"--resume {resume}: no such checkpoint file")
     return path
 
 

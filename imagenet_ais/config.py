@@ -9,6 +9,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+from imagenet_ais.errors import ConfigError
+
 
 @dataclass
 class TrainConfig:
@@ -86,11 +88,11 @@ RECIPES: dict[str, dict[str, Any]] = {
 def check(cfg: TrainConfig) -> None:
     """Refuses, in one line, settings no run can train with (train.py's options and TrainConfig alike)."""
     if not cfg.output:
-        raise ValueError("--output '': name a folder for the run's checkpoints, metrics and logs")
+        raise ConfigError("--output '': name a folder for the run's checkpoints, metrics and logs")
     for name in ("lr", "weight_decay", "upload_retry_seconds", "flush_timeout", "warmup_epochs"):
         value = getattr(cfg, name)
         if not math.isfinite(value) or value < 0:
-            raise ValueError(f"--{name.replace('_', '-')} {value}: give a finite number, 0 or more")
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: give a finite number, 0 or more")
 
 
 def with_recipe(cfg: TrainConfig, given: Collection[str]) -> TrainConfig:
@@ -98,7 +100,7 @@ def with_recipe(cfg: TrainConfig, given: Collection[str]) -> TrainConfig:
     if cfg.recipe is None:
         return cfg
     if cfg.recipe not in RECIPES:
-        raise ValueError(f"--recipe {cfg.recipe!r}: one of {', '.join(RECIPES)}")
+        raise ConfigError(f"--recipe {cfg.recipe!r}: one of {', '.join(RECIPES)}")
     return dataclasses.replace(cfg, **{k: v for k, v in RECIPES[cfg.recipe].items() if k not in given})
 
 
@@ -117,7 +119,7 @@ def image_sizes(cfg: TrainConfig) -> tuple[list[int], int]:
         or not all(p.isdigit() for p in start_end)
         or not 16 <= int(start_end[0]) <= int(start_end[1])
     ):
-        raise ValueError(f"--progressive {cfg.progressive!r}: give START:END with 16 <= START <= END, e.g. 160:224")
+        raise ConfigError(f"--progressive {cfg.progressive!r}: give START:END with 16 <= START <= END, e.g. 160:224")
     start, end = map(int, start_end)
     steps = max(1, cfg.epochs - 1)
     sizes = [start + (end - start) * e // steps // 32 * 32 for e in range(cfg.epochs)]

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 
 from imagenet_ais.cache import ShardCache
 from imagenet_ais.dali_crops import DaliCrops, DaliFailed
+from imagenet_ais.errors import DataError
 from imagenet_ais.feed import DeviceFeed, Stage, close_all
 from imagenet_ais.manifest import SplitInfo
 from imagenet_ais.sampling import Done, exact_assignment, trained
@@ -283,9 +284,9 @@ class TrainLoader(_ShardLoader):
         epoch_size: int | None = None,
     ):
         if split.samples == 0:
-            raise ValueError("the training split has no samples")
+            raise DataError("the training split has no samples")
         if epoch_size is not None and mode == "exact":
-            raise ValueError(
+            raise DataError(
                 f"--epoch-size {epoch_size} with --epoch-mode exact: an exact epoch is every sample of the "
                 f"manifest once ({split.samples}); leave --epoch-size out, or use --epoch-mode resampled"
             )

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from loguru import logger
 from torch import nn
 
+from imagenet_ais.errors import ConfigError
+
 TOPOLOGIES = ("complete", "ring", "one-peer-exp", "alternating-exp-ring")
 
 logger.disable("decent_dp")  # its debug lines would go to every rank's stderr
@@ -41,7 +43,7 @@ def wrap(
     from decent_dp.ddp import DecentralizedDataParallel
 
     if topology not in TOPOLOGIES:
-        raise ValueError(f"--topology {topology!r}: one of {', '.join(TOPOLOGIES)}")
+        raise ConfigError(f"--topology {topology!r}: one of {', '.join(TOPOLOGIES)}")
     try:
         return DecentralizedDataParallel(
             model,
@@ -52,7 +54,7 @@ def wrap(
             sync_buffer_in_global_avg=True,  # BatchNorm statistics are averaged too
         )
     except ValueError as e:  # decent-dp raises it bare, with the reason in its (silenced) log
-        raise ValueError(
+        raise ConfigError(
             f"--topology {topology} cannot connect {dist.get_world_size()} processes: ring needs an even "
             "number, one-peer-exp a power of two, alternating-exp-ring a power of two of nodes (2 or more)"
         ) from e

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from imagenet_ais.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -55,7 +57,7 @@ def _setup() -> Dist:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
+            raise ConfigError(
                 f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
                 "start at most one process per GPU"
             )

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from imagenet_ais.errors import DataError, NotFound
+
 TAR_OVERHEAD = 1536  # header + padding for the two members of a sample, for --maxsize planning
 Rejected = dict[str, str]  # {"path": relative to SRC, "reason": ...}
 
@@ -49,10 +51,10 @@ def shard_name(split: str, index: int) -> str:
 def list_classes(src: Path) -> list[str]:
     train = src / "train"
     if not train.is_dir():
-        raise FileNotFoundError(f"{train} not found: SRC must hold train/<wnid>/ folders (ImageFolder layout)")
+        raise NotFound(f"{train} not found: SRC must hold train/<wnid>/ folders (ImageFolder layout)")
     classes = sorted(p.name for p in train.iterdir() if p.is_dir())
     if not classes:
-        raise FileNotFoundError(f"{train} has no class folders: arrange it as train/<wnid>/<file>")
+        raise NotFound(f"{train} has no class folders: arrange it as train/<wnid>/<file>")
     return classes
 
 
@@ -127,13 +129,13 @@ def read_split(
     """(path, class index, stat) of every file of a split, and what was rejected before reading."""
     root = src / split
     if not root.is_dir():
-        raise FileNotFoundError(f"{root} not found: create it or leave {split!r} out of --splits")
+        raise NotFound(f"{root} not found: create it or leave {split!r} out of --splits")
     index = {wnid: i for i, wnid in enumerate(classes)}
     rejected: list[Rejected] = []
     entries = sorted(root.iterdir())
     folders = [p for p in entries if p.is_dir()]
     if not folders and entries:
-        raise ValueError(
+        raise DataError(
             f"{root} holds {len(entries)} files and no class folders (the raw ILSVRC2012 val layout?): "
             f"arrange them as {split}/<wnid>/<file> (e.g. with ILSVRC2012's valprep.sh), "
             f"or leave {split!r} out of --splits"
@@ -147,10 +149,10 @@ def read_split(
         rejected.append({"path": f"{split}/{stray.name}", "reason": reason})
     for folder in folders:  # all of them first, so that a link below one to another is seen as such
         if folder.name not in index:
-            raise ValueError(f"{folder}: class {folder.name!r} is not among the train classes")
+            raise DataError(f"{folder}: class {folder.name!r} is not among the train classes")
         same = seen.link_inside(folder) or seen.first(folder.stat(), f"{split}/{folder.name}")
         if same:
-            raise ValueError(
+            raise DataError(
                 f"{folder} is the same folder as {src / same} (a symlink): its images would be read "
                 "twice, under two labels or in two splits; make it a folder of its own (nothing was changed)"
             )
@@ -196,10 +198,10 @@ def check_counts(split: str, classes: list[str], labels: Iterable[int]) -> None:
     counts = Counter(labels)
     hint = "or pass --allow-empty to convert without them"
     if not counts:
-        raise ValueError(f"{split} has no samples: add images to {split}/<wnid>/, {hint}")
+        raise DataError(f"{split} has no samples: add images to {split}/<wnid>/, {hint}")
     if empty := [wnid for i, wnid in enumerate(classes) if not counts[i]]:
         more = f" and {len(empty) - 1} more classes" if len(empty) > 1 else ""
-        raise ValueError(
+        raise DataError(
             f"{split}/{empty[0]}{more} has no samples (the folder is missing or empty, or every file in it "
             f"was rejected): add images, {hint}"
         )

@@ -30,12 +30,14 @@ import uuid
 from pathlib import Path
 from types import TracebackType
 
+from imagenet_ais.errors import InUse, StorageError
 from imagenet_ais.storage import LocalStore, Store
 
 LOCK = "_convert.lock"
 TRAIN_LOCK = "train.lock"
 STALE_S = 15 * 60  # generous against clock skew between hosts: a live holder refreshes far more often
 REFRESH_S = 60
+EXITING_S = 5  # how long a dead holder's children may take to let go of a file lock
 # what a readable lock names
 FIELDS: dict[str, type | tuple[type, ...]] = {"pid": int, "host": str, "time": (int, float), "token": str}
 
@@ -44,12 +46,12 @@ def _who(holder: dict) -> str:
     return f"PID {holder['pid']} on {holder['host']}" if holder else "another process"
 
 
-def _busy(url: str, holder: dict, doing: str = "converted") -> ValueError:
-    return ValueError(f"{url} is being {doing} by {_who(holder)}: wait for it to finish (nothing was changed)")
+def _busy(url: str, holder: dict, doing: str = "converted") -> InUse:
+    return InUse(f"{url} is being {doing} by {_who(holder)}: wait for it to finish (nothing was changed)")
 
 
-def _lost(url: str, holder: dict, name: str = LOCK) -> ValueError:
-    return ValueError(
+def _lost(url: str, holder: dict, name: str = LOCK) -> InUse:
+    return InUse(
         f"{url}/{name} is no longer this run's ({_who(holder)} holds it, or nobody): stopped rather than "
         "write or delete what another run may be using; run convert again"
     )
@@ -102,7 +104,7 @@ class _FileLock:
             self.store.root.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
             problem = "a file is there or on the way to it, not a folder: name a folder"
-            raise NotADirectoryError(f"{self.store.root}: {problem}") from None
+            raise StorageError(f"{self.store.root}: {problem}") from None
         path = self.store.root / self.name
         deadline = time.monotonic() + self.wait_s
         while True:
@@ -112,7 +114,8 @@ class _FileLock:
             except BlockingIOError:
                 holder = _parse(os.read(fd, 4096))
                 os.close(fd)
-                if time.monotonic() < deadline:
+                # a holder killed outright still holds it through its pool workers for a moment
+                if time.monotonic() < deadline + (EXITING_S if holder and _dead(holder) else 0):
                     time.sleep(0.2)
                     continue
                 raise _busy(self.store.url, holder, self.doing) from None
@@ -210,7 +213,7 @@ class _ObjectLock:
 
     def _check(self) -> None:
         if self.lost:
-            raise ValueError(f"{self.store.url}/{LOCK} could not be kept ({self.lost}): run convert again")
+            raise StorageError(f"{self.store.url}/{LOCK} could not be kept ({self.lost}): run convert again")
         holder = self._holder()
         if holder.get("token") != self.me["token"]:
             raise _lost(self.store.url, holder)
@@ -248,9 +251,13 @@ class _ObjectLock:
             return True
         if time.time() - holder["time"] > STALE_S:
             return True
-        # a pid means this process only on the same host, boot and pid namespace
-        where = _where()
-        return bool(where["boot"]) and all(holder.get(k) == v for k, v in where.items()) and not _alive(holder["pid"])
+        return _dead(holder)
+
+
+def _dead(holder: dict) -> bool:
+    """Whether the process a lock names has ended: known only on its host, boot and pid namespace."""
+    where = _where()
+    return bool(where["boot"]) and all(holder.get(k) == v for k, v in where.items()) and not _alive(holder["pid"])
 
 
 def _alive(pid: int) -> bool:

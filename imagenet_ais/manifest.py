@@ -11,6 +11,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import get_type_hints
 
+from imagenet_ais.errors import DataError, NotFound
 from imagenet_ais.storage import Store, stream_sha256
 
 MANIFEST = "manifest.json"
@@ -76,18 +77,18 @@ class Manifest:
         try:
             doc = _object(json.loads(text), "the file")
             if doc.get("format") != FORMAT:
-                raise ValueError(f"not a {FORMAT} manifest")
+                raise DataError(f"not a {FORMAT} manifest")
             if doc.get("version") != VERSION:
-                raise ValueError(f"manifest version {doc.get('version')} (this tool reads {VERSION})")
+                raise DataError(f"manifest version {doc.get('version')} (this tool reads {VERSION})")
             classes = doc["classes"]
             if not isinstance(classes, list) or not classes or not all(isinstance(c, str) for c in classes):
-                raise ValueError(f'"classes" is {_short(classes)}, not a list of class names')
+                raise DataError(f'"classes" is {_short(classes)}, not a list of class names')
             splits = {}
             for name, split in _object(doc["splits"], '"splits"').items():
                 split = _object(split, f"split {name!r}")
                 shards = split["shards"]
                 if not isinstance(shards, list):
-                    raise ValueError(f'"shards" of {name!r} is {_short(shards)}, not a list')
+                    raise DataError(f'"shards" of {name!r} is {_short(shards)}, not a list')
                 splits[name] = SplitInfo(
                     [_shard(s, f"shard {i} of {name!r}") for i, s in enumerate(shards)],
                     _rejected(split["rejected"], f'"rejected" of {name!r}'),
@@ -95,11 +96,11 @@ class Manifest:
                 _check_shards(splits[name].shards, name)
             return cls(classes, splits, _object(doc.get("source", {}), '"source"'))
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{where}: unreadable manifest ({e}); re-run `imagenet_shards.py convert`") from e
+            raise DataError(f"{where}: unreadable manifest ({e}); re-run `imagenet_shards.py convert`") from e
 
     def split(self, name: str) -> SplitInfo:
         if name not in self.splits:
-            raise ValueError(f"manifest has no {name!r} split (it has: {', '.join(self.splits) or 'none'})")
+            raise DataError(f"manifest has no {name!r} split (it has: {', '.join(self.splits) or 'none'})")
         return self.splits[name]
 
 
@@ -110,7 +111,7 @@ def _short(value: object) -> str:
 
 def _object(value: object, what: str) -> dict:
     if not isinstance(value, dict):
-        raise ValueError(f"{what} is {_short(value)}, not an object")
+        raise DataError(f"{what} is {_short(value)}, not an object")
     return value
 
 
@@ -119,15 +120,15 @@ def _shard(fields: object, where: str) -> ShardInfo:
     fields, hints = _object(fields, where), get_type_hints(ShardInfo)
     for name in [*hints, *fields]:
         if name not in hints or name not in fields:
-            raise ValueError(f"{where}: {'no' if name in hints else 'unknown field'} {name!r}")
+            raise DataError(f"{where}: {'no' if name in hints else 'unknown field'} {name!r}")
         if not isinstance(value := fields[name], hints[name]) or (hints[name] is int and isinstance(value, bool)):
-            raise ValueError(f"{where}: {name!r} is {_short(value)}, not {hints[name].__name__}")
+            raise DataError(f"{where}: {name!r} is {_short(value)}, not {hints[name].__name__}")
     return ShardInfo(**fields)
 
 
 def _rejected(entries: object, what: str) -> list[dict[str, str]]:
     if not isinstance(entries, list) or not all(isinstance(r, dict) for r in entries):
-        raise ValueError(f"{what} is {_short(entries)}, not a list of objects")
+        raise DataError(f"{what} is {_short(entries)}, not a list of objects")
     return entries
 
 
@@ -142,7 +143,7 @@ def parse_record(data: bytes, where: str) -> tuple[ShardInfo, list[dict[str, str
         doc = _object(json.loads(data), "the file")
         return _shard(doc.get("shard"), '"shard"'), _rejected(doc.get("rejected"), '"rejected"')
     except ValueError as e:  # (JSON errors are ValueErrors too)
-        raise ValueError(
+        raise DataError(
             f"{where}: unreadable journal record ({e}): remove it and the shard it names, then run convert again"
         ) from e
 
@@ -152,15 +153,15 @@ def _check_shards(shards: list[ShardInfo], split: str) -> None:
     seen: set[str] = set()
     for i, shard in enumerate(shards):
         if shard.samples < 0 or shard.bytes < 0:
-            raise ValueError(f"shard {i} of {split!r}: {shard.samples} samples in {shard.bytes} bytes")
+            raise DataError(f"shard {i} of {split!r}: {shard.samples} samples in {shard.bytes} bytes")
         if shard.name in seen:
-            raise ValueError(f"shard {i} of {split!r}: {shard.name!r} is listed twice")
+            raise DataError(f"shard {i} of {split!r}: {shard.name!r} is listed twice")
         seen.add(shard.name)
 
 
 def load_manifest(store: Store) -> Manifest:
     if not store.exists(MANIFEST):
-        raise FileNotFoundError(
+        raise NotFound(
             f"no {MANIFEST} in {store.url}: point --data at a directory made by `imagenet_shards.py convert`"
         )
     return Manifest.from_json(store.read_bytes(MANIFEST).decode(), f"{store.url}/{MANIFEST}")

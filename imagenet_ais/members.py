@@ -12,6 +12,8 @@ import tarfile
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
+from imagenet_ais.errors import DataError
+
 MAX_MEMBER_BYTES = 64 * 2**20  # one sample's image: ImageNet's largest is under 20 MB
 _KINDS = {
     tarfile.GNUTYPE_SPARSE: "a sparse file",
@@ -24,7 +26,7 @@ _KINDS = {
 }
 
 
-class BadMember(ValueError):
+class BadMember(DataError):
     """A member that is not a plain file a sample could hold."""
 
 

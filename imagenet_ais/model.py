@@ -19,13 +19,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from imagenet_ais import checkpoint, decentralized, distributed
 from imagenet_ais.config import TrainConfig
+from imagenet_ais.errors import ConfigError, DataError
 
 
 def build_model(arch: str, num_classes: int) -> nn.Module:
     # only the classifiers: a detection model would fetch its backbone's weights from the network
     known = torchvision.models.list_models(module=torchvision.models)
     if arch not in known:
-        raise ValueError(f"--arch {arch!r} is not a torchvision classification model; one of: {', '.join(known)}")
+        raise ConfigError(f"--arch {arch!r} is not a torchvision classification model; one of: {', '.join(known)}")
     return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
 
 
@@ -33,23 +34,23 @@ def load_weights(model: nn.Module, path: str) -> None:
     """Start ``model`` from the weights in ``path``: a train.py checkpoint (its digest checked) or
     a plain state dict such as torchvision's released weights; one line if they do not fit."""
     if not Path(path).is_file():
-        raise ValueError(f"--weights {path}: {'a folder' if Path(path).is_dir() else 'no such file'}, not a state dict")
+        raise DataError(f"--weights {path}: {'a folder' if Path(path).is_dir() else 'no such file'}, not a state dict")
     with warnings.catch_warnings():  # torch's notes on foreign pickles: the error below says it all
         warnings.simplefilter("ignore")
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # damaged, or a pickle of more than tensors (never run its code)
-            raise ValueError(f"--weights {path}: not a state dict or checkpoint ({type(e).__name__})") from None
+            raise DataError(f"--weights {path}: not a state dict or checkpoint ({type(e).__name__})") from None
     if isinstance(state, dict) and "model" in state:  # a train.py checkpoint: read once, checked here
         state = checkpoint.verified(state, Path(path))["model"]
     if not isinstance(state, dict):
-        raise ValueError(f"--weights {path}: holds no state dict")
+        raise DataError(f"--weights {path}: holds no state dict")
     state = {k.removeprefix("module."): v for k, v in state.items()}  # saved from inside DDP
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
         problem = str(e).strip().splitlines()[-1].strip()
-        raise ValueError(f"--weights {path}: does not fit this model ({problem})") from None
+        raise DataError(f"--weights {path}: does not fit this model ({problem})") from None
 
 
 def sync_batchnorm(model: nn.Module, cfg: TrainConfig, d: distributed.Dist) -> nn.Module:
@@ -57,7 +58,7 @@ def sync_batchnorm(model: nn.Module, cfg: TrainConfig, d: distributed.Dist) -> n
     if not cfg.sync_bn or d.world == 1:
         return model
     if d.device.type != "cuda":
-        raise ValueError("--sync-bn: SyncBatchNorm runs on GPUs only; leave it out on CPU")
+        raise ConfigError("--sync-bn: SyncBatchNorm runs on GPUs only; leave it out on CPU")
     return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
@@ -127,7 +128,7 @@ def parallelism(cfg: TrainConfig, d: distributed.Dist, say: Callable[..., None])
     if cfg.dp == "decent" and not decent:
         say("note: --dp decent with one process trains as plain data parallel would", err=True)
     if decent and cfg.compile:
-        raise ValueError("--dp decent does not work with --compile (its hooks re-point the parameters): drop one")
+        raise ConfigError("--dp decent does not work with --compile (its hooks re-point the parameters): drop one")
     compiled = cfg.compile if cfg.compile is not None else cuda and not decent and _compiles(d.device, say)
     return decent, compiled
 

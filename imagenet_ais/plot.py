@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 from matplotlib.figure import Figure  # no pyplot: no display backend, no global state
 
+from imagenet_ais.errors import DataError, NotFound, one_line
 from imagenet_ais.metrics import METRICS
 
 # panel title → (record kind, field, legend label)
@@ -31,7 +32,7 @@ def load(run_dir: Path) -> dict[str, dict[int, dict]]:
     """Records by kind, then step (later records replace earlier ones of the same step)."""
     path = run_dir / METRICS
     if not path.is_file():
-        raise FileNotFoundError(f"no {METRICS} in {run_dir}: point at a train.py --output directory")
+        raise NotFound(f"no {METRICS} in {run_dir}: point at a train.py --output directory")
     by_kind: dict[str, dict[int, dict]] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -39,7 +40,7 @@ def load(run_dir: Path) -> dict[str, dict[int, dict]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n} is not a JSON record ({e.msg}): was the file edited or cut?") from e
+            raise DataError(f"{path}:{n} is not a JSON record ({e.msg}): was the file edited or cut?") from e
         by_kind.setdefault(record.get("kind", "?"), {})[record["step"]] = record
     return by_kind
 
@@ -52,7 +53,7 @@ def plot(run_dir: Path, out: Path) -> Path:
         if any(field in r for kind, field, _ in series for r in by_kind.get(kind, {}).values())
     }
     if not panels:
-        raise ValueError(f"{run_dir / METRICS} has no training or validation records yet")
+        raise DataError(f"{run_dir / METRICS} has no training or validation records yet")
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
     fig = Figure(figsize=(5 * cols, 3.4 * rows), layout="tight")
@@ -82,10 +83,8 @@ def plot(run_dir: Path, out: Path) -> Path:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="[default: RUN_DIR/metrics.png]")
 def main(run_dir: Path, out: Path | None) -> None:
     """Plot a training run's metrics (RUN_DIR: a train.py --output directory) into a PNG."""
-    try:
+    with one_line():
         path = plot(run_dir, out or run_dir / "metrics.png")
-    except (OSError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
     click.echo(path)
 
 

@@ -16,6 +16,7 @@ from torch.optim.swa_utils import AveragedModel
 from imagenet_ais import checkpoint, distributed, keys_log
 from imagenet_ais.config import TrainConfig
 from imagenet_ais.data import SyntheticLoader, TrainLoader
+from imagenet_ais.errors import DataError
 from imagenet_ais.metrics import LOG, METRICS
 from imagenet_ais.sampling import merge_positions
 
@@ -56,7 +57,7 @@ def resume(
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:  # torch lists every mismatch: thousands of characters
-        raise ValueError(f"{path}: its weights do not fit {cfg.arch} ({_mismatches(e)})") from None
+        raise DataError(f"{path}: its weights do not fit {cfg.arch} ({_mismatches(e)})") from None
     if state["optimizer"] and optimizer:
         optimizer.load_state_dict(state["optimizer"])
     else:
@@ -91,13 +92,13 @@ def resume(
 def check_fits(state: dict[str, Any], path: Path, arch: str, classes: list[str]) -> None:
     """One line where a checkpoint was trained as another model or on other classes."""
     if state["arch"] != arch or len(state["classes"]) != len(classes):
-        raise ValueError(
+        raise DataError(
             f"{path} was trained as {state['arch']} on {len(state['classes'])} classes, "
             f"not {arch} on {len(classes)}: use another --output or --resume"
         )
     if differ := [(a, b) for a, b in zip(state["classes"], classes, strict=True) if a != b]:
         (theirs, ours), more = differ[0], f" and {len(differ) - 1} more" if len(differ) > 1 else ""
-        raise ValueError(
+        raise DataError(
             f"{path} was trained on other classes ({theirs!r} where the data has {ours!r}{more}): "
             "use another --output or --resume"
         )

@@ -30,6 +30,7 @@ from imagenet_ais.data import (
     nominal_steps,
 )
 from imagenet_ais.data_health import DataHealth
+from imagenet_ais.errors import ConfigError
 from imagenet_ais.manifest import load_manifest
 from imagenet_ais.metrics import MetricsLog
 from imagenet_ais.resume import Standing
@@ -116,7 +117,7 @@ def prepare(cfg: TrainConfig, d: distributed.Dist) -> Path:
     fresh = cfg.resume is None and not cfg.test_only
     # rank 0's view: with node-local outputs the other ranks' are empty, and all must stop alike
     if fresh and (held := distributed.broadcast_object(held_run(output, cfg) if d.main else None)):
-        raise ValueError(held)
+        raise ConfigError(held)
     output.mkdir(parents=True, exist_ok=True)
     if d.main:
         checkpoint.sweep_partials(output)
@@ -183,15 +184,17 @@ def loaders(
         synthetic = SyntheticLoader(cfg.batch_size, sizes[0], d.device, channels_last, steps)
         return synthetic, None, classes, "synthetic data"
     if not cfg.data:
-        raise ValueError("no --data given: point it at a shard location holding manifest.json, or use --synthetic")
+        raise ConfigError("no --data given: point it at a shard location holding manifest.json, or use --synthetic")
     if cfg.cache_size is not None and not cfg.cache_dir:
-        raise ValueError("--cache-size bounds --cache-dir: give --cache-dir too")
+        raise ConfigError("--cache-size bounds --cache-dir: give --cache-dir too")
     cuda = d.device.type == "cuda"
     manifest = load_manifest(open_store(cfg.data))
     if cfg.decode in ("gpu", "dali") and not cuda:
         say(f"note: --decode {cfg.decode} without a GPU decodes in the training process, on the CPU", err=True)
     if cfg.decode == "dali" and not dali_crops.available():
-        raise ValueError("--decode dali needs DALI: pip install .[dali] (NGC's PyTorch images have it) or --decode gpu")
+        raise ConfigError(
+            "--decode dali needs DALI: pip install .[dali] (NGC's PyTorch images have it) or --decode gpu"
+        )
     decode = cfg.decode if cfg.decode != "auto" else "gpu" if cuda else "cpu"
     workers = cfg.workers if cfg.workers is not None else distributed.auto_workers(d.device)
     cache = CacheSpec(cfg.cache_dir, cfg.cache_size) if cfg.cache_dir else None
@@ -209,7 +212,7 @@ def loaders(
     else:
         resize = cfg.val_resize_size or val_size / VAL_CROP
         if resize < val_size:
-            raise ValueError(f"--val-resize-size {resize} is smaller than the validation crop ({val_size})")
+            raise ConfigError(f"--val-resize-size {resize} is smaller than the validation crop ({val_size})")
         val_spec = dataclasses.replace(spec, image_size=val_size, val_crop=val_size / resize, augment=NO_AUGMENT)
         val_loader = ValLoader(val_split, cfg.data, val_spec, feeding)
     return train_loader, val_loader, manifest.classes, f"{decode} decode, {workers} workers per process"
@@ -234,7 +237,7 @@ def build(
         raw_model = raw_model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # (documented)
     decent, compiled = model.parallelism(cfg, d, say)
     if decent and cfg.clip_grad_norm:
-        raise ValueError("--clip-grad-norm with --dp decent: its wrapper steps inside backward; leave one out")
+        raise ConfigError("--clip-grad-norm with --dp decent: its wrapper steps inside backward; leave one out")
     decay = recipe.ema_decay(cfg.model_ema_decay, cfg.model_ema_steps, cfg.batch_size * d.world, cfg.epochs)
     ema = recipe.ModelEma(raw_model, decay) if cfg.model_ema else None
     mode = f", compiled ({model.compile_mode(cfg, cuda)})" if compiled else ", eager"

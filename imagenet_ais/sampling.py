@@ -21,6 +21,8 @@ import random
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
+from imagenet_ais.errors import DataError
+
 Done = dict[int, set[int]]  # shard → indices of its samples already trained on this epoch
 
 
@@ -44,7 +46,7 @@ def exact_assignment(
     free = [count - len(done.get(shard, ())) for shard, count in enumerate(counts)]
     steps = sum(free) // (world * batch)
     if steps == 0 and not done:
-        raise ValueError(
+        raise DataError(
             f"the training split has {sum(counts)} samples, fewer than one global batch "
             f"({world} ranks × {batch}): lower --batch-size"
         )

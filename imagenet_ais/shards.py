@@ -21,6 +21,7 @@ from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from imagenet_ais.children import exit_with_parent
+from imagenet_ais.errors import ConfigError, DataError, StorageError
 from imagenet_ais.inputs import Seen, ShardPlan, check_counts, list_classes, plan_split
 from imagenet_ais.locks import LOCK, lock_dest
 from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, load_manifest, parse_record, record_json
@@ -39,7 +40,7 @@ def as_training_jpeg(data: bytes) -> bytes:
     """The bytes to store for an input image: the original when it is an RGB or gray JPEG,
     else an RGB JPEG re-encoding. Raises ValueError with the reason when it is unreadable."""
     if not data:
-        raise ValueError("empty file")
+        raise DataError("empty file")
     try:
         with Image.open(io.BytesIO(data)) as img:
             if img.format == "JPEG" and img.mode in ("RGB", "L"):
@@ -53,9 +54,9 @@ def as_training_jpeg(data: bytes) -> bytes:
                 pixels = Image.fromarray((np.asarray(img, dtype=np.int64).clip(0, 65535) // 257).astype(np.uint8))
             rgb = pixels.convert("RGB")
     except UnidentifiedImageError as e:
-        raise ValueError("not an image format Pillow can read") from e
+        raise DataError("not an image format Pillow can read") from e
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise ValueError(f"{type(e).__name__}: {e}") from e
+        raise DataError(f"{type(e).__name__}: {e}") from e
     out = io.BytesIO()
     rgb.save(out, format="JPEG", quality=95)
     return out.getvalue()
@@ -65,12 +66,12 @@ def file_sha256(path: Path) -> str:
     return stream_sha256(path.open("rb"))
 
 
-def _disk_full(e: OSError, path: object, store: Store) -> OSError:
+def _disk_full(e: OSError, path: object, store: Store) -> StorageError:
     """ENOSPC or EFBIG while writing ``path`` for ``store``, as one line saying what to do."""
     where = f"DEST {store.url}" if isinstance(store, LocalStore) else f"the scratch disk of {store.url} (see TMPDIR)"
     if e.errno == errno.ENOSPC:
-        return OSError(f"no space left on {where} writing {path}: free some space or convert elsewhere")
-    return OSError(
+        return StorageError(f"no space left on {where} writing {path}: free some space or convert elsewhere")
+    return StorageError(
         f"{path}: file too large for {where} (a file-size limit, see ulimit -f, or the file system's): "
         "raise the limit or lower --maxsize"
     )
@@ -121,7 +122,7 @@ def publish_shard(dest_url: str, tmp: Path, record: Record, read_back: bool = Fa
         store.put_file(tmp, info.name)
         if read_back and info.problem(store):
             store.delete(info.name)
-            raise OSError(f"{store.url}/{info.name}: read back, it differs from the shard written; deleted")
+            raise StorageError(f"{store.url}/{info.name}: read back, it differs from the shard written; deleted")
     except OSError as e:
         if e.errno in DISK_FULL:
             raise _disk_full(e, tmp, store) from None
@@ -137,7 +138,7 @@ def _read_manifests(store: Store) -> tuple[Manifest | None, Manifest | None]:
     try:
         published = load_manifest(store) if store.exists(MANIFEST) else None
     except ValueError as e:
-        raise ValueError(
+        raise DataError(
             f"{store.url}/{MANIFEST} is not a manifest written by imagenet_shards.py ({e}): "
             "convert into an empty DEST (nothing was changed)"
         ) from None
@@ -152,7 +153,7 @@ def _refuse_foreign(store: Store, known: dict[str, Record]) -> None:
     foreign = [n for n in store.list() if n not in (MANIFEST, LOCK) and n not in known and not n.startswith(JOURNAL)]
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise ValueError(
+        raise DataError(
             f"{store.url} holds files imagenet_shards.py did not write ({shown}): "
             "convert into an empty DEST, or into one this tool made (nothing was changed)"
         )
@@ -183,7 +184,7 @@ def _refuse_rewritten(kept: dict[str, SplitInfo], journal: dict[str, Record], co
     """A split kept from the manifest of a run that stopped may have had shards rewritten since."""
     for split, info in kept.items():
         if any(journal.get(s.name, (s,))[0] != s for s in info.shards):
-            raise ValueError(
+            raise DataError(
                 f"{split} was being rewritten when a run stopped: add it to --splits "
                 f"(--splits {','.join([*converting, split])}; nothing was changed)"
             )
@@ -211,7 +212,7 @@ def _check_published(store: Store, manifest: Manifest) -> None:
         if not problem and shard.name in journal and journal[shard.name][0] != shard:
             problem = "its journal record describes another shard"
         if problem:
-            raise OSError(
+            raise StorageError(
                 f"{store.url}/{shard.name}: {problem} at the end of the run (changed by something else "
                 "meanwhile?): no manifest was written; run convert again"
             )
@@ -236,12 +237,12 @@ def convert(
     read_back: bool = False,
 ) -> Manifest:
     if not splits:
-        raise ValueError("--splits names no split: give the split folders of SRC, e.g. --splits train,val")
+        raise ConfigError("--splits names no split: give the split folders of SRC, e.g. --splits train,val")
     if twice := sorted({s for s in splits if splits.count(s) > 1}):
-        raise ValueError(f"--splits names {', '.join(twice)} more than once: name each split once")
+        raise ConfigError(f"--splits names {', '.join(twice)} more than once: name each split once")
     store = open_store(dest_url)
     if isinstance(store, LocalStore) and store.root.resolve().is_relative_to(src.resolve()):
-        raise ValueError(
+        raise ConfigError(
             f"DEST {store.url} is inside SRC {src}: its files would be read as inputs on the next run; "
             "choose a DEST outside SRC (nothing was changed)"
         )
@@ -280,7 +281,7 @@ def _convert_locked(
     # splits of an earlier run that this one does not convert stay as they are
     kept = {name: info for name, info in (old.splits.items() if old else []) if name not in plans}
     if kept and old and old.classes != classes:
-        raise ValueError(
+        raise DataError(
             f"{store.url}/{MANIFEST} holds {', '.join(kept)} labelled with other classes than {src} has: "
             f"convert those splits too (--splits {','.join([*kept, *plans])}) or use another DEST "
             "(nothing was changed)"

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from imagenet_ais import cache, shards, synth
+from imagenet_ais.errors import one_line
 from imagenet_ais.manifest import brace_pattern, load_manifest
 from imagenet_ais.storage import open_store
 
@@ -87,11 +88,9 @@ def convert_cmd(
 
     Re-running resumes: shards already complete and verified at DEST are kept.
     """
-    try:
+    with one_line():
         split_list = [s for s in splits.split(",") if s]
         manifest = shards.convert(src, dest, split_list, maxcount, maxsize, workers, seed, allow_empty, read_back)
-    except (OSError, ValueError) as e:  # OSError: a read or an upload failed for good
-        raise click.ClickException(str(e)) from e
     for name, split in manifest.splits.items():
         click.echo(f"{name}: {split.samples} samples in {len(split.shards)} shards, {len(split.rejected)} rejected")
         for r in split.rejected:
@@ -103,10 +102,8 @@ def convert_cmd(
 @click.option("--workers", default=os.cpu_count() or 1, show_default=True, type=click.IntRange(min=1))
 def verify_cmd(dest: str, workers: int) -> None:
     """Re-read every shard at DEST against its manifest; exit 1 naming each bad shard."""
-    try:
+    with one_line():
         problems = shards.verify(dest, workers)
-    except (OSError, ValueError) as e:  # OSError: DEST or a file in it could not be read
-        raise click.ClickException(str(e)) from e
     for name, problem in sorted(problems.items()):
         click.echo(f"BAD {dest}/{name}: {problem}", err=True)
     if problems:
@@ -125,10 +122,8 @@ def preload_cmd(url: str, dest: Path, splits: str | None, workers: int) -> None:
     Every shard is checked against the manifest; re-running after an interruption keeps what
     is already there and intact. The manifest is written last: DEST is usable once it is there.
     """
-    try:
+    with one_line():
         manifest = cache.preload(url, dest, [s for s in splits.split(",") if s] if splits else None, workers)
-    except (OSError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
     for name, split in manifest.splits.items():
         click.echo(f"{dest}: {name}: {len(split.shards)} shards, {split.samples} samples, {_human(split.bytes)}")
 
@@ -137,10 +132,8 @@ def preload_cmd(url: str, dest: Path, splits: str | None, workers: int) -> None:
 @click.argument("dest")
 def summary_cmd(dest: str) -> None:
     """Print each split of DEST as a brace pattern with counts and sizes."""
-    try:
+    with one_line():
         manifest = load_manifest(open_store(dest))
-    except (FileNotFoundError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
     click.echo(f"{dest}: {len(manifest.classes)} classes")
     for name, split in manifest.splits.items():
         pattern = brace_pattern([s.name for s in split.shards])

@@ -29,6 +29,7 @@ from webdataset.tariterators import group_by_keys
 from imagenet_ais.augment import NO_AUGMENT, Augment
 from imagenet_ais.cache import ShardCache
 from imagenet_ais.children import exit_with_parent
+from imagenet_ais.errors import ConfigError, DataError, StorageError
 from imagenet_ais.members import members
 from imagenet_ais.sampling import (
     Done,
@@ -146,9 +147,9 @@ class ShardStream(IterableDataset):
 
     def __init__(self, spec: StreamSpec, mode: str):
         if mode not in ("resampled", "exact", "val"):
-            raise ValueError(f"unknown epoch mode {mode!r}")
+            raise ConfigError(f"unknown epoch mode {mode!r}")
         if spec.decode not in DECODERS:
-            raise ValueError(f"unknown decode {spec.decode!r}: one of {', '.join(DECODERS)}")
+            raise ConfigError(f"unknown decode {spec.decode!r}: one of {', '.join(DECODERS)}")
         self.spec, self.mode = spec, mode
         self.epoch = mp.Value("q", 0)
         self.size = mp.Value("q", spec.image_size)  # output side; changes between epochs (--progressive)
@@ -254,7 +255,7 @@ class ShardStream(IterableDataset):
             return self.spec.shard_cache.open(name)
         store = _store(self.spec.location)
         if (stored := store.size(name)) != size:
-            raise OSError(
+            raise StorageError(
                 f"it is {stored:,} bytes, the manifest lists {size:,}: replaced or damaged since it was converted"
             )
         return store.open(name)
@@ -286,7 +287,7 @@ class ShardStream(IterableDataset):
         data = next(sample[e] for e in IMAGE_EXTS if e in sample)
         label = int(sample["cls"])
         if self.spec.classes and not 0 <= label < self.spec.classes:
-            raise ValueError(f"label {label} is not among the manifest's {self.spec.classes} classes")
+            raise DataError(f"label {label} is not among the manifest's {self.spec.classes} classes")
         rng = augment_rng(self.spec.seed, self.epoch.value, sample["__key__"]) if train else None
         augment = self.spec.augment  # drawn and applied only with rng, i.e. in training
         if self.spec.decode != "cpu":

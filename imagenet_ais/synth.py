@@ -21,6 +21,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
+from imagenet_ais.errors import ConfigError
+
 SHAPES = ("circle", "square", "triangle", "cross", "ring", "diamond", "hexagon", "bar")
 
 
@@ -135,7 +137,7 @@ def make_tree(
     random); (500, 375) at 95 gives ImageNet-like files of about 110 KB.
     """
     if classes < 1 or train_per_class < 1 or val_per_class < 0:
-        raise ValueError("need at least one class and one training image per class")
+        raise ConfigError("need at least one class and one training image per class")
     # The last training image of classes 0, 1, 2 (wrapping) carries one quirk each.
     quirk_of = {(i % classes, train_per_class - 1 - i // classes): q for i, q in enumerate(QUIRKS)}
     jobs = [

@@ -11,6 +11,7 @@ from click.core import ParameterSource
 from imagenet_ais.augment import POLICIES
 from imagenet_ais.config import RECIPES, TrainConfig, with_recipe
 from imagenet_ais.decentralized import TOPOLOGIES
+from imagenet_ais.errors import one_line
 from imagenet_ais.training import train
 
 DEFAULTS = TrainConfig()  # the options' defaults are the config's
@@ -207,10 +208,8 @@ def main(compile_: bool, **options: object) -> None:
     whose data never came, without: from the last checkpoint): continue with --resume auto.
     """
     cfg = config(click.get_current_context())
-    try:
+    with one_line():
         outcome = train(cfg)
-    except (OSError, ValueError) as e:  # OSError: the data location is unreachable or refused us
-        raise click.ClickException(str(e)) from e
     sys.exit(outcome["exit_code"])
 
 

@@ -20,6 +20,7 @@ from imagenet_ais import checkpoint, decentralized, distributed, keys_log, locks
 from imagenet_ais.config import TrainConfig, check, image_sizes
 from imagenet_ais.data import TrainLoader, ValLoader, WorkerDied
 from imagenet_ais.data_health import DataHealth
+from imagenet_ais.errors import ConfigError, DataError
 from imagenet_ais.feed import Interrupted
 from imagenet_ais.metrics import LOG, METRICS, Reporter
 from imagenet_ais.model import autocast
@@ -240,9 +241,9 @@ def update_ema(run: Run, ema: ModelEma) -> None:
 def test_only(parts: Parts, standing: Standing) -> dict[str, Any]:
     """--test-only: validates the model as loaded (and its EMA, if kept), says it, trains nothing."""
     if not (parts.cfg.weights or standing.step):
-        raise ValueError("--test-only: nothing to test; give --weights or --resume (a checkpoint)")
+        raise ConfigError("--test-only: nothing to test; give --weights or --resume (a checkpoint)")
     if parts.val_loader is None:
-        raise ValueError(f"--test-only: {parts.cfg.data} has no val split to evaluate on")
+        raise DataError(f"--test-only: {parts.cfg.data} has no val split to evaluate on")
     val = validate(parts.raw_model, parts.val_loader, parts.cfg, parts.d)
     parts.say(f"test: top-1 {val['top1']:.4f}% top-5 {val['top5']:.4f}% over {val['samples']} images")
     warn_if_partial(val, parts.health)

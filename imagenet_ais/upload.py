@@ -27,6 +27,7 @@ from pathlib import Path
 
 import click
 
+from imagenet_ais.errors import DataError, InUse, one_line
 from imagenet_ais.storage import LocalStore, Store, download, open_store
 
 POINTER = "latest.json"
@@ -34,7 +35,7 @@ CLAIM = "run.json"  # the run whose location it is (and, in --output, the run's 
 SNAPSHOTS = ".uploading"  # in --output: the copies of files on their way up
 
 
-class Claimed(ValueError):
+class Claimed(InUse):
     """The upload location is another run's."""
 
 
@@ -231,7 +232,7 @@ def sync(src: Path, dest_url: str, retry_seconds: float = 120) -> tuple[list[str
     return uploaded, skipped
 
 
-class BadPointer(ValueError):
+class BadPointer(DataError):
     """A ``latest.json`` that does not name one of its location's checkpoints."""
 
 
@@ -288,10 +289,8 @@ def fetch_latest(source_url: str, output: Path, extra: tuple[str, ...] = (), aft
 @click.option("--retry-seconds", default=120.0, show_default=True, help="retry a failing upload this long")
 def main(src: Path, dest: str, retry_seconds: float) -> None:
     """Sync the directory SRC to DEST (gs://, ais:// or a directory), skipping identical files."""
-    try:
+    with one_line():
         uploaded, skipped = sync(src, dest, retry_seconds)
-    except (OSError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
     for name in uploaded:
         click.echo(f"uploaded {name}")
     click.echo(f"{dest}: {len(uploaded)} uploaded, {len(skipped)} already there")

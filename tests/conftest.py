@@ -389,7 +389,11 @@ def gcs(tmp_path_factory: pytest.TempPathFactory):
     emulator.stop()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked ``dali`` run last: a process that has run DALI's pipelines crashed a DataLoader
-    worker it forked later (a segmentation fault in the next test file, once in CI)."""
+    """Tests marked ``dali`` run last, all in one of ./run test's processes: a process that had
+    run DALI's pipelines crashed a DataLoader worker it forked later (a segmentation fault)."""
+    for item in items:
+        if item.get_closest_marker("dali"):
+            item.add_marker(pytest.mark.xdist_group("dali"))
     items.sort(key=lambda item: item.get_closest_marker("dali") is not None)  # (stable: the rest keep their order)

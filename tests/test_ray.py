@@ -15,8 +15,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import ROOT, free_port, run_cli, tiny_run_env, write_shards
+
+# one Ray cluster on this machine at a time: these tests in one of ./run test's processes
+pytestmark = pytest.mark.xdist_group("ray")
 
 RAY = str(Path(sys.executable).parent / "ray")
 

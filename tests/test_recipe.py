@@ -17,6 +17,9 @@ from imagenet_ais.config import TrainConfig
 from imagenet_ais.recipe import ModelEma, batch_mixer, ema_decay
 from imagenet_ais.train_cli import parse
 
+# the trained run the tests share (a module fixture): made once, in one of ./run test's processes
+pytestmark = pytest.mark.xdist_group("recipe")
+
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
     # each picture one constant value, its class: what went where can be read back from the pixels

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from imagenet_ais.errors import ConfigError
 from imagenet_ais.storage.base import Store, download, stream_sha256
 from imagenet_ais.storage.local import LocalStore
 
@@ -72,4 +73,4 @@ def open_store(url: str, retry_seconds: float = 120) -> Store:
         from imagenet_ais.storage.http import HTTPStore
 
         return HTTPStore(url, retry_seconds)
-    raise ValueError(f"unsupported storage URL {url!r}: use a local directory, file://, ais://, gs:// or http(s)://")
+    raise ConfigError(f"unsupported storage URL {url!r}: use a local directory, file://, ais://, gs:// or http(s)://")

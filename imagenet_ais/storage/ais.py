@@ -29,6 +29,7 @@ from requests.exceptions import ChunkedEncodingError, SSLError
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 from urllib3.exceptions import ProtocolError, ReadTimeoutError
 
+from imagenet_ais.errors import AlreadyThere, ConfigError, StorageError
 from imagenet_ais.storage.base import _bucket_and_prefix, _checked, _hexdigest, _same_bytes, _StoreBase
 
 T = TypeVar("T")
@@ -40,7 +41,7 @@ def _file_checksum(path: Path, kind: str) -> str:
     return _hexdigest(path.open("rb"), xxhash.xxh64(seed=0) if kind == "xxhash2" else hashlib.new(kind))
 
 
-class _VerifyFailed(OSError):
+class _VerifyFailed(StorageError):
     """An upload whose read-back differs from what was sent."""
 
 
@@ -124,9 +125,9 @@ def _one_line_errors(where: str) -> Iterator[None]:
     try:
         yield
     except AISError as e:
-        raise OSError(f"{where}: AIStore answered {e.status_code}: {_ais_message(e)}") from e
+        raise StorageError(f"{where}: AIStore answered {e.status_code}: {_ais_message(e)}") from e
     except (RequestException, *BROKEN_READ) as e:
-        raise OSError(f"{where}: {e}") from e
+        raise StorageError(f"{where}: {e}") from e
 
 
 def _ais_errors(method: Callable[..., T]) -> Callable[..., T]:
@@ -223,7 +224,7 @@ class AISStore(_StoreBase):
         bucket, self.prefix = _bucket_and_prefix(url, "ais")
         endpoint = os.environ.get("AIS_ENDPOINT")
         if not endpoint:
-            raise ValueError(f"{url}: set AIS_ENDPOINT to the cluster's URL (e.g. http://aistore-proxy:51080)")
+            raise ConfigError(f"{url}: set AIS_ENDPOINT to the cluster's URL (e.g. http://aistore-proxy:51080)")
         self.url = url.rstrip("/")
         self.bucket = _client(endpoint).bucket(bucket)
         self._bucket_ready = False
@@ -284,7 +285,7 @@ class AISStore(_StoreBase):
                 self.bucket.create(exist_ok=True)
                 self._bucket_ready = True
             if once and self.exists(name):
-                raise FileExistsError(f"{self.url}/{name} exists")
+                raise AlreadyThere(f"{self.url}/{name} exists")
             retrying = Retrying(  # the SDK's own policy for network errors (7 tries, 1-30 s apart)
                 stop=stop_after_attempt(self.PUT_TRIES),
                 wait=wait_random_exponential(multiplier=1, min=1, max=30),

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+from imagenet_ais.errors import ConfigError, DataError, StorageError
 from imagenet_ais.storage.scratch import scratch_file
 
 BLOCK = 1 << 20
@@ -34,7 +35,7 @@ class Store(Protocol):
 def _checked(name: str, url: str) -> str:
     """An object name relative to a location: no absolute paths, no way out of it."""
     if not name or name.startswith("/") or ".." in name.split("/"):
-        raise ValueError(f"invalid object name {name!r} in {url}")
+        raise DataError(f"invalid object name {name!r} in {url}")
     return name
 
 
@@ -43,7 +44,7 @@ def _bucket_and_prefix(url: str, scheme: str) -> tuple[str, str]:
     found, _, rest = url.partition("://")
     bucket, _, prefix = rest.partition("/")
     if found != scheme or not bucket:
-        raise ValueError(f"bad storage URL {url!r}: expected {scheme}://bucket[/prefix]")
+        raise ConfigError(f"bad storage URL {url!r}: expected {scheme}://bucket[/prefix]")
     prefix = prefix.strip("/")
     return bucket, f"{prefix}/" if prefix else ""
 
@@ -126,7 +127,9 @@ def download(
             out.flush()
             os.fsync(out.fileno())
         if got != size or (sha256 and digest.hexdigest() != sha256):
-            raise OSError(f"{store.url}/{name}: got {got} bytes that differ from the {size} expected (size or sha256)")
+            raise StorageError(
+                f"{store.url}/{name}: got {got} bytes that differ from the {size} expected (size or sha256)"
+            )
         publish(partial, dest)
     finally:
         partial.unlink(missing_ok=True)

@@ -16,6 +16,7 @@ from google.auth.exceptions import DefaultCredentialsError
 from google.cloud import storage
 from google.resumable_media.common import DataCorruption
 
+from imagenet_ais.errors import AlreadyThere, ConfigError, StorageError
 from imagenet_ais.storage.base import _blocks, _bucket_and_prefix, _checked, _StoreBase
 
 
@@ -58,7 +59,7 @@ class GCSStore(_StoreBase):
         try:
             self.client = storage.Client()
         except DefaultCredentialsError as e:
-            raise ValueError(
+            raise ConfigError(
                 f"{url}: no Google credentials; set GOOGLE_APPLICATION_CREDENTIALS, run "
                 "`gcloud auth application-default login`, or set STORAGE_EMULATOR_HOST for an emulator"
             ) from e
@@ -111,14 +112,14 @@ class GCSStore(_StoreBase):
                     str(src), checksum="crc32c", if_generation_match=0 if once else None, retry=self.retry
                 )
             except PreconditionFailed as e:
-                raise FileExistsError(f"{self.url}/{name} exists") from e
+                raise AlreadyThere(f"{self.url}/{name} exists") from e
             except DataCorruption as e:  # the server got other bytes than were sent
                 self.delete(name)
-                raise OSError(f"{self.url}/{name}: corrupted in transit (crc32c mismatch); deleted") from e
+                raise StorageError(f"{self.url}/{name}: corrupted in transit (crc32c mismatch); deleted") from e
             blob.reload(retry=self.retry)
             if (int(blob.size), blob.crc32c) != (src.stat().st_size, file_crc32c(src)):
                 self.delete(name)
-                raise OSError(f"{self.url}/{name}: stored object differs from {src} (size or crc32c); deleted")
+                raise StorageError(f"{self.url}/{name}: stored object differs from {src} (size or crc32c); deleted")
         finally:
             if not keep:
                 src.unlink(missing_ok=True)

@@ -13,10 +13,11 @@ import requests
 from tenacity import Retrying, retry_if_exception_type, retry_if_not_exception_type, stop_after_delay, wait_exponential
 from urllib3.exceptions import HTTPError
 
+from imagenet_ais.errors import ConfigError, NotFound, StorageError
 from imagenet_ais.storage.base import _checked, _StoreBase
 
 
-class _ServerError(OSError):
+class _ServerError(StorageError):
     """A 5xx answer: worth another try."""
 
 
@@ -37,7 +38,7 @@ class _ResumingReader(io.RawIOBase):
         response = self.store.request("GET", self.name, headers)
         if self.offset and response.status_code != 206:
             response.close()
-            raise OSError(f"{self.store.url}/{self.name}: changed on the server while being read")
+            raise StorageError(f"{self.store.url}/{self.name}: changed on the server while being read")
         if not self.offset:
             self.total = int(response.headers.get("Content-Length", -1))
             self.validator = response.headers.get("ETag") or response.headers.get("Last-Modified", "")
@@ -63,7 +64,7 @@ class _ResumingReader(io.RawIOBase):
             # cut off before the end: reconnect from here (request() retries while it is down)
             self.response.close()
             if time.monotonic() > deadline:
-                raise OSError(f"{self.store.url}/{self.name}: reads keep failing at byte {self.offset}: {error}")
+                raise StorageError(f"{self.store.url}/{self.name}: reads keep failing at byte {self.offset}: {error}")
             self.response = self._get()
 
     def close(self) -> None:
@@ -84,7 +85,7 @@ class HTTPStore(_StoreBase):
     def __init__(self, url: str, retry_seconds: float = 120):
         scheme, _, rest = url.partition("://")
         if scheme not in ("http", "https") or not rest.split("/")[0]:
-            raise ValueError(f"bad storage URL {url!r}: expected http(s)://host[:port][/prefix]")
+            raise ConfigError(f"bad storage URL {url!r}: expected http(s)://host[:port][/prefix]")
         self.url = url.rstrip("/")
         self.retry_seconds = retry_seconds
         self.session = requests.Session()
@@ -113,18 +114,18 @@ class HTTPStore(_StoreBase):
                         raise _ServerError(f"{url}: the server answered {response.status_code}")
         except requests.exceptions.SSLError as e:
             reason = re.search(r"certificate verify failed: [^')(]+", str(e))
-            raise OSError(
+            raise StorageError(
                 f"{url}: TLS verification failed ({reason[0].strip() if reason else 'see the cause'}); "
                 "point REQUESTS_CA_BUNDLE at the CA certificate that signed the server's"
             ) from e
         except requests.RequestException as e:
-            raise OSError(f"{url}: unreachable for {self.retry_seconds:.0f}s: {e}") from e
+            raise StorageError(f"{url}: unreachable for {self.retry_seconds:.0f}s: {e}") from e
         if response.status_code == 404:
             response.close()
-            raise FileNotFoundError(f"{url}: not found (404)")
+            raise NotFound(f"{url}: not found (404)")
         if response.status_code >= 400:
             response.close()
-            raise OSError(f"{url}: the server answered {response.status_code}")
+            raise StorageError(f"{url}: the server answered {response.status_code}")
         return response
 
     def exists(self, name: str) -> bool:
@@ -145,8 +146,8 @@ class HTTPStore(_StoreBase):
         with self.open(name) as f:
             return f.read()
 
-    def _read_only(self) -> ValueError:
-        return ValueError(f"{self.url}: HTTP locations are read-only (write to a directory, then ./run serve it)")
+    def _read_only(self) -> ConfigError:
+        return ConfigError(f"{self.url}: HTTP locations are read-only (write to a directory, then ./run serve it)")
 
     def list(self, prefix: str = "") -> list[str]:
         raise self._read_only()  # plain HTTP has no listing; readers go by the manifest

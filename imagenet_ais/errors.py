@@ -1,0 +1,57 @@
+"""The failures a user can act on: each says in one line what is wrong and what to do.
+
+The CLIs print these (and the operating system's own errors: a missing file, a full disk, a
+refused permission) as one line and exit 1; anything else is a bug and keeps its traceback.
+Each is also the built-in exception it used to be, so ``except ValueError`` still catches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import click
+
+
+class Refused(Exception):
+    """Something given or found cannot work; the message names it and what to do."""
+
+
+class ConfigError(Refused, ValueError):
+    """Options or settings that cannot work, alone or together."""
+
+
+class DataError(Refused, ValueError):
+    """Shards, a manifest, a checkpoint or weights that are not what they must be."""
+
+
+class InUse(Refused, ValueError):
+    """A location another process holds: a conversion or run in progress, or another run's uploads."""
+
+
+class StorageError(Refused, OSError):
+    """A location that cannot be read or written as needed: unreachable, refused, full, corrupting."""
+
+
+class NotFound(StorageError, FileNotFoundError):
+    """A file or object that is not there."""
+
+
+class AlreadyThere(StorageError, FileExistsError):
+    """An object that is there already, where one was to be written only once."""
+
+
+def expected(e: BaseException) -> bool:
+    """Whether ``e`` is told in one line: ours, or the operating system's (it carries an errno)."""
+    return isinstance(e, Refused) or (isinstance(e, OSError) and e.errno is not None)
+
+
+@contextlib.contextmanager
+def one_line() -> Iterator[None]:
+    """For a CLI: an expected failure as click's one-line error (exit 1); anything else as it is."""
+    try:
+        yield
+    except (Refused, OSError) as e:
+        if not expected(e):
+            raise
+        raise click.ClickException(str(e)) from e
