@@ -14,7 +14,7 @@ import os
 import random
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, NamedTuple, cast
 
@@ -285,6 +285,16 @@ def rng_state() -> dict[str, Any]:
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "python": random.getstate(),
     }
+
+
+@contextlib.contextmanager
+def rng_kept() -> Iterator[None]:
+    """Python's and torch's random state back as it was once the block ends (a run seeds them)."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

@@ -62,6 +62,7 @@ def train(cfg: TrainConfig, report: Callable[[dict], None] | None = None) -> dic
     with (
         distributed.joined() as d,
         torch._dynamo.config.patch(optimize_ddp=False),
+        checkpoint.rng_kept(),  # the caller's random state: a run seeds its own
         locks.lock_output(Path(cfg.output)) if d.main else nullcontext(),
     ):
         return _train(cfg, d, report)

@@ -6,6 +6,7 @@ import contextlib
 import io
 import os
 import random
+import secrets
 import shutil
 import socket
 import subprocess
@@ -367,7 +368,7 @@ class GCSEmulator:
     def make_bucket(self) -> str:
         from google.cloud import storage
 
-        name = f"b{random.randrange(1 << 40):x}"
+        name = f"b{secrets.token_hex(6)}"  # (not random's: a run in this process seeds it)
         storage.Client().create_bucket(name)
         return name
 

@@ -79,6 +79,7 @@ def test_convert_verify_and_train_from_ais(mode: str, tree: Path, env: dict, tmp
     assert all(r["read_errors"] == 0 and r["skipped"] == 0 for r in records if r["kind"] == "train")
 
 
+@pytest.mark.slow
 def test_training_survives_a_killed_and_restarted_target(tree: Path, ais, env: dict, tmp_path: Path) -> None:
     url = bucket_url()
     shards_here("convert", tree, url, "--maxcount", "4", "--workers", "2", env=env)

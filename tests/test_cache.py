@@ -9,11 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, TINY, run_cli, shards_here, torchrun, train_here, wait_until, write_shards
 
 from imagenet_ais.cache import usage
 
 
+@pytest.mark.slow
 def test_two_ranks_two_workers_fetch_each_shard_once_and_a_bad_copy_again(serve, tmp_path: Path) -> None:
     data, cache = tmp_path / "shards", tmp_path / "cache"
     manifest = write_shards(data, {"train": [9, 14, 7, 12, 10, 8], "val": [6, 5]})

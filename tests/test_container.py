@@ -19,7 +19,7 @@ import pytest
 from conftest import ROOT, TINY, run_cli, write_shards
 
 # the image the tests share (a module fixture): built once, in one of ./run test's processes
-pytestmark = pytest.mark.xdist_group("container")
+pytestmark = [pytest.mark.xdist_group("container"), pytest.mark.slow]
 
 USER = "1234:1234"  # no user of the image: as NGC and docker run --user start it
 CA = Path("/etc/ssl/certs/ca-certificates.crt")  # this machine's trust, for downloads in the build

@@ -86,6 +86,7 @@ def test_a_read_cut_off_by_a_server_restart_resumes_where_it_broke_off(serve, tm
     assert ranges, "the rest came with a range request"
 
 
+@pytest.mark.slow
 def test_nginx_stopped_and_restarted_mid_epoch_the_run_completes(serve, tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [40] * 6, "val": [8]})  # 240 samples: 60 steps per epoch at batch 4
@@ -111,6 +112,7 @@ def test_nginx_stopped_and_restarted_mid_epoch_the_run_completes(serve, tmp_path
     assert len(keys) == len(set(keys)) == 240, "every sample once, none lost to the outage"
 
 
+@pytest.mark.slow
 def test_https_with_a_ca_bundle(serve, tmp_path: Path) -> None:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(

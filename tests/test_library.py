@@ -10,7 +10,9 @@ from pathlib import Path
 from conftest import ROOT, TINY_ARCH, write_shards
 
 STATE = """
-import atexit, os, signal, torch, torch._dynamo
+import atexit, os, random, signal, torch, torch._dynamo
+random.seed(1234)
+torch.manual_seed(1234)
 def state():
     return {
         "atexit handlers": atexit._ncallbacks(),
@@ -18,6 +20,7 @@ def state():
         "SIGCHLD": signal.getsignal(signal.SIGCHLD), "threads": torch.get_num_threads(),
         "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
         "optimize_ddp": torch._dynamo.config.optimize_ddp,
+        "random": random.getstate(), "torch's generator": torch.get_rng_state().tolist(),
     }
 """
 
@@ -30,7 +33,7 @@ def run_python(script: str) -> subprocess.CompletedProcess:
 
 def test_importing_the_package_and_a_run_leave_the_process_as_they_found_it(tmp_path: Path) -> None:
     # Process-wide, on import or use: an atexit handler killing every daemonic child, optimize_ddp,
-    # CUDA_DEVICE_MAX_CONNECTIONS, torch's threads, the run's signal handlers.
+    # CUDA_DEVICE_MAX_CONNECTIONS, torch's threads, the run's signal handlers, the run's seeds.
     run_python(
         STATE
         + f"""

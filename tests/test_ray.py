@@ -20,7 +20,7 @@ import torch
 from conftest import ROOT, free_port, run_cli, tiny_run_env, write_shards
 
 # one Ray cluster on this machine at a time: these tests in one of ./run test's processes
-pytestmark = pytest.mark.xdist_group("ray")
+pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.slow]
 
 RAY = str(Path(sys.executable).parent / "ray")
 

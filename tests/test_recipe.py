@@ -118,6 +118,7 @@ def test_ema_weights_are_validated_saved_and_carried_across_a_resume(trained: tu
     assert len(val) == 2 and all({"ema_top1", "ema_top5"} <= r.keys() for r in val)
 
 
+@pytest.mark.slow
 def test_mixing_changes_what_the_model_is_trained_on(trained: tuple[Path, Path], tmp_path: Path) -> None:
     data, _ = trained
     losses = []

@@ -20,6 +20,8 @@ import torch
 from conftest import ROOT, TINY, child_pids, free_port, run_cli, train_here, wait_until, write_shards
 from test_train import metrics
 
+pytestmark = pytest.mark.slow  # torchrun runs and resumes: 15-120 s a test
+
 TRAIN = [37, 81, 53, 99, 50]  # 320 samples in unequal shards
 ALL_KEYS = {f"train-{s}-{i}" for s, n in enumerate(TRAIN) for i in range(n)}
 

@@ -21,7 +21,7 @@ import torch
 from conftest import ROOT, run_cli, tiny_run_env, write_shards
 
 # one Slurm cluster on this machine at a time: these tests in one of ./run test's processes
-pytestmark = pytest.mark.xdist_group("slurm")
+pytestmark = [pytest.mark.xdist_group("slurm"), pytest.mark.slow]
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "mungekey")
 
