@@ -24,6 +24,9 @@ from imagenet_ais import shards
 from imagenet_ais.storage import AISStore
 from imagenet_ais.storage import ais as ais_storage
 
+# the AIStore the tests share (a session fixture): started once, in one of ./run test's processes
+pytestmark = pytest.mark.xdist_group("ais")
+
 TINY8 = [*TINY, "--batch-size", "8"]
 
 

@@ -248,6 +248,7 @@ def test_local2_really_runs_two_cpu_processes(tmp_path: Path) -> None:
     assert state["step"] == 2 and len(state["rng"]) == 2
 
 
+@pytest.mark.slow
 def test_nodes_two_torchrun_agents_meet_on_loopback_and_train(tmp_path: Path) -> None:
     data = tmp_path / "shards"
     write_shards(data, {"train": [10, 14]})

@@ -209,6 +209,7 @@ def test_stopped_run_resumes_at_the_right_step(tmp_path: Path) -> None:
     assert "already trained 3 epochs" in third.stdout
 
 
+@pytest.mark.slow
 def test_epoch_size_sets_the_epochs_that_the_schedule_checkpoints_and_resume_count_in(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -235,6 +236,7 @@ def test_epoch_size_sets_the_epochs_that_the_schedule_checkpoints_and_resume_cou
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 15 + 10
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_from_its_last_epoch(tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": UNEVEN, "val": [6]})
