@@ -213,7 +213,7 @@ class _ObjectLock:
 
     def _check(self) -> None:
         if self.lost:
-            raise StorageError(f"{self.store.url}/{LOCK} could not be kept ({self.lost}): run convert again")
+            raise InUse(f"{self.store.url}/{LOCK} could not be kept ({self.lost}): run convert again")
         holder = self._holder()
         if holder.get("token") != self.me["token"]:
             raise _lost(self.store.url, holder)
