@@ -21,8 +21,9 @@ variants=()
 for v in "$@"; do variants+=(--variant "$v"); done
 mkdir -p "$out"
 # NVLink multicast stays off on shared hosts (the lender's rule)
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD
-if [ -d .wheels ]; then python3 -m pip install -q --no-index --no-deps .wheels/*.whl; fi
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+wheels=(.wheels/*.whl)
+if [ -e "${wheels[0]}" ]; then python3 -m pip install -q --no-index --no-deps "${wheels[@]}"; fi
 work=/tmp/long-epochs
 mkdir -p "$work"
 
