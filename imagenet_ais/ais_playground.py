@@ -186,7 +186,7 @@ def _cluster_config(primary: str) -> dict:
             "max_keepalive": "5s",
             "cold_get_conflict": "5s",
             "max_host_busy": "20s",
-            "startup_time": "1m",
+            "startup_time": "30s",  # aisnode's least: the primary waits startup/20 × 4 for targets to settle
             "join_startup_time": "3m",
             "send_file_time": "5m",
             "ec_streams_time": "10m",
