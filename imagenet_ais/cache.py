@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from tqdm import tqdm
-
+from imagenet_ais import bars
 from imagenet_ais.errors import DataError
 from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, load_manifest
 from imagenet_ais.storage import LocalStore, Store, download, open_store
@@ -185,7 +184,7 @@ def preload(url: str, dest: Path, splits: list[str] | None, workers: int) -> Man
     local.delete(MANIFEST)  # the copy is not complete until it is back
     todo = [s for s in shards if s.problem(local)]
     with (
-        tqdm(total=sum(s.bytes for s in todo), unit="B", unit_scale=True, desc=f"preload → {dest}") as bar,
+        bars.bar(sum(s.bytes for s in todo), f"preload → {dest}", "B", unit_scale=True) as bar,
         ThreadPoolExecutor(max(1, workers)) as pool,
     ):
         futures = [pool.submit(download, store, s.name, dest / s.name, s.bytes, s.sha256, bar.update) for s in todo]

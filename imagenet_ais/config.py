@@ -89,6 +89,8 @@ def check(cfg: TrainConfig) -> None:
     """Refuses, in one line, settings no run can train with (train.py's options and TrainConfig alike)."""
     if not cfg.output:
         raise ConfigError("--output '': name a folder for the run's checkpoints, metrics and logs")
+    if cfg.test_only and not (cfg.weights or cfg.resume):
+        raise ConfigError("--test-only: nothing to test; give --weights or --resume (a checkpoint)")
     for name in ("lr", "weight_decay", "upload_retry_seconds", "flush_timeout", "warmup_epochs"):
         value = getattr(cfg, name)
         if not math.isfinite(value) or value < 0:

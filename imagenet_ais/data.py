@@ -326,6 +326,12 @@ class TrainLoader(_ShardLoader):
         spec = self.spec
         return hashlib.sha256(json.dumps([spec.names, spec.counts, spec.seed]).encode()).hexdigest()[:16]
 
+    def identity(self) -> str:
+        """A digest of the training shards themselves (names and SHA-256s), wherever they are
+        read from: a checkpoint made on other data is told by it."""
+        spec = self.spec
+        return hashlib.sha256(json.dumps([spec.names, spec.listed]).encode()).hexdigest()[:16]
+
     def set_epoch(self, epoch: int, image_size: int | None = None) -> None:
         """Start ``epoch`` (call before iterating), optionally at another image size."""
         if epoch != self.epoch or epoch != self.dataset.resumed[0]:
@@ -447,3 +453,6 @@ class SyntheticLoader:
 
     def plan(self) -> None:
         return None  # nothing a resumed epoch must match
+
+    def identity(self) -> None:
+        return None  # no data a checkpoint could have been trained on instead

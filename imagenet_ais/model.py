@@ -22,11 +22,15 @@ from imagenet_ais.config import TrainConfig
 from imagenet_ais.errors import ConfigError, DataError
 
 
-def build_model(arch: str, num_classes: int) -> nn.Module:
-    # only the classifiers: a detection model would fetch its backbone's weights from the network
+def check_arch(arch: str) -> None:
+    """Only the classifiers: a detection model would fetch its backbone's weights from the network."""
     known = torchvision.models.list_models(module=torchvision.models)
     if arch not in known:
         raise ConfigError(f"--arch {arch!r} is not a torchvision classification model; one of: {', '.join(known)}")
+
+
+def build_model(arch: str, num_classes: int) -> nn.Module:
+    check_arch(arch)
     return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
 
 

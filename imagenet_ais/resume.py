@@ -54,6 +54,7 @@ def resume(
     path, state = found
     state = checkpoint.resumable(state, path)
     check_fits(state, path, cfg.arch, classes)
+    check_same_data(state, path, cfg, loader.identity(), say)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:  # torch lists every mismatch: thousands of characters
@@ -102,6 +103,24 @@ def check_fits(state: dict[str, Any], path: Path, arch: str, classes: list[str])
             f"{path} was trained on other classes ({theirs!r} where the data has {ours!r}{more}): "
             "use another --output or --resume"
         )
+
+
+def check_same_data(
+    state: dict[str, Any], path: Path, cfg: TrainConfig, identity: str | None, say: Callable[..., None]
+) -> None:
+    """A checkpoint trained on other shards (same classes) continues only where ``--resume``
+    names it; the same shards read from another location (a copy, a preload) go on with a note."""
+    theirs, where = state.get("data_identity"), state["config"].get("data")
+    if theirs is None or identity is None:  # (--synthetic, or a checkpoint older than the check)
+        return
+    if theirs == identity:
+        if where != cfg.data:
+            say(f"note: {path} was trained on the same shards (names, SHA-256s) at {where}; going on from {cfg.data}")
+        return
+    other = f"{path} was trained on other shards ({where}) than --data {cfg.data} (their names or SHA-256s differ)"
+    if cfg.resume == "auto":
+        raise DataError(f"{other}: use another --output, or --resume {path} to go on from it with this data")
+    say(f"warning: {other}: going on from it, as --resume names it", err=True)
 
 
 def _mismatches(e: RuntimeError, limit: int = 200) -> str:

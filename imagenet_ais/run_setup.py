@@ -264,6 +264,13 @@ def assemble(parts: Parts, standing: Standing, report: Callable[[dict], None] | 
     # the schedule is a function of the epoch's step (so of how far training is, whatever the
     # topology), so a resumed run picks it up from its epoch and step
     warmup = min(total_steps, round(cfg.warmup_epochs * steps_per_epoch))
+    if warmup and warmup == total_steps:
+        parts.say(
+            f"warning: --warmup-epochs {cfg.warmup_epochs:g} covers all {cfg.epochs} epochs: the learning rate reaches "
+            f"--lr {cfg.lr:g} only at the last step and never decays; give fewer (e.g. --warmup-epochs "
+            f"{cfg.epochs / 4:g})",
+            err=True,
+        )
     schedule = model.lr_lambda(warmup, total_steps, start=standing.epoch * steps_per_epoch + standing.first_step)
     scheduler = torch.optim.lr_scheduler.LambdaLR(parts.optimizer, schedule)
     stepping = model.wrap(

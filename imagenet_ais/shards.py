@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import functools
 import io
+import sys
 import tarfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, as_completed, wait
@@ -18,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import webdataset as wds
 from PIL import Image, UnidentifiedImageError
-from tqdm import tqdm
 
+from imagenet_ais import bars
 from imagenet_ais.children import exit_with_parent
 from imagenet_ais.errors import ConfigError, DataError, StorageError
 from imagenet_ais.inputs import Seen, ShardPlan, check_counts, list_classes, plan_split
@@ -333,13 +334,19 @@ def _build(
             results[plan.name] = record
         else:
             todo.append(plan)
+    rebuilt = sum(plan.name in known for plan in todo)
+    print(
+        f"convert → {store.url}: {len(results)} shards kept (verified, from the same inputs), {rebuilt} rebuilt, "
+        f"{len(todo) - rebuilt} new",
+        file=sys.stderr,
+    )
     total = sum(len(p.items) for p in todo)
     queued = iter(todo)
     building: dict[Future, ShardPlan] = {}
     publishing: dict[Future, tuple[ShardPlan, Path]] = {}
     try:
         with (
-            tqdm(total=total, unit="img", desc=f"convert → {store.url}", disable=total == 0) as bar,
+            bars.bar(total, f"convert → {store.url}", "images") as bar,
             ProcessPoolExecutor(max_workers=max(1, workers), initializer=exit_with_parent) as pool,
             ProcessPoolExecutor(max_workers=max(1, workers), initializer=exit_with_parent) as uploads,
         ):
@@ -429,7 +436,9 @@ def verify(dest_url: str, workers: int) -> dict[str, str]:
     problems: dict[str, str] = {}
     with ProcessPoolExecutor(max_workers=max(1, workers), initializer=exit_with_parent) as pool:
         futures = {pool.submit(check_shard, dest_url, s, len(manifest.classes)): s for s in shards}
-        for future in tqdm(as_completed(futures), total=len(futures), unit="shard", desc=f"verify {dest_url}"):
-            if problem := future.result():
-                problems[futures[future].name] = problem
+        with bars.bar(len(futures), f"verify {dest_url}", "shards") as bar:
+            for future in as_completed(futures):
+                if problem := future.result():
+                    problems[futures[future].name] = problem
+                bar.update()
     return problems

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -21,6 +22,26 @@ def _human(nbytes: int) -> str:
             return f"{size:.1f} {unit}" if unit != "B" else f"{nbytes} B"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def workers_option(auto: Callable[[], int], what: str) -> Callable[[Callable], Callable]:
+    """``--workers``: a count, or ``auto`` (the default, as train.py's), which ``auto()`` sizes."""
+
+    def parse(ctx: click.Context, param: click.Parameter, value: str) -> int:
+        if value == "auto":
+            return auto()
+        if value.isdigit() and int(value) >= 1:
+            return int(value)
+        raise click.BadParameter(f"{value!r} is neither 'auto' nor a count of 1 or more")
+
+    return click.option("--workers", default="auto", show_default=True, callback=parse, help=what)
+
+
+CPU_WORKERS = workers_option(_cpus, "processes; auto: this machine's CPUs")
 
 
 @click.group()
@@ -41,7 +62,7 @@ def cli() -> None:
     help="fix every picture's WIDTH HEIGHT (ImageNet-like: 500 375)",
 )
 @click.option("--quality", type=click.IntRange(1, 100), help="JPEG quality (ImageNet-like: 95) [default: 75-95]")
-@click.option("--workers", default=os.cpu_count() or 1, show_default=True, type=click.IntRange(min=1))
+@CPU_WORKERS
 def synth_cmd(
     out: Path,
     classes: int,
@@ -64,7 +85,7 @@ def synth_cmd(
 @click.option("--splits", default="train,val", show_default=True, help="comma-separated split folders of SRC")
 @click.option("--maxcount", default=1000, show_default=True, type=click.IntRange(min=1), help="samples per shard")
 @click.option("--maxsize", default=int(1e9), show_default=True, type=click.IntRange(min=1), help="bytes per shard")
-@click.option("--workers", default=os.cpu_count() or 1, show_default=True, type=click.IntRange(min=1))
+@CPU_WORKERS
 @click.option("--seed", default=0, show_default=True, help="seed of the cross-shard shuffle")
 @click.option("--allow-empty", is_flag=True, help="convert even when a split or a class of it ends up with no samples")
 @click.option(
@@ -99,7 +120,7 @@ def convert_cmd(
 
 @cli.command("verify")
 @click.argument("dest")
-@click.option("--workers", default=os.cpu_count() or 1, show_default=True, type=click.IntRange(min=1))
+@CPU_WORKERS
 def verify_cmd(dest: str, workers: int) -> None:
     """Re-read every shard at DEST against its manifest; exit 1 naming each bad shard."""
     with one_line():
@@ -115,7 +136,7 @@ def verify_cmd(dest: str, workers: int) -> None:
 @click.argument("url")
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--splits", help="comma-separated splits to copy [default: all in the manifest]")
-@click.option("--workers", default=8, show_default=True, type=click.IntRange(min=1), help="parallel downloads")
+@workers_option(lambda: 8, "parallel downloads; auto: 8")
 def preload_cmd(url: str, dest: Path, splits: str | None, workers: int) -> None:
     """Copy the shards at URL to the local directory DEST (e.g. a node's SSD), then train with --data DEST.
 

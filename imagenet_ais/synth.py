@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
-from tqdm import tqdm
 
+from imagenet_ais import bars
 from imagenet_ais.errors import ConfigError
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring", "diamond", "hexagon", "bar")
@@ -154,8 +154,9 @@ def make_tree(
         (out / job.split / wnid(job.k)).mkdir(parents=True, exist_ok=True)
     with ProcessPoolExecutor(workers) if workers > 1 else nullcontext() as pool:
         done = pool.map(_write, jobs, chunksize=64) if pool else map(_write, jobs)
-        for _ in tqdm(done, total=len(jobs), desc=f"synth {out}", unit="img"):
-            pass
+        with bars.bar(len(jobs), f"synth {out}", "images") as bar:
+            for _ in done:
+                bar.update()
     counts = {split: sum(job.split == split for job in jobs) for split in ("train", "val")}
     if with_bad:
         rng = random.Random(f"{seed}:bad")

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -23,7 +24,7 @@ from imagenet_ais.data_health import DataHealth
 from imagenet_ais.errors import ConfigError, DataError
 from imagenet_ais.feed import Interrupted
 from imagenet_ais.metrics import LOG, METRICS, Reporter
-from imagenet_ais.model import autocast
+from imagenet_ais.model import autocast, check_arch
 from imagenet_ais.progress import Progress, Window
 from imagenet_ais.recipe import ModelEma
 from imagenet_ais.resume import Standing
@@ -56,16 +57,24 @@ class Stopped:
 def train(cfg: TrainConfig, report: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Train as ``cfg`` says; ``report`` also gets every metrics record, on every rank."""
     check(cfg)  # before anything is made
-    # DDP compiled as one graph rather than split at its buckets to overlap the all-reduce with
-    # the backward pass: faster over NVLink (4 H200s: 25,319 img/s against 24,832, RESULTS run S)
-    # Rank 0 writes the output: a second run into it would mix checkpoints and event files.
-    with (
-        distributed.joined() as d,
-        torch._dynamo.config.patch(optimize_ddp=False),
-        checkpoint.rng_kept(),  # the caller's random state: a run seeds its own
-        locks.lock_output(Path(cfg.output)) if d.main else nullcontext(),
-    ):
-        return _train(cfg, d, report)
+    check_arch(cfg.arch)
+    output = Path(cfg.output)
+    made = not output.exists()
+    try:
+        # DDP compiled as one graph rather than split at its buckets to overlap the all-reduce with
+        # the backward pass: faster over NVLink (4 H200s: 25,319 img/s against 24,832, RESULTS run S)
+        # Rank 0 writes the output: a second run into it would mix checkpoints and event files.
+        with (
+            distributed.joined() as d,
+            torch._dynamo.config.patch(optimize_ddp=False),
+            checkpoint.rng_kept(),  # the caller's random state: a run seeds its own
+            locks.lock_output(output) if d.main else nullcontext(),
+        ):
+            return _train(cfg, d, report)
+    except BaseException:
+        if made and {p.name for p in output.glob("*")} <= {locks.TRAIN_LOCK, LOG}:
+            shutil.rmtree(output, ignore_errors=True)  # a start that failed leaves no folder it made
+        raise
 
 
 def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None] | None) -> dict[str, Any]:
@@ -334,6 +343,7 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
         # the samples of the epoch trained so far, whichever rank trained them
         "data_position": merge_positions(epoch, [loader.restored, *positions]) if exact else None,
         "plan": loader.plan(),
+        "data_identity": loader.identity(),
         "keys_logged": keys_log.sizes(run.output, epoch) if cfg.log_keys else {},
         "arch": cfg.arch,
         "classes": run.classes,

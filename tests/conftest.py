@@ -290,7 +290,9 @@ def ais(tmp_path_factory: pytest.TempPathFactory):
             pytest.fail(message)
         pytest.skip(message)
     playground = Playground(tmp_path_factory.mktemp("ais"), aisnode)
-    playground.up(targets=1)
+    said: list[str] = []
+    playground.up(targets=1, say=said.append)
+    (playground.root / "up.log").write_text("".join(f"{line}\n" for line in said))  # (test_ais reads it)
     yield playground
     playground.down()
 

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -83,6 +84,18 @@ def test_convert_verify_and_train_from_ais(mode: str, tree: Path, env: dict, tmp
 
 
 @pytest.mark.slow
+def test_the_playground_says_what_it_starts_as_it_goes(ais) -> None:
+    # ./run ais-up: 20 s of silence
+    said = (ais.root / "up.log").read_text().splitlines()
+    assert said[0].startswith(
+        f"AIStore playground in {ais.root}: starting aisnode as 1 proxy and 1 target on 127.0.0.1:"
+    )
+    assert said[1].startswith("waiting for the targets to join") and re.fullmatch(r"up in \d+s", said[2]), said
+    again: list[str] = []
+    ais.up(targets=1, say=again.append)
+    assert again == [f"AIStore playground in {ais.root}: already running"]
+
+
 def test_training_survives_a_killed_and_restarted_target(tree: Path, ais, env: dict, tmp_path: Path) -> None:
     url = bucket_url()
     shards_here("convert", tree, url, "--maxcount", "4", "--workers", "2", env=env)

@@ -165,7 +165,8 @@ def test_rerun_rebuilds_only_a_damaged_shard(tree: Path, tmp_path: Path) -> None
     good = (dest / "imagenet-train-000001.tar").read_bytes()
     (dest / "imagenet-train-000001.tar").write_bytes(good[:1000])  # a damaged copy under the final name
     mtimes = {p.name: p.stat().st_mtime_ns for p in dest.glob("*.tar")}
-    shards_here("convert", tree, dest, *args)
+    err = shards_here("convert", tree, dest, *args).stderr
+    assert f"convert → {dest}: {len(mtimes) - 1} shards kept (verified, from the same inputs), 1 rebuilt, 0 new" in err
     assert (dest / "imagenet-train-000001.tar").read_bytes() == good
     changed = [p.name for p in dest.glob("*.tar") if p.stat().st_mtime_ns != mtimes[p.name]]
     assert changed == ["imagenet-train-000001.tar"]
@@ -979,3 +980,28 @@ def test_synth_refuses_counts_and_sizes_it_cannot_draw(args: list[str], says: st
     # each gave a ValueError traceback
     result = CliRunner().invoke(shards_cli.cli, ["synth", str(tmp_path / "tree"), *args])
     assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output
+
+
+def test_the_shard_tools_write_plain_lines_into_a_log(tmp_path: Path) -> None:
+    # tqdm's frames in a log that is no terminal: 32 carriage returns in a ./run local1 log
+    tree, dest, copy = tmp_path / "tree", tmp_path / "shards", tmp_path / "copy"
+    for args in (
+        ("synth", tree, "--classes", "2", "--train-per-class", "12", "--val-per-class", "0", "--workers", "1"),
+        ("convert", tree, dest, "--splits", "train", "--maxcount", "2", "--workers", "1"),
+        ("verify", dest, "--workers", "auto"),
+        ("preload", dest, copy, "--workers", "2"),
+    ):
+        err = shards_here(*args).stderr
+        assert "\r" not in err, args[0]
+        assert re.search(rf"^{args[0]} .*: \S+( images| shards|B) of \S+ in \d+s$", err, re.M), err
+        if args[0] == "verify":  # 12 shards: a line at each tenth of the way, then the end's
+            assert len(re.findall(r"^verify .*: \d+ shards? of 12 \(\d0%\)$", err, re.M)) == 9, err
+
+
+def test_every_shard_tool_takes_workers_auto_as_its_default() -> None:
+    # train.py's --workers was auto; synth's, convert's and verify's the machine's count, preload's 8
+    for verb in ("synth", "convert", "verify", "preload"):
+        (option,) = [p for p in shards_cli.cli.commands[verb].params if p.name == "workers"]
+        assert option.default == "auto", verb
+    result = CliRunner().invoke(shards_cli.cli, ["verify", "x", "--workers", "0"])
+    assert result.exit_code == 2 and "'0' is neither 'auto' nor a count of 1 or more" in result.output

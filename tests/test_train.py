@@ -47,6 +47,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from imagenet_ais import checkpoint, config, distributed, locks, model, run_setup, synth, train_cli, training
 from imagenet_ais.data_health import DataHealth
+from imagenet_ais.errors import DataError
 
 UNEVEN = [3, 11, 7, 19, 8]  # 48 training samples in 5 unequal shards: 6 steps at 2 ranks × 4
 
@@ -281,6 +282,30 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 1 and f"was trained as {TINY_ARCH}" in proc.stderr
+
+
+def test_a_checkpoint_made_on_other_shards_goes_on_only_where_resume_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # the README's AIStore step after ./run local1: "resumed ... already trained", on other data, without a word
+    shards, moved, other, output = (tmp_path / name for name in ("shards", "moved", "other", "run"))
+    write_shards(shards, {"train": [8], "val": [4]})
+    write_shards(other, {"train": [12], "val": [4]})  # the same classes, other shards
+    shutil.copytree(shards, moved)
+    training.train(tiny_run(shards, output, workers=0))
+    capsys.readouterr()
+    training.train(tiny_run(moved, output, workers=0, resume="auto", epochs=2))  # a copy, a preload: goes on
+    assert (
+        f"was trained on the same shards (names, SHA-256s) at {shards}; going on from {moved}"
+        in capsys.readouterr().out
+    )
+    with pytest.raises(DataError, match=re.escape(f"was trained on other shards ({moved}) than --data {other}")) as e:
+        training.train(tiny_run(other, output, workers=0, resume="auto", epochs=3))
+    assert "\n" not in str(e.value) and f"--resume {output / 'last.pt'}" in str(e.value)
+    assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [0, 1], "nothing trained on refusal"
+    training.train(tiny_run(other, output, workers=0, resume=str(output / "last.pt"), epochs=3))
+    assert "going on from it, as --resume names it" in capsys.readouterr().err
+    assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [0, 1, 2]
 
 
 def test_bad_inputs_get_one_line_errors(tmp_path: Path) -> None:
@@ -653,6 +678,15 @@ def test_numbers_no_run_can_train_with_are_refused_in_one_line(option: str, valu
     assert not (tmp_path / "run").exists()
 
 
+def test_a_warmup_as_long_as_the_run_is_said(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # the default 5 warmup epochs with --epochs 1: the peak learning rate never came, without a word
+    cfg = config.TrainConfig(output=str(tmp_path / "run"), synthetic=True, arch=TINY_ARCH, image_size=32, batch_size=2)
+    training.train(dataclasses.replace(cfg, epochs=1, max_steps=1))
+    assert "warning: --warmup-epochs 5 covers all 1 epochs" in capsys.readouterr().err
+    training.train(dataclasses.replace(cfg, output=str(tmp_path / "short"), epochs=2, warmup_epochs=1, max_steps=1))
+    assert "--warmup-epochs" not in capsys.readouterr().err
+
+
 def test_an_output_weights_or_arch_that_cannot_be_used_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^--output '': name a folder"):  # it wrote into the current directory
         training.train(config.TrainConfig(output="", synthetic=True))
@@ -662,6 +696,24 @@ def test_an_output_weights_or_arch_that_cannot_be_used_is_one_line(tmp_path: Pat
     # a detection model fetched its backbone's weights from the network
     with pytest.raises(ValueError, match="'fasterrcnn_resnet50_fpn' is not a torchvision classification model"):
         model.build_model("fasterrcnn_resnet50_fpn", 10)
+
+
+def test_a_start_that_fails_leaves_no_output_folder(tmp_path: Path) -> None:
+    # a bad --arch, an unreachable ais://, --test-only without weights: an empty --output was left
+    output = tmp_path / "run"
+    cfg = config.TrainConfig(output=str(output), arch=TINY_ARCH, image_size=32, batch_size=2, workers=0)
+    for changes, says in (
+        ({"synthetic": True, "arch": "fasterrcnn_resnet50_fpn"}, "is not a torchvision classification model"),
+        ({"synthetic": True, "test_only": True}, "--test-only: nothing to test"),
+        ({"data": str(tmp_path / "nowhere")}, "no manifest.json in"),
+    ):
+        with pytest.raises((ValueError, OSError), match=re.escape(says)):
+            training.train(dataclasses.replace(cfg, **changes))
+        assert not output.exists(), changes
+    output.mkdir()  # a folder the user made stays
+    with pytest.raises(OSError, match=r"no manifest\.json in"):
+        training.train(dataclasses.replace(cfg, data=str(tmp_path / "nowhere")))
+    assert output.is_dir()
 
 
 @pytest.mark.parametrize(
