@@ -108,14 +108,18 @@ def check_fits(state: dict[str, Any], path: Path, arch: str, classes: list[str])
 def check_same_data(
     state: dict[str, Any], path: Path, cfg: TrainConfig, identity: str | None, say: Callable[..., None]
 ) -> None:
-    """A checkpoint trained on other shards (same classes) continues only where ``--resume``
-    names it; the same shards read from another location (a copy, a preload) go on with a note."""
+    """A checkpoint trained on other shards elsewhere (same classes) continues only where
+    ``--resume`` names it; the same shards read from another location (a copy, a preload) go on
+    with a note, and so do shards changed in place (a data set that grew), with a warning."""
     theirs, where = state.get("data_identity"), state["config"].get("data")
     if theirs is None or identity is None:  # (--synthetic, or a checkpoint older than the check)
         return
     if theirs == identity:
         if where != cfg.data:
             say(f"note: {path} was trained on the same shards (names, SHA-256s) at {where}; going on from {cfg.data}")
+        return
+    if where == cfg.data:
+        say(f"warning: the shards at {where} changed since {path} was trained on them: going on with them", err=True)
         return
     other = f"{path} was trained on other shards ({where}) than --data {cfg.data} (their names or SHA-256s differ)"
     if cfg.resume == "auto":

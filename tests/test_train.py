@@ -305,7 +305,13 @@ def test_a_checkpoint_made_on_other_shards_goes_on_only_where_resume_names_it(
     assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [0, 1], "nothing trained on refusal"
     training.train(tiny_run(other, output, workers=0, resume=str(output / "last.pt"), epochs=3))
     assert "going on from it, as --resume names it" in capsys.readouterr().err
-    assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [0, 1, 2]
+    write_shards(other, {"train": [12, 4], "val": [4]})  # a shard added where the run's data is
+    training.train(tiny_run(other, output, workers=0, resume="auto", epochs=4))
+    assert (
+        f"warning: the shards at {other} changed since {output / 'last.pt'} was trained on them"
+        in capsys.readouterr().err
+    )
+    assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [0, 1, 2, 3]
 
 
 def test_bad_inputs_get_one_line_errors(tmp_path: Path) -> None:
