@@ -70,8 +70,10 @@ def _setup() -> Dist:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        # Processes sharing the CPU split its cores instead of each taking all of them.
-        torch.set_num_threads(local_cpus())
+        # Processes sharing the CPU split its cores instead of each taking all of them, unless
+        # OMP_NUM_THREADS says how many (torch took it at its start)
+        if not os.environ.get("OMP_NUM_THREADS"):
+            torch.set_num_threads(local_cpus())
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
     return Dist(rank, world, local_rank, device)
