@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +65,9 @@ class TrainConfig:
     flush_timeout: float = 600.0  # at exit, wait this long for pending uploads
     cache_dir: str | None = None  # keep remote shards here (one cache per node, shared by its ranks)
     cache_size: int | None = None  # bytes the cache may hold; None = no bound
+    # where settings came from: "option" (given to train.py), "launcher" (./run's own defaults,
+    # which a recipe overrides) or "recipe NAME"; a value other than the default counts as given
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 RECIPES: dict[str, dict[str, Any]] = {
@@ -97,13 +99,47 @@ def check(cfg: TrainConfig) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: give a finite number, 0 or more")
 
 
-def with_recipe(cfg: TrainConfig, given: Collection[str]) -> TrainConfig:
-    """``cfg`` with its ``--recipe``'s settings, except for the options in ``given`` (the user's)."""
+def given(cfg: TrainConfig) -> set[str]:
+    """The settings the user chose: options given, and values other than the defaults, except a
+    launcher's own defaults."""
+    defaults = TrainConfig()
+    chosen = {name for name, source in cfg.sources.items() if source == "option"}
+    return chosen | {
+        f.name
+        for f in dataclasses.fields(cfg)
+        if f.name != "sources" and getattr(cfg, f.name) != getattr(defaults, f.name) and f.name not in cfg.sources
+    }
+
+
+def with_recipe(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with its ``--recipe``'s settings for what the user did not choose (a recipe's
+    ``--progressive`` gives way to a chosen ``--image-size``, and its image size to a chosen
+    ``--progressive``); ``sources`` says which came from it."""
+    chosen = given(cfg)
+    if {"image_size", "progressive"} <= chosen and cfg.progressive:
+        raise ConfigError(
+            f"--image-size {cfg.image_size} with --progressive {cfg.progressive}: the sizes come from START:END; "
+            "leave one out"
+        )
     if cfg.recipe is None:
         return cfg
     if cfg.recipe not in RECIPES:
         raise ConfigError(f"--recipe {cfg.recipe!r}: one of {', '.join(RECIPES)}")
-    return dataclasses.replace(cfg, **{k: v for k, v in RECIPES[cfg.recipe].items() if k not in given})
+    sizes = {"image_size", "progressive"}
+    settings = {k: v for k, v in RECIPES[cfg.recipe].items() if k not in chosen and not (k in sizes and sizes & chosen)}
+    sources = {**cfg.sources, **dict.fromkeys(settings, f"recipe {cfg.recipe}")}
+    return dataclasses.replace(cfg, **settings, sources=sources)
+
+
+def differences(cfg: TrainConfig) -> dict[str, list[str]]:
+    """What this run sets other than train.py's defaults, by where it came from: {"recipe fast":
+    ["epochs=16", ...], "option": [...], "launcher": [...], "set": [...] (from Python)}."""
+    defaults = TrainConfig()
+    by_source: dict[str, list[str]] = {}
+    for f in dataclasses.fields(cfg):
+        if f.name != "sources" and (value := getattr(cfg, f.name)) != getattr(defaults, f.name):
+            by_source.setdefault(cfg.sources.get(f.name, "set"), []).append(f"{f.name}={value}")
+    return by_source
 
 
 def image_sizes(cfg: TrainConfig) -> tuple[list[int], int]:

@@ -16,6 +16,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 METRICS = "metrics.jsonl"
 LOG = "train.log"  # rank 0's messages
+CONFIG = "config.json"  # the settings of the run's last start (config.differences says where from)
 
 
 class MetricsLog:

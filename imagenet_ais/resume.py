@@ -74,7 +74,10 @@ def resume(
         checkpoint.set_rng_state(state["rng"][d.rank])
     if cfg.log_keys and d.main and "keys_logged" in state:  # (older checkpoints recorded none)
         keys_log.cut_back(Path(cfg.output), state["epoch"], state["keys_logged"])
-    say(f"resumed from {path}: epoch {state['epoch'] + 1}, step {state['step']}")
+    where = (
+        f"epoch {state['epoch'] + 1}" if state["epoch"] < cfg.epochs else f"complete ({state['epoch']}/{cfg.epochs})"
+    )
+    say(f"resumed from {path}: {where}, step {state['step']}")  # (epochs count from 1 on the console)
     if (before := state["config"].get("epoch_size")) != cfg.epoch_size and not cfg.synthetic:
         size: dict[int | None, str] = {None: "the manifest's train samples"}
         say(

@@ -43,6 +43,12 @@ def parse_workers(value: str) -> int | None:
     type=click.Choice(list(RECIPES)),
     help="settings of a known recipe (fast: FFCV's; v2: torchvision's V2) for the options not given; see the README",
 )
+@click.option(
+    "--launcher-defaults",
+    default="",
+    hidden=True,  # ./run's: which of the options it passes are its own defaults (a --recipe overrides them)
+    help="comma-separated option names",
+)
 @click.option("--output", default=DEFAULTS.output, help="checkpoints, metrics.jsonl and logs go here")
 @click.option("--arch", default=DEFAULTS.arch, help="any torchvision classification model")
 @click.option("--epochs", default=DEFAULTS.epochs, type=click.IntRange(min=1))
@@ -214,10 +220,13 @@ def main(compile_: bool, **options: object) -> None:
 
 
 def config(ctx: click.Context) -> TrainConfig:
-    """The config of the parsed options in ``ctx``: a --recipe's settings where no option was given."""
+    """The config of the parsed options in ``ctx``: a --recipe's settings where no option was given
+    (or only a launcher's own default), and where each setting came from."""
     options = dict(ctx.params)
+    launcher = {name.strip().replace("-", "_") for name in options.pop("launcher_defaults").split(",") if name.strip()}
     given = {name for name in options if ctx.get_parameter_source(name) != ParameterSource.DEFAULT}
-    return with_recipe(TrainConfig(compile=options.pop("compile_"), **options), given)
+    sources = {name.rstrip("_"): "launcher" if name in launcher else "option" for name in given}
+    return with_recipe(TrainConfig(compile=options.pop("compile_"), **options, sources=sources))
 
 
 def parse(args: list[str]) -> TrainConfig:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections.abc import Callable
@@ -18,12 +19,12 @@ import torch
 from torch import nn
 
 from imagenet_ais import checkpoint, decentralized, distributed, keys_log, locks, resume, run_setup, upload
-from imagenet_ais.config import TrainConfig, check, image_sizes
+from imagenet_ais.config import TrainConfig, check, differences, image_sizes, with_recipe
 from imagenet_ais.data import TrainLoader, ValLoader, WorkerDied
 from imagenet_ais.data_health import DataHealth
 from imagenet_ais.errors import ConfigError, DataError
 from imagenet_ais.feed import Interrupted
-from imagenet_ais.metrics import LOG, METRICS, Reporter
+from imagenet_ais.metrics import CONFIG, LOG, METRICS, Reporter
 from imagenet_ais.model import autocast, check_arch
 from imagenet_ais.progress import Progress, Window
 from imagenet_ais.recipe import ModelEma
@@ -56,6 +57,7 @@ class Stopped:
 
 def train(cfg: TrainConfig, report: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Train as ``cfg`` says; ``report`` also gets every metrics record, on every rank."""
+    cfg = with_recipe(cfg)
     check(cfg)  # before anything is made
     check_arch(cfg.arch)
     output = Path(cfg.output)
@@ -72,7 +74,7 @@ def train(cfg: TrainConfig, report: Callable[[dict], None] | None = None) -> dic
         ):
             return _train(cfg, d, report)
     except BaseException:
-        if made and {p.name for p in output.glob("*")} <= {locks.TRAIN_LOCK, LOG}:
+        if made and {p.name for p in output.glob("*")} <= {locks.TRAIN_LOCK, LOG, CONFIG}:
             shutil.rmtree(output, ignore_errors=True)  # a start that failed leaves no folder it made
         raise
 
@@ -80,6 +82,10 @@ def train(cfg: TrainConfig, report: Callable[[dict], None] | None = None) -> dic
 def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None] | None) -> dict[str, Any]:
     output = run_setup.prepare(cfg, d)
     say = Reporter(output / LOG if d.main else None).say
+    if d.main:
+        for source, settings in differences(cfg).items():
+            say(f"{source}: {', '.join(settings)}")
+        (output / CONFIG).write_text(json.dumps(asdict(cfg), indent=1) + "\n")
     sizes, val_size = image_sizes(cfg)
     parts = run_setup.build(cfg, d, output, sizes, val_size, say)
     optimizer = None if parts.decent else parts.optimizer

@@ -33,7 +33,8 @@ from imagenet_ais.storage import open_store
 ROOT = Path(__file__).resolve().parent.parent
 # A few seconds of CPU training: a model of 3 MB (ResNet-18's checkpoint is 90 MB, and steps 3× slower)
 TINY_ARCH = "shufflenet_v2_x0_5"
-TINY = ["--arch", TINY_ARCH, "--image-size", "32", "--batch-size", "4", "--warmup-epochs", "0"]
+UNSIZED = ["--arch", TINY_ARCH, "--batch-size", "4", "--warmup-epochs", "0"]  # (for --progressive's runs)
+TINY = [*UNSIZED, "--image-size", "32"]
 
 
 def run_cli(*args: str | Path, check: bool = True, env: dict[str, str] | None = None, timeout: float = 600):

@@ -7,13 +7,13 @@ import pickle
 from pathlib import Path
 
 import pytest
-from conftest import TINY, shards_here, train_here
+from conftest import TINY, UNSIZED, shards_here, train_here
 
 from imagenet_ais import errors, shards, training
 
 
 def test_a_bad_option_and_a_missing_data_location_are_one_line(tmp_path: Path) -> None:
-    bad = train_here("--synthetic", "--output", tmp_path / "run", *TINY, "--progressive", "8:4", check=False)
+    bad = train_here("--synthetic", "--output", tmp_path / "run", *UNSIZED, "--progressive", "8:4", check=False)
     missing = train_here("--data", tmp_path / "nowhere", "--output", tmp_path / "run", *TINY, check=False)
     for proc in (bad, missing):
         assert proc.returncode == 1 and "Traceback" not in proc.stderr

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 import torchvision
 from conftest import TINY, TINY_ARCH, torchrun, train_here, write_shards
 
-from imagenet_ais.config import TrainConfig
+from imagenet_ais import training
+from imagenet_ais.config import TrainConfig, differences, with_recipe
 from imagenet_ais.recipe import ModelEma, batch_mixer, ema_decay
 from imagenet_ais.train_cli import parse
 
@@ -151,6 +152,50 @@ def test_recipes_fill_in_what_the_command_line_leaves_out() -> None:
     # torchvision's names for the sizes
     named = parse(["--train-crop-size", "176", "--val-crop-size", "224", "--val-resize-size", "232"])
     assert (named.image_size, named.val_size, named.val_resize_size) == (176, 224, 232)
+
+
+def test_every_option_given_beats_a_recipe_and_a_launchers_own_defaults_do_not() -> None:
+    # --recipe fast --image-size 64 trained at 160 px; ./run local1 --recipe fast kept the demo's epochs 8, lr 0.4
+    sized = parse(["--recipe", "fast", "--image-size", "64"])
+    assert (sized.image_size, sized.progressive, sized.epochs) == (64, None, 16)
+    demo = ["--arch", "resnet18", "--epochs", "8", "--lr", "0.4", "--launcher-defaults", "arch,epochs,lr"]
+    launched = parse(["--recipe", "fast", *demo])
+    assert (launched.arch, launched.epochs, launched.lr) == ("resnet18", 16, 0.425)
+    assert (launched.sources["arch"], launched.sources["epochs"]) == ("launcher", "recipe fast")
+    assert parse(demo).epochs == 8, "without a recipe they hold"
+    with pytest.raises(ValueError, match=r"^--image-size 64 with --progressive 160:192: .*leave one out$"):
+        parse(["--image-size", "64", "--progressive", "160:192"])
+    # from Python too (only the command line applied recipes)
+    from_python = with_recipe(TrainConfig(recipe="fast", epochs=3))
+    assert differences(from_python) == {
+        "set": ["recipe=fast", "epochs=3"],
+        "recipe fast": ["lr=0.425", "warmup_epochs=2.0", "progressive=160:192", "val_size=256"],
+    }
+    assert with_recipe(from_python) == from_python
+
+
+def test_a_run_says_its_settings_once_and_keeps_them_beside_its_metrics(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    output = tmp_path / "run"
+    cfg = TrainConfig(
+        output=str(output), synthetic=True, arch=TINY_ARCH, batch_size=2, recipe="fast", epochs=1, warmup_epochs=0,
+        max_steps=1, sources={"epochs": "option"},
+    )  # fmt: skip
+    training.train(cfg)
+    said = capsys.readouterr().out.splitlines()
+    assert said[:3] == [
+        f"set: recipe=fast, output={output}, arch={TINY_ARCH}, batch_size=2, warmup_epochs=0, max_steps=1, "
+        "synthetic=True",
+        "option: epochs=1",
+        "recipe fast: lr=0.425, progressive=160:192, val_size=256",
+    ]
+    kept = json.loads((output / "config.json").read_text())
+    assert (kept["progressive"], kept["sources"]["lr"], kept["sources"]["epochs"]) == (
+        "160:192",
+        "recipe fast",
+        "option",
+    )
 
 
 def test_test_only_reproduces_the_last_validation_at_any_world_size(trained: tuple[Path, Path], tmp_path: Path) -> None:

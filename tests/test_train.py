@@ -32,6 +32,7 @@ from conftest import (
     ROOT,
     TINY,
     TINY_ARCH,
+    UNSIZED,
     child_pids,
     outliving,
     relist,
@@ -206,8 +207,8 @@ def test_stopped_run_resumes_at_the_right_step(tmp_path: Path) -> None:
     assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [0, 1, 2]
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 36
 
-    third = train_here(*args)  # nothing left to do, and it says so
-    assert "already trained 3 epochs" in third.stdout
+    third = train_here(*args)  # nothing left to do, and it says so (it said "epoch 4" first)
+    assert "complete (3/3), step 36" in third.stdout and "already trained 3 epochs" in third.stdout
 
 
 @pytest.mark.slow
@@ -470,7 +471,7 @@ def test_progressive_resizing_follows_its_schedule(decode: str, tmp_path: Path) 
         data,
         "--output",
         output,
-        *TINY,
+        *UNSIZED,
         "--epochs",
         "3",
         "--progressive",

@@ -46,7 +46,7 @@ cmd_serve() {
   [ -f "$dir/manifest.json" ] || { [ "$DRY_RUN" = 1 ] && [ "$dir" = "$DEMO_DIR/shards" ]; } \
     || die "serve: $dir has no manifest.json: give a directory of converted shards (./run shards convert)"
   dir=$(realpath -m "$dir")
-  ensure_debian "" nginx nginx
+  INSTALL_DEPS=1 ensure_debian "" nginx nginx  # (the verb asked for needs it)
   need nginx "install nginx (Debian/Ubuntu: apt-get install nginx), or serve $dir with any web server that answers range requests"
   state=$(realpath -m "$SERVE_ROOT/$port")
   pid=$(cat "$state/nginx.pid" 2>/dev/null) || pid=""
