@@ -26,7 +26,7 @@ from imagenet_ais.errors import ConfigError, DataError, StorageError
 from imagenet_ais.inputs import Seen, ShardPlan, check_counts, list_classes, plan_split
 from imagenet_ais.locks import LOCK, lock_dest
 from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, load_manifest, parse_record, record_json
-from imagenet_ais.members import members
+from imagenet_ais.members import MAX_MEMBER_BYTES, members
 from imagenet_ais.storage import LocalStore, Store, open_store, stream_sha256
 
 JOURNAL = "_progress/"  # all ours: per-shard records of a conversion in flight, gone once the manifest is up
@@ -84,6 +84,14 @@ def _worker_store(dest_url: str) -> Store:
     return open_store(dest_url)
 
 
+def _source_bytes(path: Path) -> bytes:
+    """A source image's bytes; one larger than a sample may be (a sparse file declaring gigabytes)
+    is refused unread, as in shards (the plan already left out what is no regular file)."""
+    if (size := path.stat().st_size) > MAX_MEMBER_BYTES:
+        raise DataError(f"{size:,} bytes, over the {MAX_MEMBER_BYTES:,} a sample may have: not read")
+    return path.read_bytes()
+
+
 def build_shard(src: Path, dest_url: str, plan: ShardPlan) -> tuple[Path, Record]:
     """Build one shard in ``dest_url``'s scratch space (in a worker process): the file, and what
     it holds and what was rejected."""
@@ -95,7 +103,7 @@ def build_shard(src: Path, dest_url: str, plan: ShardPlan) -> tuple[Path, Record
         with tmp.open("wb") as f, wds.TarWriter(f, mtime=0) as tar:
             for item in plan.items:
                 try:
-                    jpeg = as_training_jpeg((src / item.rel).read_bytes())
+                    jpeg = as_training_jpeg(_source_bytes(src / item.rel))
                 except (OSError, ValueError) as e:
                     rejected.append({"path": item.rel, "reason": str(e)})
                     continue

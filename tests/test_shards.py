@@ -587,6 +587,23 @@ def test_every_input_file_is_in_a_shard_or_listed_with_a_reason(tmp_path: Path) 
     assert "train: 3 samples in 1 shards, 6 rejected" in out and "val: 2 samples" in out
 
 
+def test_a_source_file_larger_than_a_sample_or_not_a_file_is_refused_unread(tmp_path: Path) -> None:
+    # a sparse file of 1 GiB took the converter to 1.3 GB before Pillow refused it (a pipe is left out unread)
+    src = small_tree(tmp_path / "src", {"train/n1/a.JPEG": "jpeg", "train/n2/c.JPEG": "jpeg"})
+    with (src / "train/n1/big.JPEG").open("wb") as big:
+        big.truncate(3 * 2**30)  # declares 3 GiB, holds nothing
+    os.mkfifo(src / "train/n2/pipe.JPEG")
+    dest = tmp_path / "shards"
+    shards_here("convert", src, dest, "--workers", "1", "--splits", "train")
+    reasons = {
+        r["path"]: r["reason"] for r in json.loads((dest / "manifest.json").read_text())["splits"]["train"]["rejected"]
+    }
+    assert reasons == {
+        "train/n1/big.JPEG": f"{3 * 2**30:,} bytes, over the {64 * 2**20:,} a sample may have: not read",
+        "train/n2/pipe.JPEG": "not a regular file (a pipe, socket or device)",
+    }
+
+
 def test_an_image_reached_twice_is_stored_once_under_the_class_it_is_in(tmp_path: Path) -> None:
     """Links (and hard links) must not put an image under another label, in two splits, or twice:
     a folder link within SRC is not followed, and a file met twice is stored where it really is."""
