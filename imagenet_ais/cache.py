@@ -11,7 +11,8 @@ import fcntl
 import os
 import re
 import sys
-from collections.abc import Iterator
+import tarfile
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import BinaryIO
 from imagenet_ais import bars
 from imagenet_ais.errors import DataError
 from imagenet_ais.manifest import MANIFEST, Manifest, ShardInfo, load_manifest
+from imagenet_ais.members import BadMember, check_headers
 from imagenet_ais.storage import LocalStore, Store, download, open_store
 
 
@@ -187,8 +189,21 @@ def preload(url: str, dest: Path, splits: list[str] | None, workers: int) -> Man
         bars.bar(sum(s.bytes for s in todo), f"preload → {dest}", "B", unit_scale=True) as bar,
         ThreadPoolExecutor(max(1, workers)) as pool,
     ):
-        futures = [pool.submit(download, store, s.name, dest / s.name, s.bytes, s.sha256, bar.update) for s in todo]
+        futures = [pool.submit(_copy_checked, store, s, dest, bar.update) for s in todo]
         for future in as_completed(futures):
             future.result()
     local.write_bytes(MANIFEST, kept.to_json().encode())
     return kept
+
+
+def _copy_checked(store: Store, info: ShardInfo, dest: Path, progress: Callable[[int], object]) -> None:
+    """One shard copied into ``dest`` (its size and SHA-256 checked) with its members judged by
+    their headers as training would judge them (members.py); a bad one is named and not kept."""
+    download(store, info.name, dest / info.name, info.bytes, info.sha256, progress)
+    try:
+        check_headers(dest / info.name)
+    except (BadMember, tarfile.TarError) as e:
+        (dest / info.name).unlink()
+        raise DataError(
+            f"{store.url}/{info.name}: {e}: not copied (its bytes are the manifest's: it was made so; convert it again)"
+        ) from None

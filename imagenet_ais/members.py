@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import tarfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import BinaryIO
 
 from imagenet_ais.errors import DataError
@@ -37,21 +38,36 @@ def members(stream: BinaryIO, wanted: Callable[[str], bool] | None = None) -> It
         for member in tar:
             if member.isdir():
                 continue
-            if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
-                kind = _KINDS.get(member.type, f"of tar type {member.type!r}")
-                raise BadMember(f"member {member.name!r} is {kind}, not a regular file")
-            if not member.name.isascii() and not _utf8(member.name):  # tarfile keeps other bytes as surrogates
-                raw = member.name.encode("utf-8", "surrogateescape")
-                raise BadMember(f"member name {raw!r} is not UTF-8, as sample keys must be: rename it")
+            _judge(member, sized=False)
             if wanted and not wanted(member.name):
                 continue  # passed over unread (a stream skips its stored bytes)
-            if member.size > MAX_MEMBER_BYTES:
-                raise BadMember(
-                    f"member {member.name!r} declares {member.size:,} bytes, over the {MAX_MEMBER_BYTES:,} "
-                    "one sample may hold"
-                )
+            _judge(member)
             data = tar.extractfile(member)
             yield member.name, data.read() if data else b""
+
+
+def check_headers(path: Path) -> None:
+    """Every member of the tar file at ``path`` judged by its header alone (its bytes are sought
+    past, never read), as ``members`` would judge it: for a copy that nothing reads yet."""
+    with tarfile.open(path, mode="r:") as tar:
+        for member in tar:
+            if not member.isdir():
+                _judge(member)
+
+
+def _judge(member: tarfile.TarInfo, sized: bool = True) -> None:
+    """BadMember where ``member`` is no regular file, is named in other bytes than UTF-8 or
+    (``sized``) declares more than a sample may hold."""
+    if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
+        kind = _KINDS.get(member.type, f"of tar type {member.type!r}")
+        raise BadMember(f"member {member.name!r} is {kind}, not a regular file")
+    if not member.name.isascii() and not _utf8(member.name):  # tarfile keeps other bytes as surrogates
+        raw = member.name.encode("utf-8", "surrogateescape")
+        raise BadMember(f"member name {raw!r} is not UTF-8, as sample keys must be: rename it")
+    if sized and member.size > MAX_MEMBER_BYTES:
+        raise BadMember(
+            f"member {member.name!r} declares {member.size:,} bytes, over the {MAX_MEMBER_BYTES:,} one sample may hold"
+        )
 
 
 def _utf8(name: str) -> bool:

@@ -10,7 +10,18 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY, run_cli, shards_here, torchrun, train_here, wait_until, write_shards
+from conftest import (
+    ROOT,
+    TINY,
+    relist,
+    run_cli,
+    shards_here,
+    sparse_member,
+    torchrun,
+    train_here,
+    wait_until,
+    write_shards,
+)
 
 from imagenet_ais.cache import usage
 
@@ -126,6 +137,20 @@ def test_preload_of_a_split_that_is_not_there_names_the_splits(serve, tmp_path: 
     assert out.returncode == 1
     assert out.stderr.strip() == f"Error: {server.url}/manifest.json has no split 'test' (it has train, val)"
     assert not (tmp_path / "x").exists()
+
+
+def test_preload_judges_each_copys_members_as_training_would(tmp_path: Path) -> None:
+    # a shard holding a sparse member declaring 3 GiB was copied without a word (training then refused it)
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    write_shards(src, {"train": [4, 4]})
+    bad = src / "imagenet-train-000001.tar"
+    bad.write_bytes(sparse_member("big.jpg", 3 * 2**30) + bad.read_bytes())
+    relist(src)  # as a converter's bug might have listed it
+    proc = shards_here("preload", src, dest, "--workers", "1", check=False)
+    error = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert error.startswith(f"Error: {src}/imagenet-train-000001.tar: member 'big.jpg' is a sparse file, not a regular")
+    assert sorted(p.name for p in dest.iterdir()) == ["imagenet-train-000000.tar"], "the bad copy is not kept"
 
 
 def test_preload_leaves_a_manifest_json_that_is_not_ours_alone(serve, tmp_path: Path) -> None:
