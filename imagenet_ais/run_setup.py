@@ -215,7 +215,8 @@ def loaders(
             raise ConfigError(f"--val-resize-size {resize} is smaller than the validation crop ({val_size})")
         val_spec = dataclasses.replace(spec, image_size=val_size, val_crop=val_size / resize, augment=NO_AUGMENT)
         val_loader = ValLoader(val_split, cfg.data, val_spec, feeding)
-    return train_loader, val_loader, manifest.classes, f"{decode} decode, {workers} workers per process"
+    per_process = f"{workers} worker{'' if workers == 1 else 's'} per process"
+    return train_loader, val_loader, manifest.classes, f"{decode} decode, {per_process}"
 
 
 def build(

@@ -113,7 +113,8 @@ def convert_cmd(
         split_list = [s for s in splits.split(",") if s]
         manifest = shards.convert(src, dest, split_list, maxcount, maxsize, workers, seed, allow_empty, read_back)
     for name, split in manifest.splits.items():
-        click.echo(f"{name}: {split.samples} samples in {len(split.shards)} shards, {len(split.rejected)} rejected")
+        held = f"{len(split.shards)} shard{'' if len(split.shards) == 1 else 's'}"
+        click.echo(f"{name}: {split.samples} samples in {held}, {len(split.rejected)} rejected")
         for r in split.rejected:
             click.echo(f"  rejected {r['path']}: {r['reason']}")
 
@@ -146,7 +147,8 @@ def preload_cmd(url: str, dest: Path, splits: str | None, workers: int) -> None:
     with one_line():
         manifest = cache.preload(url, dest, [s for s in splits.split(",") if s] if splits else None, workers)
     for name, split in manifest.splits.items():
-        click.echo(f"{dest}: {name}: {len(split.shards)} shards, {split.samples} samples, {_human(split.bytes)}")
+        held = f"{len(split.shards)} shard{'' if len(split.shards) == 1 else 's'}"
+        click.echo(f"{dest}: {name}: {held}, {split.samples} samples, {_human(split.bytes)}")
 
 
 @cli.command("summary")

@@ -584,7 +584,7 @@ def test_every_input_file_is_in_a_shard_or_listed_with_a_reason(tmp_path: Path) 
     }
     for path, reason in reasons.items():
         assert f"rejected {path}: {reason}" in out
-    assert "train: 3 samples in 1 shards, 6 rejected" in out and "val: 2 samples" in out
+    assert "train: 3 samples in 1 shard, 6 rejected" in out and "val: 2 samples" in out
 
 
 def test_a_source_file_larger_than_a_sample_or_not_a_file_is_refused_unread(tmp_path: Path) -> None:

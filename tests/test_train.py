@@ -536,7 +536,8 @@ def test_the_defaults_are_sized_on_the_machine_that_trains(
     env = {"LOCAL_WORLD_SIZE": local_world}  # what torchrun tells each of a node's ranks
     args = ["--data", data, "--output", output, *TINY, "--epochs", "1", "--max-steps", "1"]
     run_cli("taskset", "-c", cpus, sys.executable, ROOT / "train.py", *args, env=env)
-    assert f"cpu decode, {workers} workers per process, eager" in (output / "train.log").read_text()
+    said = f"{workers} worker{'' if workers == 1 else 's'} per process"  # ("1 workers" before)
+    assert f"cpu decode, {said}, eager" in (output / "train.log").read_text()
 
 
 def test_workers_must_be_auto_or_a_count(tmp_path: Path) -> None:
