@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+import signal
 import sys
+from collections.abc import Iterator
 
 import click
 from click.core import ParameterSource
@@ -12,7 +15,7 @@ from imagenet_ais.augment import POLICIES
 from imagenet_ais.config import RECIPES, TrainConfig, with_recipe
 from imagenet_ais.decentralized import TOPOLOGIES
 from imagenet_ais.errors import one_line
-from imagenet_ais.training import train
+from imagenet_ais.training import EXIT_PREEMPTED, train
 
 DEFAULTS = TrainConfig()  # the options' defaults are the config's
 
@@ -214,9 +217,25 @@ def main(compile_: bool, **options: object) -> None:
     whose data never came, without: from the last checkpoint): continue with --resume auto.
     """
     cfg = config(click.get_current_context())
-    with one_line():
+    with one_line(), stopped_by_sigterm():
         outcome = train(cfg)
     sys.exit(outcome["exit_code"])
+
+
+@contextlib.contextmanager
+def stopped_by_sigterm() -> Iterator[None]:
+    """Where the run's own handler is not set (before it starts, while it winds down after it
+    ended, say on a data error), SIGTERM still ends this process with a stopped run's status, not
+    by the signal (the run's handler saves first; here there is nothing left to save)."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(EXIT_PREEMPTED)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def config(ctx: click.Context) -> TrainConfig:

@@ -864,6 +864,25 @@ def test_sigterm_stops_a_run_whose_data_never_comes(tmp_path: Path) -> None:
     assert "stopped by a signal at step 0, checkpoint saved" in out
 
 
+def test_sigterm_before_the_run_can_save_still_ends_it_as_stopped(tmp_path: Path) -> None:
+    # outside the run's own handler (here: its manifest's server never answers) SIGTERM killed it (143)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # takes connections, answers none
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/data"
+        proc = subprocess.Popen(
+            [sys.executable, ROOT / "train.py", "--data", url, "--output", tmp_path / "run", *TINY],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        silent.settimeout(60)
+        with silent.accept()[0]:  # its request for manifest.json, left waiting for an answer
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+    assert proc.returncode == training.EXIT_PREEMPTED and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists(), "nothing of a start that did not get going"
+
+
 def test_a_run_killed_outright_leaves_no_workers_and_keeps_its_keys(tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [200] * 4})
