@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -53,8 +54,22 @@ def load_weights(model: nn.Module, path: str) -> None:
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
-        problem = str(e).strip().splitlines()[-1].strip()
-        raise DataError(f"--weights {path}: does not fit this model ({problem})") from None
+        raise DataError(f"--weights {path}: does not fit this model ({mismatches(e)})") from None
+
+
+def mismatches(e: RuntimeError, shown: int = 3) -> str:
+    """torch's ``load_state_dict`` error (a line per kind of mismatch, its keys all listed: thousands
+    of characters) in one short line: each kind with its count and first keys."""
+    parts = []
+    for line in filter(None, (line.strip() for line in str(e).splitlines()[1:])):
+        head, _, rest = line.partition(": ")
+        if keys := re.findall(r'"([^"]+)"', rest) if head.endswith("key(s) in state_dict") else []:
+            more = ", …" if len(keys) > shown else ""
+            parts.append(f"{head}: {len(keys)} ({', '.join(keys[:shown])}{more})")
+        else:
+            parts.append(line if len(line) <= 200 else f"{line[:200]}…")
+    parts = parts or [type(e).__name__]
+    return "; ".join(parts[:shown]) + (f"; and {len(parts) - shown} more" if len(parts) > shown else "")
 
 
 def sync_batchnorm(model: nn.Module, cfg: TrainConfig, d: distributed.Dist) -> nn.Module:

@@ -18,6 +18,7 @@ from imagenet_ais.config import TrainConfig
 from imagenet_ais.data import SyntheticLoader, TrainLoader
 from imagenet_ais.errors import DataError
 from imagenet_ais.metrics import LOG, METRICS
+from imagenet_ais.model import mismatches
 from imagenet_ais.sampling import merge_positions
 
 
@@ -58,7 +59,7 @@ def resume(
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:  # torch lists every mismatch: thousands of characters
-        raise DataError(f"{path}: its weights do not fit {cfg.arch} ({_mismatches(e)})") from None
+        raise DataError(f"{path}: its weights do not fit {cfg.arch} ({mismatches(e)})") from None
     if state["optimizer"] and optimizer:
         optimizer.load_state_dict(state["optimizer"])
     else:
@@ -128,13 +129,6 @@ def check_same_data(
     if cfg.resume == "auto":
         raise DataError(f"{other}: use another --output, or --resume {path} to go on from it with this data")
     say(f"warning: {other}: going on from it, as --resume names it", err=True)
-
-
-def _mismatches(e: RuntimeError, limit: int = 200) -> str:
-    """torch's first mismatch (under its heading line) and how many more: its text is one per line."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()][1:] or [type(e).__name__]
-    first = lines[0] if len(lines[0]) <= limit else f"{lines[0][:limit]}…"
-    return first + (f"; and {len(lines) - 1} more" if len(lines) > 1 else "")
 
 
 def continue_epoch(

@@ -704,6 +704,12 @@ def test_an_output_weights_or_arch_that_cannot_be_used_is_one_line(tmp_path: Pat
     # a detection model fetched its backbone's weights from the network
     with pytest.raises(ValueError, match="'fasterrcnn_resnet50_fpn' is not a torchvision classification model"):
         model.build_model("fasterrcnn_resnet50_fpn", 10)
+    # another model's weights: every missing and unexpected key listed, in one "line" of thousands of characters
+    torch.save(torchvision.models.resnet18(num_classes=10).state_dict(), tmp_path / "resnet18.pt")
+    with pytest.raises(ValueError, match=r"does not fit this model \(Missing key\(s\) in state_dict: \d+ \(") as e:
+        model.load_weights(model.build_model(TINY_ARCH, 10), str(tmp_path / "resnet18.pt"))
+    assert "Unexpected key(s) in state_dict: 120 (bn1.weight, bn1.bias, bn1.running_mean, …)" in str(e.value)
+    assert len(str(e.value)) < 600
 
 
 def test_a_start_that_fails_leaves_no_output_folder(tmp_path: Path) -> None:
