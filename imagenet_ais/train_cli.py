@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import re
 import signal
 import sys
-from collections.abc import Iterator
 
 import click
 from click.core import ParameterSource
@@ -217,25 +215,18 @@ def main(compile_: bool, **options: object) -> None:
     whose data never came, without: from the last checkpoint): continue with --resume auto.
     """
     cfg = config(click.get_current_context())
-    with one_line(), stopped_by_sigterm():
+    signal.signal(signal.SIGTERM, _stopped)  # for the rest of this process (the run sets its own meanwhile)
+    with one_line():
         outcome = train(cfg)
     sys.exit(outcome["exit_code"])
 
 
-@contextlib.contextmanager
-def stopped_by_sigterm() -> Iterator[None]:
-    """Where the run's own handler is not set (before it starts, while it winds down after it
-    ended, say on a data error), SIGTERM still ends this process with a stopped run's status, not
-    by the signal (the run's handler saves first; here there is nothing left to save)."""
-
-    def stop(signum: int, frame: object) -> None:
-        raise SystemExit(EXIT_PREEMPTED)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+def _stopped(signum: int, frame: object) -> None:
+    """SIGTERM where the run's own handler is not set (before it starts, while it or this process
+    winds down after it ended, say on a data error): the process ends with a stopped run's status,
+    not by the signal (the run's handler saves first; here nothing is left to save). Raised in
+    the process's last steps (its exit handlers), the status already given stands."""
+    raise SystemExit(EXIT_PREEMPTED)
 
 
 def config(ctx: click.Context) -> TrainConfig:

@@ -8,6 +8,7 @@ import os
 import random
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -79,6 +80,7 @@ def here(command: click.Command, *args: str | Path, check: bool = True, env: dic
     ``env`` is set only while it runs; an exception other than the CLI's own exit is raised."""
     argv, code = [str(a) for a in args], 0
     before = {k: os.environ.get(k) for k in env or {}}
+    sigterm = signal.getsignal(signal.SIGTERM)  # train.py's sets one for the rest of its process
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         os.environ.update(env or {})
         try:
@@ -87,6 +89,7 @@ def here(command: click.Command, *args: str | Path, check: bool = True, env: dic
         except SystemExit as e:  # (click's standalone mode exits, 0 included)
             code = e.code if isinstance(e.code, int) else 1
         finally:
+            signal.signal(signal.SIGTERM, sigterm)
             for k, v in before.items():
                 if v is None:
                     os.environ.pop(k, None)
