@@ -3,11 +3,13 @@ token authentication, as Ray starts clusters by default since 2.59."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -56,6 +58,8 @@ def test_ray_with_token_auth_survives_a_lost_worker_and_leaves_the_cluster_runni
     base.pop("RAY_AUTH_MODE", None)
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     head = [RAY, "start", "--head", f"--port={address.split(':')[1]}", "--num-cpus=2", "--include-dashboard=false"]
+    # ports of its own where Ray's defaults are fixed (10001, 8265, 52365): another suite's cluster may run beside
+    head += [f"--{name}-port={free_port()}" for name in ("ray-client-server", "dashboard", "dashboard-agent-listen")]
     session = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
     subprocess.run([*head, f"--temp-dir={session}", "--disable-usage-stats"], check=True, env={**base, **auth})
     try:
@@ -91,5 +95,24 @@ def test_ray_with_token_auth_survives_a_lost_worker_and_leaves_the_cluster_runni
         alive = subprocess.run(status, capture_output=True, env={**base, **auth}).returncode == 0
         assert alive, "./run ray leaves a cluster it did not start running"
     finally:
-        subprocess.run([RAY, "stop", "--force"], capture_output=True, env=base)  # this machine runs no other Ray
+        _stop(session)
         shutil.rmtree(session, ignore_errors=True)
+
+
+def _stop(session: str) -> None:
+    """This test's Ray cluster only (``ray stop --force`` stops every cluster of the machine:
+    another suite's too): the processes that name its --temp-dir or hold files in it open (some
+    rename themselves, and its agents do not keep the environment they were started with)."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and _ours(proc, session):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(proc.name), signal.SIGKILL)
+
+
+def _ours(proc: Path, session: str) -> bool:
+    try:
+        if session.encode() in (proc / "cmdline").read_bytes():
+            return True
+        return any(os.readlink(fd).startswith(session) for fd in (proc / "fd").iterdir())
+    except OSError:  # gone meanwhile, or not ours to look into
+        return False
