@@ -218,6 +218,10 @@ def main(compile_: bool, **options: object) -> None:
     signal.signal(signal.SIGTERM, _stopped)  # for the rest of this process (the run sets its own meanwhile)
     with one_line():
         outcome = train(cfg)
+    # The run is over. A SIGTERM in the process's last steps would replace its status by the
+    # signal's: the interpreter's teardown gives Python's handlers back to the default action
+    # (an ignored signal stays ignored), and the process is ending anyway.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sys.exit(outcome["exit_code"])
 
 
