@@ -99,16 +99,21 @@ def check(cfg: TrainConfig) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: give a finite number, 0 or more")
 
 
+def _changed(cfg: TrainConfig) -> dict[str, Any]:
+    """The settings of ``cfg`` other than train.py's defaults (``sources`` is no setting)."""
+    defaults = TrainConfig()
+    return {
+        f.name: value
+        for f in dataclasses.fields(cfg)
+        if f.name != "sources" and (value := getattr(cfg, f.name)) != getattr(defaults, f.name)
+    }
+
+
 def given(cfg: TrainConfig) -> set[str]:
     """The settings the user chose: options given, and values other than the defaults, except a
     launcher's own defaults."""
-    defaults = TrainConfig()
     chosen = {name for name, source in cfg.sources.items() if source == "option"}
-    return chosen | {
-        f.name
-        for f in dataclasses.fields(cfg)
-        if f.name != "sources" and getattr(cfg, f.name) != getattr(defaults, f.name) and f.name not in cfg.sources
-    }
+    return chosen | {name for name in _changed(cfg) if name not in cfg.sources}
 
 
 def with_recipe(cfg: TrainConfig) -> TrainConfig:
@@ -134,11 +139,9 @@ def with_recipe(cfg: TrainConfig) -> TrainConfig:
 def differences(cfg: TrainConfig) -> dict[str, list[str]]:
     """What this run sets other than train.py's defaults, by where it came from: {"recipe fast":
     ["epochs=16", ...], "option": [...], "launcher": [...], "set": [...] (from Python)}."""
-    defaults = TrainConfig()
     by_source: dict[str, list[str]] = {}
-    for f in dataclasses.fields(cfg):
-        if f.name != "sources" and (value := getattr(cfg, f.name)) != getattr(defaults, f.name):
-            by_source.setdefault(cfg.sources.get(f.name, "set"), []).append(f"{f.name}={value}")
+    for name, value in _changed(cfg).items():
+        by_source.setdefault(cfg.sources.get(name, "set"), []).append(f"{name}={value}")
     return by_source
 
 

@@ -38,10 +38,10 @@ def members(stream: BinaryIO, wanted: Callable[[str], bool] | None = None) -> It
         for member in tar:
             if member.isdir():
                 continue
-            _judge(member, sized=False)
+            _judge_kind(member)
             if wanted and not wanted(member.name):
                 continue  # passed over unread (a stream skips its stored bytes)
-            _judge(member)
+            _judge_size(member)
             data = tar.extractfile(member)
             yield member.name, data.read() if data else b""
 
@@ -52,19 +52,23 @@ def check_headers(path: Path) -> None:
     with tarfile.open(path, mode="r:") as tar:
         for member in tar:
             if not member.isdir():
-                _judge(member)
+                _judge_kind(member)
+                _judge_size(member)
 
 
-def _judge(member: tarfile.TarInfo, sized: bool = True) -> None:
-    """BadMember where ``member`` is no regular file, is named in other bytes than UTF-8 or
-    (``sized``) declares more than a sample may hold."""
+def _judge_kind(member: tarfile.TarInfo) -> None:
+    """BadMember where ``member`` is no regular file or is named in other bytes than UTF-8."""
     if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
         kind = _KINDS.get(member.type, f"of tar type {member.type!r}")
         raise BadMember(f"member {member.name!r} is {kind}, not a regular file")
     if not member.name.isascii() and not _utf8(member.name):  # tarfile keeps other bytes as surrogates
         raw = member.name.encode("utf-8", "surrogateescape")
         raise BadMember(f"member name {raw!r} is not UTF-8, as sample keys must be: rename it")
-    if sized and member.size > MAX_MEMBER_BYTES:
+
+
+def _judge_size(member: tarfile.TarInfo) -> None:
+    """BadMember where ``member`` declares more than a sample may hold."""
+    if member.size > MAX_MEMBER_BYTES:
         raise BadMember(
             f"member {member.name!r} declares {member.size:,} bytes, over the {MAX_MEMBER_BYTES:,} one sample may hold"
         )

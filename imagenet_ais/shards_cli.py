@@ -24,6 +24,10 @@ def _human(nbytes: int) -> str:
     raise AssertionError("unreachable")
 
 
+def _shards(listed: list) -> str:
+    return f"{len(listed)} shard{'' if len(listed) == 1 else 's'}"  # ("1 shards" before)
+
+
 def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -113,8 +117,7 @@ def convert_cmd(
         split_list = [s for s in splits.split(",") if s]
         manifest = shards.convert(src, dest, split_list, maxcount, maxsize, workers, seed, allow_empty, read_back)
     for name, split in manifest.splits.items():
-        held = f"{len(split.shards)} shard{'' if len(split.shards) == 1 else 's'}"
-        click.echo(f"{name}: {split.samples} samples in {held}, {len(split.rejected)} rejected")
+        click.echo(f"{name}: {split.samples} samples in {_shards(split.shards)}, {len(split.rejected)} rejected")
         for r in split.rejected:
             click.echo(f"  rejected {r['path']}: {r['reason']}")
 
@@ -147,8 +150,7 @@ def preload_cmd(url: str, dest: Path, splits: str | None, workers: int) -> None:
     with one_line():
         manifest = cache.preload(url, dest, [s for s in splits.split(",") if s] if splits else None, workers)
     for name, split in manifest.splits.items():
-        held = f"{len(split.shards)} shard{'' if len(split.shards) == 1 else 's'}"
-        click.echo(f"{dest}: {name}: {held}, {split.samples} samples, {_human(split.bytes)}")
+        click.echo(f"{dest}: {name}: {_shards(split.shards)}, {split.samples} samples, {_human(split.bytes)}")
 
 
 @cli.command("summary")
