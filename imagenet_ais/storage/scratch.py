@@ -36,8 +36,11 @@ def _own_folder() -> Path:
     sweep()
     root().mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(dir=root(), prefix=f"{os.getpid()}-"))
-    fd = os.open(folder / ".owner", os.O_CREAT | os.O_WRONLY, 0o600)
+    # locked before it is named .owner: a sweep between creating it and locking it took the
+    # folder for a dead process's and removed it (a clean-clone CI run met that)
+    fd = os.open(folder / ".owner.new", os.O_CREAT | os.O_WRONLY, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(folder / ".owner.new", folder / ".owner")
     _owners.append(fd)
     creator = os.getpid()
 
