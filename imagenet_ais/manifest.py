@@ -11,8 +11,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import get_type_hints
 
-from imagenet_ais.errors import DataError, NotFound
-from imagenet_ais.storage import Store, stream_sha256
+from imagenet_ais.errors import DataError, NotFound, Refused
+from imagenet_ais.storage import Store, open_store, stream_sha256
 
 MANIFEST = "manifest.json"
 FORMAT = "imagenet-ais-shards"
@@ -98,6 +98,12 @@ class Manifest:
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{where}: unreadable manifest ({e}); re-run `imagenet_shards.py convert`") from e
 
+    def is_demo(self) -> bool:
+        """Made from ``synth``'s small pictures of random sizes (the demo): ``./run`` gives such data
+        its demo settings (a small model at 64 px), wherever the shards were copied."""
+        made = self.source.get("synthetic")
+        return isinstance(made, dict) and made.get("size") is None
+
     def split(self, name: str) -> SplitInfo:
         if name not in self.splits:
             raise DataError(f"manifest has no {name!r} split (it has: {', '.join(self.splits) or 'none'})")
@@ -181,3 +187,12 @@ def brace_pattern(names: list[str]) -> str:
                 return names[0]
             return f"{head}{{{numbers[0]:0{width}d}..{numbers[-1]:0{width}d}}}{tail}"
     return " ".join(names)
+
+
+def is_demo_at(location: str) -> bool:
+    """Whether ``location`` holds the demo's shards (see ``Manifest.is_demo``); False where it cannot
+    be read: the run that follows says why."""
+    try:
+        return load_manifest(open_store(location)).is_demo()
+    except Refused:
+        return False

@@ -20,7 +20,7 @@ import numpy as np
 import webdataset as wds
 from PIL import Image, UnidentifiedImageError
 
-from imagenet_ais import bars
+from imagenet_ais import bars, synth
 from imagenet_ais.children import exit_with_parent
 from imagenet_ais.errors import ConfigError, DataError, StorageError
 from imagenet_ais.inputs import Seen, ShardPlan, check_counts, list_classes, plan_split
@@ -262,6 +262,8 @@ def convert(
         if not allow_empty:
             check_counts(split, classes, _labels(split_plans))
     source: dict[str, object] = {"seed": seed, "maxcount": maxcount, "maxsize": maxsize}
+    if made := synth.description(src):
+        source["synthetic"] = made
     try:
         with lock_dest(store) as lock:
             return _convert_locked(store, src, classes, plans, source, workers, read_back, allow_empty, lock.check)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import colorsys
 import io
+import json
 import math
 import random
 from concurrent.futures import ProcessPoolExecutor
@@ -22,6 +23,10 @@ from PIL import Image, ImageDraw
 
 from imagenet_ais import bars
 from imagenet_ais.errors import ConfigError
+
+# Written into the tree: the converter carries it into the manifest's "source", so a copy of the
+# shards anywhere (another folder, AIStore) is still known as synthetic, and the demo as the demo.
+DESCRIPTION = "synthetic.json"
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring", "diamond", "hexagon", "bar")
 
@@ -165,4 +170,15 @@ def make_tree(
         for what, data in bad.items():
             (out / "train" / wnid(0) / f"{wnid(0)}_{what}.JPEG").write_bytes(data)
         counts["train"] += len(bad)
+    made = {"seed": seed, "classes": classes, "size": list(size) if size else None, "quality": quality}
+    (out / DESCRIPTION).write_text(json.dumps(made) + "\n")
     return counts
+
+
+def description(tree: Path) -> dict[str, object] | None:
+    """What ``make_tree`` wrote into ``tree`` (None for a tree it did not make)."""
+    try:
+        made = json.loads((tree / DESCRIPTION).read_text())
+    except (OSError, ValueError):
+        return None
+    return made if isinstance(made, dict) else None

@@ -13,7 +13,7 @@ from importlib.metadata import distributions
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, shards_here
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -53,6 +53,18 @@ def test_the_launchers_demo_settings_give_way_to_the_users_options() -> None:
     assert cmd[cmd.index("--arch") + 1] == "resnet18", "the demo, however its path is written"
     # named, so that a --recipe sets them (train.py's test_recipe checks the precedence)
     assert cmd[cmd.index("--launcher-defaults") + 1] == "arch,batch-size,image-size,lr,warmup-epochs"
+
+
+def test_the_demo_is_known_by_its_manifest_wherever_its_shards_are(tmp_path: Path) -> None:
+    # run knew the demo by its folder's path: a copy elsewhere got ResNet-50 at 224 px for 90 epochs
+    for name, size in (("demo", []), ("photos", ["--size", "64", "48"])):  # synth's pictures: random sizes, or fixed
+        tree = tmp_path / f"{name}-tree"
+        shards_here("synth", tree, "--classes", "3", "--train-per-class", "4", "--val-per-class", "1", *size)
+        shards_here("convert", tree, tmp_path / name, "--workers", "1")
+    for name, arch in (("demo", "resnet18"), ("photos", None)):
+        out = run_cli(ROOT / "run", "-n", "local1", env={"DATA": str(tmp_path / name), "VENV": ".venv"}).stdout
+        cmd = shlex.split(out.splitlines()[-1])
+        assert (cmd[cmd.index("--arch") + 1] if "--arch" in cmd else None) == arch, name
 
 
 def test_config_local_overrides_defaults_and_the_environment_overrides_it(tmp_path: Path) -> None:
