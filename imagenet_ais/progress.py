@@ -125,7 +125,7 @@ class Window:
         totals = {k: int(sum(r[k] for r in ranks)) for k in counters}
         record = {
             "kind": "train",
-            "epoch": epoch,
+            "epoch": epoch + 1,  # counted from 1, as on the console
             "step": step,
             "loss": sum(r["loss"] for r in ranks) / d.world,
             "lr": lr,

@@ -288,7 +288,7 @@ def evaluate(run: Run) -> bool:
         val = {**val, "ema_top1": ema["top1"], "ema_top5": ema["top5"]}
         top += f" (EMA {ema['top1']:.2f}% / {ema['top5']:.2f}%)"
         best_of = ema["top1"] if run.cfg.model_ema_best else best_of
-    run.log.write(kind="val", epoch=standing.epoch, step=standing.step, **val, **agreement)
+    run.log.write(kind="val", epoch=standing.epoch + 1, step=standing.step, **val, **agreement)
     run.say(f"epoch {standing.epoch + 1}: {top} over {val['samples']} images")
     run.health.val_missing, run.health.val_listed = int(val["missing"]), int(val["samples"] + val["missing"])
     warn_if_partial(val, run.health)

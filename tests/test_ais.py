@@ -76,7 +76,7 @@ def test_convert_verify_and_train_from_ais(mode: str, tree: Path, env: dict, tmp
         "--log-keys",
         env=env,
     )
-    keys = (output / "keys" / "epoch000-rank0.txt").read_text().split()
+    keys = (output / "keys" / "epoch001-rank0.txt").read_text().split()
     assert len(keys) == 72 // 8 * 8
     if mode == "exact":
         assert len(set(keys)) == len(keys) == 72
@@ -140,7 +140,7 @@ def test_training_survives_a_killed_and_restarted_target(tree: Path, ais, env: d
         assert "Error" in log, log
         train_here(*args, env=env)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["epoch"] for r in records if r["kind"] == "val"][-1] == 3
+    assert [r["epoch"] for r in records if r["kind"] == "val"][-1] == 4
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 4 * (72 // 8)
 
 

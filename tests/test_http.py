@@ -108,7 +108,7 @@ def test_nginx_stopped_and_restarted_mid_epoch_the_run_completes(serve, tmp_path
     assert proc.returncode == 0, log
     records = [json.loads(r) for r in metrics.read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 61))
-    keys = (output / "keys" / "epoch000-rank0.txt").read_text().split()
+    keys = (output / "keys" / "epoch001-rank0.txt").read_text().split()
     assert len(keys) == len(set(keys)) == 240, "every sample once, none lost to the outage"
 
 

@@ -257,7 +257,7 @@ def test_nodes_two_torchrun_agents_meet_on_loopback_and_train(tmp_path: Path) ->
     run_cli(ROOT / "run", "nodes", "localhost,localhost", "--max-steps", "2", "--log-keys", env=env, timeout=300)
     state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
     assert state["step"] == 2 and len(state["rng"]) == 2  # two agents of one process each: world 2
-    keys = [(tmp_path / "run" / "keys" / f"epoch000-rank{r}.txt").read_text().split() for r in (0, 1)]
+    keys = [(tmp_path / "run" / "keys" / f"epoch001-rank{r}.txt").read_text().split() for r in (0, 1)]
     assert len(keys[0]) == len(keys[1]) == 8 and not set(keys[0]) & set(keys[1])
 
 

@@ -41,6 +41,7 @@ def args(data: Path, output: Path, batch: int, workers: int, mode: str = "exact"
 
 
 def keys(output: Path, epoch: int) -> dict[int, list[str]]:
+    """Epoch ``epoch``'s keys (counted from 1, as the files are named) per rank."""
     files = sorted((output / "keys").glob(f"epoch{epoch:03d}-rank*.txt"))
     return {int(f.stem.rpartition("rank")[2]): f.read_text().split() for f in files}
 
@@ -84,7 +85,7 @@ def test_an_exact_epoch_stopped_on_one_topology_ends_on_another_with_each_sample
     out = run_cli(*launch(world2), *args(data, output, batch2, workers2), env={"OMP_NUM_THREADS": "1"}).stdout
     assert f"epoch 1 stopped at step {k1} of {steps1} on {world1} × {batch1}" in out
     assert f"{k1 * world1 * batch1} samples trained are left out" in out
-    interrupted = keys(output, 0)
+    interrupted = keys(output, 1)
     seen = Counter(k for ks in interrupted.values() for k in ks)
     assert max(seen.values()) == 1, "no sample of the interrupted epoch trained twice"
     assert len(ALL_KEYS - set(seen)) < world2 * batch2, "at most one global batch of the new topology sits out"
@@ -92,7 +93,7 @@ def test_an_exact_epoch_stopped_on_one_topology_ends_on_another_with_each_sample
     for rank, logged in interrupted.items():
         before, after = k1 * batch1 * (rank < world1), k2 * batch2 * (rank < world2)
         assert len(logged) == before + after, f"rank {rank}: every rank of each run ran the same steps"
-    following = keys(output, 1)
+    following = keys(output, 2)
     assert sorted(following) == list(range(world2)), "the next epoch follows the new topology"
     assert {len(k) for k in following.values()} == {steps2 * batch2}
     assert max(Counter(k for ks in following.values() for k in ks).values()) == 1
@@ -106,12 +107,12 @@ def test_a_resampled_epoch_resumed_on_another_world_size_draws_fresh_streams_and
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": TRAIN, "val": [4]})
     run_cli(*launch(2), *args(data, output, 4, 1, "resampled"), "--max-steps", "12", env={"OMP_NUM_THREADS": "1"})
-    before = keys(output, 0)
+    before = keys(output, 1)
     out = run_cli(*launch(1), *args(data, output, 4, 1, "resampled"), env={"OMP_NUM_THREADS": "1"}).stdout
     # 40 steps per epoch on 2 × 4, 80 on 1 × 4: 12 of 40 is step 24 of 80
     assert "epoch 1 stopped at step 12 of 40 on 2 × 4: resampled mode continues at step 24 of 80" in out
     assert "fresh stream" in out
-    after = keys(output, 0)
+    after = keys(output, 1)
     resumed = after[0][len(before[0]) :]
     assert len(resumed) == (80 - 24) * 4 and after[1] == before[1]
     assert resumed[:48] != before[0][:48], "the interrupted run's stream is not replayed"
@@ -125,7 +126,7 @@ def test_an_epoch_stopped_over_other_shards_starts_over_and_says_so(tmp_path: Pa
     write_shards(data, {"train": [*TRAIN, 16], "val": [4]})  # a shard added since
     out = run_cli(*launch(1), *args(data, output, 8, 1), "--epochs", "1")
     assert "epoch 1 stopped at step 5 of 40 on 1 × 8 over other shards or another --seed: it starts over" in out.stderr
-    logged = keys(output, 0)[0]
+    logged = keys(output, 1)[0]
     assert len(logged) == (5 + 42) * 8, "5 steps trained before, then the whole epoch"
     assert len(set(logged[40:])) == 42 * 8, "the epoch over the new shards, each key once"
 
@@ -169,7 +170,7 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_keeps_the_epoch_exac
     end = torch.load(output / "last.pt", weights_only=True)
     assert (end["epoch"], len(end["rng"])) == (2, 1), "finished alone"
     assert "of 40 on 2 × 4: its" in (output / "train.log").read_text(), "the survivor said what it did"
-    for epoch in range(2):
+    for epoch in (1, 2):
         seen = Counter(k for ks in keys(output, epoch).values() for k in ks)
         assert max(seen.values()) == 1, f"epoch {epoch}: no sample trained twice"
         assert len(ALL_KEYS - set(seen)) < 8, f"epoch {epoch}: at most one global batch sits out"

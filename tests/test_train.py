@@ -80,7 +80,7 @@ def test_ddp_two_ranks_uneven_shards(mode: str, tmp_path: Path) -> None:
     )
 
     all_keys = {f"train-{s}-{i}" for s, n in enumerate(UNEVEN) for i in range(n)}
-    for epoch in range(2):
+    for epoch in (1, 2):
         per_rank = [(output / "keys" / f"epoch{epoch:03d}-rank{r}.txt").read_text().split() for r in range(2)]
         assert [len(k) for k in per_rank] == [6 * 4, 6 * 4], "both ranks run the same number of full steps"
         if mode == "exact":
@@ -98,7 +98,7 @@ def test_ddp_two_ranks_uneven_shards(mode: str, tmp_path: Path) -> None:
             assert 0 < rank["step_ms_p50"] <= rank["step_ms_p90"] < 2000 * 2 / r["img_per_s"] * 4
             assert 0 <= rank["data_wait"] <= 1 and 0 <= rank["busy_host"] <= 1 and 0 <= rank["busy_copy"] <= 1
     val = [r for r in records if r["kind"] == "val"]
-    assert [(r["epoch"], r["samples"]) for r in val] == [(0, 13), (1, 13)], "every val image counted once"
+    assert [(r["epoch"], r["samples"]) for r in val] == [(1, 13), (2, 13)], "every val image counted once"
     state = torch.load(output / "last.pt", weights_only=True)
     assert (state["epoch"], state["step"], len(state["rng"])) == (2, 12, 2)
 
@@ -153,7 +153,7 @@ def test_decentralized_ranks_drift_apart_and_agree_after_each_global_average(tmp
 
     records = metrics(output)
     val = [r for r in records if r["kind"] == "val"]
-    assert [(r["epoch"], r["samples"]) for r in val] == [(0, 13), (1, 13)]
+    assert [(r["epoch"], r["samples"]) for r in val] == [(1, 13), (2, 13)]
     assert all(r["distance"] > 0 for r in val), "each rank trained its own model between averages"
     assert all(r["spread"] == 0 for r in val), "after the global average every rank holds the same model"
     train = [r for r in records if r["kind"] == "train"]
@@ -204,7 +204,7 @@ def test_stopped_run_resumes_at_the_right_step(tmp_path: Path) -> None:
     assert [r["step"] for r in train] == list(range(1, 37)), "no step repeated or skipped across the restart"
     cosine = [0.1 * 4 / 256 * 0.5 * (1 + math.cos(math.pi * k / 36)) for k in range(1, 37)]
     assert [r["lr"] for r in train] == pytest.approx(cosine), "the schedule continues across the restart"
-    assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [0, 1, 2]
+    assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [1, 2, 3]
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 36
 
     third = train_here(*args)  # nothing left to do, and it says so (it said "epoch 4" first)
@@ -226,10 +226,10 @@ def test_epoch_size_sets_the_epochs_that_the_schedule_checkpoints_and_resume_cou
     assert (state["epoch"], state["step_in_epoch"], state["steps_per_epoch"]) == (1, 2, 5)
     assert training.train(cfg)["complete"]
     train = [r for r in metrics(output) if r["kind"] == "train"]
-    assert [(r["epoch"], r["step"]) for r in train] == [(k // 5, k + 1) for k in range(15)]
+    assert [(r["epoch"], r["step"]) for r in train] == [(k // 5 + 1, k + 1) for k in range(15)]
     cosine = [0.1 * 4 / 256 * 0.5 * (1 + math.cos(math.pi * k / 15)) for k in range(1, 16)]
     assert [r["lr"] for r in train] == pytest.approx(cosine), "the schedule runs over 3 epochs of 5 steps"
-    assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [0, 1, 2]
+    assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [1, 2, 3]
 
     capsys.readouterr()
     training.train(dataclasses.replace(cfg, epochs=4, epoch_size=40))
@@ -303,7 +303,7 @@ def test_a_checkpoint_made_on_other_shards_goes_on_only_where_resume_names_it(
     with pytest.raises(DataError, match=re.escape(f"was trained on other shards ({moved}) than --data {other}")) as e:
         training.train(tiny_run(other, output, workers=0, resume="auto", epochs=3))
     assert "\n" not in str(e.value) and f"--resume {output / 'last.pt'}" in str(e.value)
-    assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [0, 1], "nothing trained on refusal"
+    assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [1, 2], "nothing trained on refusal"
     training.train(tiny_run(other, output, workers=0, resume=str(output / "last.pt"), epochs=3))
     assert "going on from it, as --resume names it" in capsys.readouterr().err
     write_shards(other, {"train": [12, 4], "val": [4]})  # a shard added where the run's data is
@@ -312,7 +312,7 @@ def test_a_checkpoint_made_on_other_shards_goes_on_only_where_resume_names_it(
         f"warning: the shards at {other} changed since {output / 'last.pt'} was trained on them"
         in capsys.readouterr().err
     )
-    assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [0, 1, 2, 3]
+    assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [1, 2, 3, 4]
 
 
 def test_bad_inputs_get_one_line_errors(tmp_path: Path) -> None:
@@ -458,7 +458,7 @@ def test_sigterm_to_torchrun_saves_both_ranks_mid_epoch_and_resumes(tmp_path: Pa
 
     run_cli(*map(str, cmd), *map(str, args), env={"OMP_NUM_THREADS": "1"})
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 32
-    seen = [k for r in range(2) for k in (output / "keys" / f"epoch001-rank{r}.txt").read_text().split()]
+    seen = [k for r in range(2) for k in (output / "keys" / f"epoch002-rank{r}.txt").read_text().split()]
     assert len(seen) == len(set(seen)) == 128, "the interrupted epoch: every key once across the restart"
 
 
@@ -488,7 +488,7 @@ def test_progressive_resizing_follows_its_schedule(decode: str, tmp_path: Path) 
     records = metrics(output)
     # the sizes of the batches actually trained on, per epoch, and of the validation batches
     train = {(r["epoch"], r["image_size"]) for r in records if r["kind"] == "train"}
-    assert train == {(0, 32), (1, 64), (2, 96)}
+    assert train == {(1, 32), (2, 64), (3, 96)}
     assert [(r["image_size"], r["samples"]) for r in records if r["kind"] == "val"] == [(64, 6)] * 3
 
 
@@ -631,7 +631,7 @@ def test_damaged_shards_are_named_once_counted_and_bounded(tmp_path: Path) -> No
     assert out.returncode != 0
     assert "ERROR: epoch 1: " in out.stderr and "over --max-bad 0.01" in out.stderr
     assert (tmp_path / "strict" / "last.pt").exists(), "the epoch's checkpoint is saved before stopping"
-    assert not any(r["epoch"] == 1 for r in metrics(tmp_path / "strict")), "the run stopped after epoch 1"
+    assert not any(r["epoch"] == 2 for r in metrics(tmp_path / "strict")), "the run stopped after epoch 1"
 
 
 def tiny_run(data: Path, output: Path, **changes: object) -> config.TrainConfig:
@@ -786,13 +786,13 @@ def test_a_fresh_start_clears_what_an_attempt_that_died_before_its_first_checkpo
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": UNEVEN})
     (output / "keys").mkdir(parents=True)
-    (output / "keys" / "epoch000-rank0.txt").write_text("train-0-0\ntrain-0-1\n")
+    (output / "keys" / "epoch001-rank0.txt").write_text("train-0-0\ntrain-0-1\n")
     (output / "metrics.jsonl").write_text('{"kind": "train", "epoch": 0, "step": 2, "loss": 9.0}\n')
     with SummaryWriter(str(output)) as old:
         old.add_scalar("train/loss", 9.0, 2)
     for resume in (None, "auto"):  # afresh, or --resume auto finding no checkpoint
         training.train(tiny_run(data, output, resume=resume, workers=0, log_keys=True, max_steps=3))
-        assert len((output / "keys" / "epoch000-rank0.txt").read_text().split()) == 3 * 4
+        assert len((output / "keys" / "epoch001-rank0.txt").read_text().split()) == 3 * 4
         assert [r["step"] for r in metrics(output)] == [2, 3] and all(r["loss"] < 9 for r in metrics(output))
         assert len(list(output.glob("events.out.tfevents.*"))) == 1
         for path in output.glob("*.pt"):  # as if that run too had died before its first checkpoint
@@ -908,7 +908,7 @@ def test_a_run_killed_outright_leaves_no_workers_and_keeps_its_keys(tmp_path: Pa
     logged = max(r["step"] for r in metrics(output))
     # the DataLoader's own check would take 5 s at best
     assert not (alive := outliving(workers, 3)), f"workers {sorted(alive)} outlived their training process"
-    keys = (output / "keys" / "epoch000-rank0.txt").read_text().split()
+    keys = (output / "keys" / "epoch001-rank0.txt").read_text().split()
     assert len(keys) >= logged * 4, "every step's keys written before the kill are kept"
 
 

@@ -248,8 +248,8 @@ def test_sigterm_mid_epoch_then_resume_on_a_fresh_node_from_gcs(gcs, tmp_path: P
         if json.loads(r)["kind"] == "train"
     ]
     assert steps == list(range(1, 25)), "the uploaded metrics continue without a gap or a repeat"
-    seen = (first / "keys" / "epoch001-rank0.txt").read_text().split()
-    seen += (second / "keys" / "epoch001-rank0.txt").read_text().split()
+    seen = (first / "keys" / "epoch002-rank0.txt").read_text().split()
+    seen += (second / "keys" / "epoch002-rank0.txt").read_text().split()
     assert len(seen) == len(set(seen)) == 48, "no training key twice in the interrupted epoch, none missed"
 
     # the first node, back with its own older checkpoints, continues from the uploaded newer one
@@ -293,7 +293,7 @@ def test_upload_sh_twice_uploads_nothing_the_second_time(gcs, tmp_path: Path) ->
     (results / "keys").mkdir(parents=True)
     big_file(results / "ckpt-00000001.pt", 1 << 20)
     (results / "metrics.jsonl").write_text('{"step": 1}\n')
-    (results / "keys" / "epoch000-rank0.txt").write_text("a\nb\n")
+    (results / "keys" / "epoch001-rank0.txt").write_text("a\nb\n")
     dest = f"gs://{gcs.make_bucket()}/results"
     env = {"STORAGE_EMULATOR_HOST": gcs.endpoint}
     first = run_cli(ROOT / "upload.sh", results, dest, env=env).stdout
