@@ -111,6 +111,25 @@ def test_singlenode_and_ais_submit_real_ngc_flags() -> None:
     assert set(flag(multi, "--env-var")) == {"AIS_ENDPOINT:http://ais:51080", "DATA:ais://imagenet"}
 
 
+def test_ngc_dry_runs_show_what_is_missing_as_placeholders_and_warn_of_an_image_ngc_cannot_pull(
+    fake_ngc: dict,
+) -> None:
+    # ./run -n singlenode / -n ais without settings printed only an error; nvcr.io/local/... went by without a word
+    bare = {**fake_ngc, "NGC_ORG": "", "NGC_CLI_ORG": "", "IMAGE": "", "NGC_DATA": "", "DATA": "", "AIS_BUCKET": ""}
+    bare["AIS_ENDPOINT"] = ""
+    for verb, shown in (("singlenode", "DATA:<NGC_DATA>"), ("ais", "DATA:ais://<AIS_BUCKET>")):
+        proc = run_cli(ROOT / "run", "-n", verb, env=bare)
+        submit = shlex.split(proc.stdout.splitlines()[-1])
+        assert submit[:4] == ["ngc", "base-command", "job", "run"] and shown in flag(submit, "--env-var"), verb
+        assert flag(submit, "--image") == ["nvcr.io/local/imagenet-ais:latest"]
+        assert "not set, shown as <NAME>" in proc.stderr and "which no NGC job can pull: set NGC_ORG" in proc.stderr
+        real = run_cli(ROOT / "run", verb, env=bare, check=False)
+        assert real.returncode == 1 and real.stderr.startswith("Error: ") and len(real.stderr.splitlines()) == 1
+        assert not Path(fake_ngc["FAKE_NGC_STATE"]).exists(), "nothing submitted"
+    named = run_cli(ROOT / "run", "-n", "singlenode", env={**bare, "NGC_ORG": "o", "NGC_DATA": "/mount/imagenet"})
+    assert "warning" not in named.stderr and "not set" not in named.stderr
+
+
 def test_missing_tools_get_one_line_each(tmp_path: Path) -> None:
     bare = tmp_path / "bin"
     bare.mkdir()

@@ -64,13 +64,33 @@ def job_command(train_args: list[str], data: str) -> str:
     return f"cd {IN_IMAGE} && {shlex.join(node)}"
 
 
-def submit_args(multinode: bool, train_args: list[str]) -> list[str]:
-    data = f"ais://{env('AIS_BUCKET')}" if multinode else env("NGC_DATA") or env("DATA")
-    if not data:
-        raise click.ClickException("no data for the job: set NGC_DATA (singlenode) or AIS_BUCKET (ais) in config")
-    if multinode and not (env("AIS_BUCKET") and env("AIS_ENDPOINT")):
-        raise click.ClickException("./run ais needs AIS_ENDPOINT and AIS_BUCKET (the cluster the nodes read from)")
-    job_env = {**{k: env(k) for k in JOB_ENV if env(k)}, "DATA": data}
+def job_settings(multinode: bool, dry_run: bool) -> dict[str, str]:
+    """The settings a job cannot go without; a dry run shows <NAME> for those unset, and says so."""
+    if multinode:
+        settings = {name: env(name) for name in ("AIS_BUCKET", "AIS_ENDPOINT")}
+        need = "./run ais needs AIS_ENDPOINT and AIS_BUCKET (the cluster the nodes read from)"
+    else:
+        settings = {"NGC_DATA": env("NGC_DATA") or env("DATA")}
+        need = "no data for the job: set NGC_DATA (the dataset's path inside the job)"
+    if missing := [name for name, value in settings.items() if not value]:
+        if not dry_run:
+            raise click.ClickException(f"{need} in config.local.sh or the environment")
+        click.echo(f"dry run: {', '.join(missing)} not set, shown as <NAME>: {need}", err=True)
+        settings.update({name: f"<{name}>" for name in missing})
+    image = env("IMAGE")
+    if image.startswith("nvcr.io/local/"):
+        click.echo(
+            f"warning: IMAGE {image} is under nvcr.io/local/, which no NGC job can pull: set NGC_ORG "
+            "(the image goes to nvcr.io/ORG/...), then ./run push",
+            err=True,
+        )
+    return settings
+
+
+def submit_args(multinode: bool, train_args: list[str], dry_run: bool = False) -> list[str]:
+    settings = job_settings(multinode, dry_run)
+    data = f"ais://{settings['AIS_BUCKET']}" if multinode else settings["NGC_DATA"]
+    job_env = {**{k: settings.get(k) or env(k) for k in JOB_ENV if settings.get(k) or env(k)}, "DATA": data}
     args = ngc(
         "run",
         "--name", env("NGC_JOB_NAME", "imagenet-ais"),
@@ -125,7 +145,7 @@ def cli(ctx: click.Context, dry_run: bool) -> None:
 @click.pass_obj
 def submit(dry_run: bool, multinode: bool, train_args: tuple[str, ...]) -> None:
     """Submit a training job; remember its id for tail."""
-    proc = call(submit_args(multinode, list(train_args)), dry_run)
+    proc = call(submit_args(multinode, list(train_args), dry_run), dry_run)
     if dry_run:
         return
     if proc.returncode != 0:
