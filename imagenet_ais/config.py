@@ -21,8 +21,13 @@ class TrainConfig:
     batch_size: int = 256
     lr: float = 0.1  # for a global batch of 256, scaled linearly
     warmup_epochs: float = 5.0
+    opt: str = "sgd"  # one of OPTIMIZERS
+    lr_scheduler: str = "cosine"  # after the warmup, one of SCHEDULES
+    lr_step_size: int = 30  # --lr-scheduler step: epochs between drops
+    lr_gamma: float = 0.1  # --lr-scheduler step: each drop's factor
     momentum: float = 0.9
     weight_decay: float = 1e-4
+    norm_weight_decay: float = 0.0  # of norm layers' parameters and biases (every 1-d parameter)
     label_smoothing: float = 0.1
     mixup_alpha: float = 0.0  # > 0: Mixup on the device batches (recipe.py)
     cutmix_alpha: float = 0.0  # > 0: CutMix; with both, one of the two per batch
@@ -70,6 +75,14 @@ class TrainConfig:
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
+# sgd: with Nesterov momentum (plain where --momentum is 0); rmsprop with torchvision's settings.
+# (LAMB and LARS are not in torch.optim.)
+OPTIMIZERS = ("sgd", "adamw", "rmsprop")
+# cosine to zero, step (× --lr-gamma every --lr-step-size epochs), onecycle (torch's OneCycleLR
+# shape: a cosine rise over the warmup from 1/25 of the peak, then a cosine fall to 1/250,000)
+SCHEDULES = ("cosine", "step", "onecycle")
+SCHEDULE_NAMES = {"cosineannealinglr": "cosine", "steplr": "step", "onecyclelr": "onecycle"}  # torchvision's, torch's
+
 RECIPES: dict[str, dict[str, Any]] = {
     # FFCV's ResNet-50 settings (its 16-88 epoch configs): 1.7 at a global batch of 1,024, peak at
     # epoch 2, low resolution first (160 -> 192 px), validation at 256, label smoothing, no mixing
@@ -93,10 +106,17 @@ def check(cfg: TrainConfig) -> None:
         raise ConfigError("--output '': name a folder for the run's checkpoints, metrics and logs")
     if cfg.test_only and not (cfg.weights or cfg.resume):
         raise ConfigError("--test-only: nothing to test; give --weights or --resume (a checkpoint)")
-    for name in ("lr", "weight_decay", "upload_retry_seconds", "flush_timeout", "warmup_epochs"):
+    numbers = ("lr", "weight_decay", "norm_weight_decay", "momentum", "lr_gamma", "upload_retry_seconds")
+    for name in (*numbers, "flush_timeout", "warmup_epochs"):
         value = getattr(cfg, name)
         if not math.isfinite(value) or value < 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: give a finite number, 0 or more")
+    if cfg.opt not in OPTIMIZERS:
+        raise ConfigError(f"--opt {cfg.opt!r}: one of {', '.join(OPTIMIZERS)} (torch.optim has no LAMB or LARS)")
+    if cfg.lr_scheduler not in SCHEDULES:
+        raise ConfigError(f"--lr-scheduler {cfg.lr_scheduler!r}: one of {', '.join(SCHEDULES)}")
+    if cfg.lr_step_size < 1:
+        raise ConfigError(f"--lr-step-size {cfg.lr_step_size}: give a number of epochs, 1 or more")
 
 
 def _changed(cfg: TrainConfig) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import urlparse
 
 import torch
 import torchvision
@@ -36,8 +37,39 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
 
 
 def load_weights(model: nn.Module, path: str) -> None:
-    """Start ``model`` from the weights in ``path``: a train.py checkpoint (its digest checked) or
-    a plain state dict such as torchvision's released weights; one line if they do not fit."""
+    """Start ``model`` from the weights in ``path``: a train.py checkpoint (its digest checked), a
+    plain state dict such as torchvision's released weights, or the name of those (e.g.
+    ResNet50_Weights.IMAGENET1K_V2); one line if they do not fit."""
+    if not Path(path).exists() and re.fullmatch(r"\w+_Weights\.\w+", path):
+        state = released_weights(path)
+    else:
+        state = _read_state(path)
+    state = {k.removeprefix("module."): v for k, v in state.items()}  # saved from inside DDP
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise DataError(f"--weights {path}: does not fit this model ({mismatches(e)})") from None
+
+
+def released_weights(name: str) -> dict[str, torch.Tensor]:
+    """torchvision's weights by enum name, from torch hub's cache (TORCH_HOME), downloaded there
+    (and their hash checked) the first time."""
+    try:
+        weights = torchvision.models.get_weight(name)
+    except (ValueError, KeyError):
+        example = "e.g. ResNet50_Weights.IMAGENET1K_V2"
+        raise DataError(f"--weights {name}: torchvision has no such weights ({example})") from None
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
+    try:
+        return weights.get_state_dict(progress=False, check_hash=True)
+    except (OSError, RuntimeError) as e:  # no network (URLError is an OSError), or a damaged download
+        raise DataError(
+            f"--weights {name}: could not fetch {weights.url} ({str(e).splitlines()[0][:120]}); without a network, put "
+            f"that file at {cached} (torch hub's cache, under TORCH_HOME)"
+        ) from None
+
+
+def _read_state(path: str) -> dict[str, torch.Tensor]:
     if not Path(path).is_file():
         raise DataError(f"--weights {path}: {'a folder' if Path(path).is_dir() else 'no such file'}, not a state dict")
     with warnings.catch_warnings():  # torch's notes on foreign pickles: the error below says it all
@@ -50,11 +82,7 @@ def load_weights(model: nn.Module, path: str) -> None:
         state = checkpoint.verified(state, Path(path))["model"]
     if not isinstance(state, dict):
         raise DataError(f"--weights {path}: holds no state dict")
-    state = {k.removeprefix("module."): v for k, v in state.items()}  # saved from inside DDP
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise DataError(f"--weights {path}: does not fit this model ({mismatches(e)})") from None
+    return state
 
 
 def mismatches(e: RuntimeError, shown: int = 3) -> str:
@@ -81,34 +109,44 @@ def sync_batchnorm(model: nn.Module, cfg: TrainConfig, d: distributed.Dist) -> n
     return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
-def param_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict[str, Any]]:
-    """No weight decay on BatchNorm/LayerNorm parameters and biases (every 1-d parameter)."""
+def param_groups(params: list[torch.Tensor], weight_decay: float, norm_weight_decay: float) -> list[dict[str, Any]]:
+    """BatchNorm/LayerNorm parameters and biases (every 1-d parameter) decay by ``norm_weight_decay``
+    (0 by default: torchvision's recipes), the rest by ``weight_decay``."""
     decay = [p for p in params if p.requires_grad and p.ndim > 1]
-    no_decay = [p for p in params if p.requires_grad and p.ndim <= 1]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    norms = [p for p in params if p.requires_grad and p.ndim <= 1]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": norms, "weight_decay": norm_weight_decay}]
 
 
 def make_optimizer(
     params: list[torch.Tensor], cfg: TrainConfig, global_batch: int, fused: bool
 ) -> torch.optim.Optimizer:
-    return torch.optim.SGD(
-        param_groups(params, cfg.weight_decay),
-        lr=cfg.lr * global_batch / 256,
-        momentum=cfg.momentum,
-        nesterov=True,
-        fused=fused,  # one kernel for the whole update instead of a few per tensor (on a GPU)
-    )
+    """--opt's optimizer; ``fused``: one kernel for the whole update instead of a few per tensor (GPU)."""
+    groups, lr = param_groups(params, cfg.weight_decay, cfg.norm_weight_decay), cfg.lr * global_batch / 256
+    if cfg.opt == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, fused=fused)
+    if cfg.opt == "rmsprop":  # torchvision's reference settings for it
+        return torch.optim.RMSprop(groups, lr=lr, momentum=cfg.momentum, eps=0.0316, alpha=0.9)
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0, fused=fused)
 
 
-def lr_lambda(warmup: int, total: int, start: int = 0) -> Callable[[int], float]:
-    """Linear warmup to the peak, then cosine to zero, per step; counting from ``start`` (a resume)."""
+def lr_lambda(cfg: TrainConfig, warmup: int, total: int, per_epoch: int, start: int = 0) -> Callable[[int], float]:
+    """The LR's factor of the peak at each step, counting from ``start`` (a resume): a linear warmup,
+    then --lr-scheduler's curve (config.SCHEDULES); onecycle rises over the warmup on a cosine."""
+    drop_every = cfg.lr_step_size * per_epoch
 
     def factor(step: int) -> float:
         step += start
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if cfg.lr_scheduler == "onecycle":
+            low, floor = 1 / 25, 1 / 25 / 1e4  # torch's OneCycleLR: div_factor, final_div_factor
+            if step < warmup:
+                return low + (1 - low) * (1 - math.cos(math.pi * (step + 1) / warmup)) / 2
+            return floor + (1 - floor) * (1 + math.cos(math.pi * progress)) / 2
         if step < warmup:
             return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        if cfg.lr_scheduler == "step":
+            return cfg.lr_gamma ** (step // drop_every)
+        return 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
 

@@ -54,7 +54,7 @@ def resume(
         return Standing()
     path, state = found
     state = checkpoint.resumable(state, path)
-    check_fits(state, path, cfg.arch, classes)
+    check_fits(state, path, cfg.arch, cfg.opt, classes)
     check_same_data(state, path, cfg, loader.identity(), say)
     try:
         model.load_state_dict(state["model"])
@@ -94,12 +94,17 @@ def resume(
     return standing
 
 
-def check_fits(state: dict[str, Any], path: Path, arch: str, classes: list[str]) -> None:
-    """One line where a checkpoint was trained as another model or on other classes."""
+def check_fits(state: dict[str, Any], path: Path, arch: str, opt: str, classes: list[str]) -> None:
+    """One line where a checkpoint was trained as another model, with another optimizer or on other classes."""
     if state["arch"] != arch or len(state["classes"]) != len(classes):
         raise DataError(
             f"{path} was trained as {state['arch']} on {len(state['classes'])} classes, "
             f"not {arch} on {len(classes)}: use another --output or --resume"
+        )
+    if (theirs := state["config"].get("opt", "sgd")) != opt and state["optimizer"]:
+        raise DataError(
+            f"{path} was trained with --opt {theirs}, not {opt}: its optimizer state cannot carry over; give "
+            f"--opt {theirs}, or start from its weights with --weights {path} and another --output"
         )
     if differ := [(a, b) for a, b in zip(state["classes"], classes, strict=True) if a != b]:
         (theirs, ours), more = differ[0], f" and {len(differ) - 1} more" if len(differ) > 1 else ""

@@ -272,7 +272,8 @@ def assemble(parts: Parts, standing: Standing, report: Callable[[dict], None] | 
             f"{cfg.epochs / 4:g})",
             err=True,
         )
-    schedule = model.lr_lambda(warmup, total_steps, start=standing.epoch * steps_per_epoch + standing.first_step)
+    start = standing.epoch * steps_per_epoch + standing.first_step
+    schedule = model.lr_lambda(cfg, warmup, total_steps, steps_per_epoch, start)
     scheduler = torch.optim.lr_scheduler.LambdaLR(parts.optimizer, schedule)
     stepping = model.wrap(
         parts.raw_model, cfg, d, parts.decent, parts.compiled, parts.new_optimizer, schedule, parts.scaler

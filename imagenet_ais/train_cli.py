@@ -10,7 +10,7 @@ import click
 from click.core import ParameterSource
 
 from imagenet_ais.augment import POLICIES
-from imagenet_ais.config import RECIPES, TrainConfig, with_recipe
+from imagenet_ais.config import OPTIMIZERS, RECIPES, SCHEDULE_NAMES, SCHEDULES, TrainConfig, with_recipe
 from imagenet_ais.decentralized import TOPOLOGIES
 from imagenet_ais.errors import one_line
 from imagenet_ais.training import EXIT_PREEMPTED, train
@@ -50,15 +50,29 @@ def parse_workers(value: str) -> int | None:
     hidden=True,  # ./run's: which of the options it passes are its own defaults (a --recipe overrides them)
     help="comma-separated option names",
 )
-@click.option("--output", default=DEFAULTS.output, help="checkpoints, metrics.jsonl and logs go here")
-@click.option("--arch", default=DEFAULTS.arch, help="any torchvision classification model")
+# torchvision's reference names work too: --output-dir, --model, -b, -j, --print-freq, --train-crop-size, ...
+@click.option("--output", "--output-dir", default=DEFAULTS.output, help="checkpoints, metrics.jsonl and logs go here")
+@click.option("--arch", "--model", default=DEFAULTS.arch, help="any torchvision classification model")
 @click.option("--epochs", default=DEFAULTS.epochs, type=click.IntRange(min=1))
-@click.option("--batch-size", default=DEFAULTS.batch_size, type=click.IntRange(min=1), help="per process")
+@click.option("--batch-size", "-b", default=DEFAULTS.batch_size, type=click.IntRange(min=1), help="per process")
+@click.option("--opt", default=DEFAULTS.opt, type=click.Choice(OPTIMIZERS), help="sgd: with Nesterov momentum")
 @click.option(
     "--lr", default=DEFAULTS.lr, type=float, help="peak learning rate per 256 images (scaled by global batch)"
 )
-@click.option("--warmup-epochs", default=DEFAULTS.warmup_epochs, type=click.FloatRange(min=0))
-@click.option("--weight-decay", default=DEFAULTS.weight_decay, type=float, help="not applied to norm layers and biases")
+@click.option("--warmup-epochs", "--lr-warmup-epochs", default=DEFAULTS.warmup_epochs, type=click.FloatRange(min=0))
+@click.option(
+    "--lr-scheduler",
+    default=DEFAULTS.lr_scheduler,
+    type=click.Choice([*SCHEDULES, *SCHEDULE_NAMES], case_sensitive=False),
+    callback=lambda ctx, param, value: SCHEDULE_NAMES.get(value.lower(), value.lower()),
+    help="after the warmup: cosine to 0; step: × --lr-gamma every --lr-step-size epochs; onecycle: torch's "
+    "OneCycleLR (a cosine rise over the warmup from 1/25 of the peak); torchvision's names too",
+)
+@click.option("--lr-step-size", default=DEFAULTS.lr_step_size, type=click.IntRange(min=1), help="epochs (step)")
+@click.option("--lr-gamma", default=DEFAULTS.lr_gamma, type=click.FloatRange(min=0), help="factor (step)")
+@click.option("--momentum", default=DEFAULTS.momentum, type=click.FloatRange(min=0), help="sgd, rmsprop")
+@click.option("--weight-decay", "--wd", default=DEFAULTS.weight_decay, type=float, help="of the other parameters")
+@click.option("--norm-weight-decay", default=DEFAULTS.norm_weight_decay, type=float, help="of norm layers and biases")
 @click.option("--label-smoothing", default=DEFAULTS.label_smoothing, type=click.FloatRange(0, 1))
 @click.option("--mixup-alpha", default=DEFAULTS.mixup_alpha, type=click.FloatRange(min=0), help="Mixup (0: off)")
 @click.option(
@@ -93,11 +107,13 @@ def parse_workers(value: str) -> int | None:
 @click.option("--sync-bn", is_flag=True, help="BatchNorm statistics over all ranks (GPUs only)")
 @click.option(
     "--weights",
-    help="start from this state dict or checkpoint file (torchvision's or train.py's; --resume's checkpoint wins)",
+    help="start from this state dict or checkpoint file (torchvision's or train.py's), or torchvision's weights by "
+    "name (e.g. ResNet50_Weights.IMAGENET1K_V2: downloaded once into torch hub's cache); --resume's checkpoint wins",
 )
 @click.option("--test-only", is_flag=True, help="validate --weights or --resume's model on the val split, then stop")
 @click.option(
     "--workers",
+    "-j",
     default="auto",
     callback=lambda ctx, param, value: parse_workers(value),
     help="DataLoader workers per process; auto: this node's CPUs per local rank (less 2 on a GPU)",
@@ -191,7 +207,13 @@ def parse_workers(value: str) -> int | None:
     type=click.FloatRange(0, 1),
     help="fraction of an epoch's samples that may be skipped or padded (damaged data) before the run stops",
 )
-@click.option("--log-every", default=DEFAULTS.log_every, type=click.IntRange(min=1), help="steps per metrics record")
+@click.option(
+    "--log-every",
+    "--print-freq",
+    default=DEFAULTS.log_every,
+    type=click.IntRange(min=1),
+    help="steps per metrics record",
+)
 @click.option("--log-keys", is_flag=True, help="write every training key per epoch and rank under OUTPUT/keys/")
 @click.option("--upload", help="also upload checkpoints, metrics and log here (gs://, ais:// or a directory)")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), help="steps between checkpoints (besides epoch ends)")

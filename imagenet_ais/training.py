@@ -188,6 +188,7 @@ def train_epoch(run: Run) -> Stopped | None:
             break
         window.waited += time.perf_counter() - t0
         window.clock.mark()
+        lr = float(run.scheduler.get_last_lr()[0])  # this step's (the scheduler steps after it)
         loss = train_step(run, x, y)
         standing.step += 1
         if run.ema and standing.step % cfg.model_ema_steps == 0:
@@ -206,7 +207,7 @@ def train_epoch(run: Run) -> Stopped | None:
         if signalled or (cfg.max_steps is not None and standing.step >= cfg.max_steps):
             stopped = Stopped(step_in_epoch + 1, signalled)
         if standing.step % cfg.log_every == 0 or last_of_epoch or stopped:
-            lr = decentralized.lr(run.model) if run.decent else float(run.scheduler.get_last_lr()[0])
+            lr = decentralized.lr(run.model) if run.decent else lr  # (decent-dp's: what it steps with next)
             record, totals = window.record(loader, d, run.global_batch, epoch, standing.step, lr, x.shape[-1])
             tail = record["nonfinite_tail"]
             run.nonfinite_steps = run.nonfinite_steps + tail if tail == window.steps else tail

@@ -53,6 +53,13 @@ def test_the_launchers_demo_settings_give_way_to_the_users_options() -> None:
     assert cmd[cmd.index("--arch") + 1] == "resnet18", "the demo, however its path is written"
     # named, so that a --recipe sets them (train.py's test_recipe checks the precedence)
     assert cmd[cmd.index("--launcher-defaults") + 1] == "arch,batch-size,image-size,lr,warmup-epochs"
+    # torchvision's names for them are the user's too (--model was beaten by the launcher's --arch as "its default")
+    env = {"DATA": "./data/demo/shards", "VENV": ".venv"}
+    cmd = shlex.split(
+        run_cli(ROOT / "run", "-n", "local1", "--model", "resnet34", "-b", "16", env=env).stdout.splitlines()[-1]
+    )
+    assert "--arch" not in cmd and "--batch-size" not in cmd and cmd[-4:] == ["--model", "resnet34", "-b", "16"]
+    assert cmd[cmd.index("--launcher-defaults") + 1] == "epochs,image-size,lr,warmup-epochs"
 
 
 def test_the_demo_is_known_by_its_manifest_wherever_its_shards_are(tmp_path: Path) -> None:

@@ -202,7 +202,7 @@ def test_stopped_run_resumes_at_the_right_step(tmp_path: Path) -> None:
     assert "resumed from" in second.stdout and "epoch 2, step 17" in second.stdout
     train = [r for r in metrics(output) if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, 37)), "no step repeated or skipped across the restart"
-    cosine = [0.1 * 4 / 256 * 0.5 * (1 + math.cos(math.pi * k / 36)) for k in range(1, 37)]
+    cosine = [0.1 * 4 / 256 * 0.5 * (1 + math.cos(math.pi * k / 36)) for k in range(36)]  # each step's own
     assert [r["lr"] for r in train] == pytest.approx(cosine), "the schedule continues across the restart"
     assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [1, 2, 3]
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 36
@@ -227,7 +227,7 @@ def test_epoch_size_sets_the_epochs_that_the_schedule_checkpoints_and_resume_cou
     assert training.train(cfg)["complete"]
     train = [r for r in metrics(output) if r["kind"] == "train"]
     assert [(r["epoch"], r["step"]) for r in train] == [(k // 5 + 1, k + 1) for k in range(15)]
-    cosine = [0.1 * 4 / 256 * 0.5 * (1 + math.cos(math.pi * k / 15)) for k in range(1, 16)]
+    cosine = [0.1 * 4 / 256 * 0.5 * (1 + math.cos(math.pi * k / 15)) for k in range(15)]
     assert [r["lr"] for r in train] == pytest.approx(cosine), "the schedule runs over 3 epochs of 5 steps"
     assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [1, 2, 3]
 
@@ -693,6 +693,62 @@ def test_a_warmup_as_long_as_the_run_is_said(tmp_path: Path, capsys: pytest.Capt
     assert "warning: --warmup-epochs 5 covers all 1 epochs" in capsys.readouterr().err
     training.train(dataclasses.replace(cfg, output=str(tmp_path / "short"), epochs=2, warmup_epochs=1, max_steps=1))
     assert "--warmup-epochs" not in capsys.readouterr().err
+
+
+def test_torchvisions_reference_options_train_as_they_say(tmp_path: Path) -> None:
+    # torchvision's train.py habits (--model, --output-dir, -b, -j, --print-freq, --opt, --lr-scheduler,
+    # --norm-weight-decay, ...) were unknown options
+    out = tmp_path / "run"
+    common = ["--synthetic", "--model", TINY_ARCH, "--output-dir", out, "-b", "2", "-j", "0", "--image-size", "32"]
+    common += ["--epoch-size", "6", "--print-freq", "1", "--lr-warmup-epochs", "0", "--lr", "0.256"]
+    chosen = ["--opt", "adamw", "--lr-scheduler", "steplr", "--lr-step-size", "1", "--lr-gamma", "0.5"]
+    train_here(*common, "--epochs", "3", *chosen, "--wd", "0.02", "--norm-weight-decay", "0.01")
+    peak = 0.256 * 2 / 256
+    lrs = [r["lr"] for r in metrics(out) if r["kind"] == "train"]
+    assert lrs == pytest.approx([peak] * 3 + [peak / 2] * 3 + [peak / 4] * 3), "halved every epoch"
+    groups = torch.load(out / "last.pt", weights_only=True)["optimizer"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.02, 0.01] and "amsgrad" in groups[0], "AdamW's"
+    # resumed with another optimizer: its state cannot carry over (torch's error was a KeyError traceback)
+    again = train_here(*common, "--epochs", "4", "--resume", "auto", check=False)
+    assert again.returncode == 1 and "was trained with --opt adamw, not sgd" in again.stderr
+    assert len(metrics(out)) == 9, "nothing trained"
+
+
+@pytest.mark.parametrize("kind", ["cosine", "step", "onecycle"])
+def test_each_lr_schedule_has_its_shape(kind: str) -> None:
+    cfg = config.TrainConfig(lr_scheduler=kind, lr_step_size=2, lr_gamma=0.1)
+    factor = model.lr_lambda(cfg, warmup=10, total=100, per_epoch=10)
+    curve = [factor(step) for step in range(100)]
+    assert curve[9] == pytest.approx(1.0) and max(curve) == pytest.approx(1.0), "the peak at the warmup's end"
+    if kind == "onecycle":  # torch's OneCycleLR: from 1/25 of the peak on a cosine, down to 1/250,000 of it
+        assert 1 / 25 < curve[0] < 0.07 and curve[-1] < 1e-3 and curve[4] == pytest.approx(0.52), (
+            "half way up: 1/25 + half"
+        )
+    else:
+        assert curve[:10] == pytest.approx([(s + 1) / 10 for s in range(10)]), "a linear warmup"
+    if kind == "step":
+        assert curve[19] == 1 and curve[20] == pytest.approx(0.1) and curve[40] == pytest.approx(0.01)
+    if kind == "cosine":
+        assert curve[55] == pytest.approx(0.5) and curve[-1] < 1e-3
+    assert factor(50) == model.lr_lambda(cfg, 10, 100, 10, start=30)(20), "a resume picks the curve up"
+
+
+def test_torchvisions_weights_by_name_come_from_torch_hubs_cache(tmp_path: Path, monkeypatch) -> None:
+    # --weights ResNet18_Weights.IMAGENET1K_V1 was "no such file"; offline it must say where the file goes
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    net = torchvision.models.resnet18()
+    cached = tmp_path / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
+    with pytest.raises(
+        ValueError, match=rf"could not fetch .*; without a network, put that file at {re.escape(str(cached))}"
+    ):
+        model.load_weights(net, "ResNet18_Weights.IMAGENET1K_V1")  # (this machine reaches no download server)
+    assert not list((tmp_path / "hub").rglob("*.pth*")), "no partial download left where the file goes"
+    trained = torchvision.models.resnet18()
+    torch.save(trained.state_dict(), cached)
+    model.load_weights(net, "ResNet18_Weights.IMAGENET1K_V1")
+    assert torch.equal(net.fc.weight, trained.fc.weight), "loaded from the cache"
+    with pytest.raises(ValueError, match="torchvision has no such weights"):
+        model.load_weights(net, "ResNet18_Weights.NO_SUCH")
 
 
 def test_an_output_weights_or_arch_that_cannot_be_used_is_one_line(tmp_path: Path) -> None:
