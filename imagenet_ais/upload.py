@@ -213,23 +213,56 @@ class Uploader:
         job.snapshot.unlink(missing_ok=True)
 
 
+# a run's last.pt and best.pt are hard links to one of its checkpoints: each goes up as a pointer
+LINK_POINTERS = {"last.pt": POINTER, "best.pt": "best.json"}
+
+
 def sync(src: Path, dest_url: str, retry_seconds: float = 120) -> tuple[list[str], list[str]]:
-    """Upload every file under ``src`` to ``dest_url`` unless an identical copy is there.
+    """Upload every file under ``src`` to ``dest_url`` unless an identical copy is there; a run's
+    ``last.pt`` / ``best.pt`` that is a hard link to a ``ckpt-<step>.pt`` goes up as a pointer to it
+    (``latest.json``, as a run's own uploads write it, and ``best.json``), not as another copy.
 
     Returns (uploaded, skipped) names; raises on the first upload that fails."""
     store = open_store(dest_url, retry_seconds=retry_seconds)
-    if (mine := src / CLAIM).exists() and (name := _claimed_by(mine.read_bytes()).get("run")):
-        claim(store, name)  # a run's --output: not over another run's uploads
+    run = ""
+    if (mine := src / CLAIM).exists() and (run := _claimed_by(mine.read_bytes()).get("run", "")):
+        claim(store, run)  # a run's --output: not over another run's uploads
     uploaded, skipped = [], []
     files = (p for p in src.rglob("*") if p.is_file() and not p.name.endswith(".partial"))
-    for path in sorted(p for p in files if SNAPSHOTS not in p.relative_to(src).parts):  # (a killed run's)
-        name = path.relative_to(src).as_posix()
-        if store.matches(name, path):
+    wanted = [p for p in files if SNAPSHOTS not in p.relative_to(src).parts]  # (a killed run's)
+    checkpoints = {
+        (s.st_dev, s.st_ino): p.name
+        for p in wanted
+        if p.parent == src and _CHECKPOINT.fullmatch(p.name) and (s := p.stat())
+    }
+    pointers = []
+    for path in sorted(wanted):
+        name, stat = path.relative_to(src).as_posix(), path.stat()
+        if name in LINK_POINTERS and (linked := checkpoints.get((stat.st_dev, stat.st_ino))):
+            step = int(linked.removeprefix("ckpt-").removesuffix(".pt"))
+            pointers.append((name, {"checkpoint": linked, "step": step, "time": stat.st_mtime, "run": run}))
+        elif store.matches(name, path):
             skipped.append(name)
         else:
             store.put_file(path, name, keep=True)
             uploaded.append(name)
+    for name, pointer in pointers:  # last: each names a checkpoint already there
+        if _points_past(store, LINK_POINTERS[name], pointer["step"]):
+            store.write_bytes(LINK_POINTERS[name], json.dumps(pointer).encode())
+            uploaded.append(f"{LINK_POINTERS[name]} (for {name}, the same file as {pointer['checkpoint']})")
+        else:
+            skipped.append(LINK_POINTERS[name])
     return uploaded, skipped
+
+
+def _points_past(store: Store, pointer: str, step: int) -> bool:
+    """Whether ``pointer`` in ``store`` is missing or names an earlier step than ``step``."""
+    if not store.exists(pointer):
+        return True
+    try:
+        return json.loads(store.read_bytes(pointer)).get("step", -1) < step
+    except (ValueError, AttributeError, TypeError):
+        return True
 
 
 class BadPointer(DataError):

@@ -228,3 +228,11 @@ def test_the_venv_is_installed_compiled_so_no_process_compiles_torch_again() -> 
     never_imported = importlib.util.find_spec("sympy.physics.mechanics")
     assert never_imported and never_imported.origin
     assert Path(importlib.util.cache_from_source(never_imported.origin)).is_file()
+
+
+def test_ais_install_says_which_aisnode_is_there() -> None:
+    # `./run -n ais-install` printed nothing where aisnode was built, and its version was never checked
+    if not (ROOT / ".cache" / "bin" / "aisnode").exists():
+        pytest.skip("no aisnode built here (./run test builds it)")
+    said = run_cli(ROOT / "run", "-n", "ais-install").stderr
+    assert said == "run: .cache/bin/aisnode is there, built from AIStore v1.5.0 (pinned: v1.5.0)\n"

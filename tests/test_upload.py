@@ -307,6 +307,28 @@ def test_upload_sh_twice_uploads_nothing_the_second_time(gcs, tmp_path: Path) ->
     assert file_crc32c(results / "ckpt-00000001.pt")
 
 
+def test_upload_sh_sends_last_and_best_as_pointers_to_their_checkpoint(tmp_path: Path) -> None:
+    # last.pt and best.pt, hard links to checkpoints, went up as two more full copies
+    results, dest = tmp_path / "results", tmp_path / "dest"
+    results.mkdir()
+    for step in (1, 2):
+        big_file(results / f"ckpt-0000000{step}.pt", 1 << 20)
+    os.link(results / "ckpt-00000002.pt", results / "last.pt")
+    os.link(results / "ckpt-00000001.pt", results / "best.pt")
+    uploaded, _ = upload.sync(results, str(dest))
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "best.json",
+        "ckpt-00000001.pt",
+        "ckpt-00000002.pt",
+        "latest.json",
+    ]
+    assert "latest.json (for last.pt, the same file as ckpt-00000002.pt)" in uploaded
+    assert json.loads((dest / "best.json").read_text())["checkpoint"] == "ckpt-00000001.pt"
+    fetched = upload.fetch_latest(str(dest), tmp_path / "fresh")  # a --resume auto on a fresh node
+    assert fetched and fetched.read_bytes() == (results / "last.pt").read_bytes()
+    assert upload.sync(results, str(dest))[0] == [], "nothing the second time"
+
+
 def test_no_gcs_call_reaches_outside_the_run_prefix(gcs, tmp_path: Path) -> None:
     store, path = GCSStore(f"gs://{gcs.make_bucket()}/run"), tmp_path / "last.pt"
     path.write_bytes(b"weights")
