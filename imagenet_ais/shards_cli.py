@@ -166,3 +166,7 @@ def summary_cmd(dest: str) -> None:
             f"{name}: {pattern}  shards={len(split.shards)} samples={split.samples} "
             f"size={_human(split.bytes)} rejected={len(split.rejected)}"
         )
+
+
+if __name__ == "__main__":  # python -m imagenet_ais.shards_cli
+    cli()

@@ -269,3 +269,7 @@ def parse(args: list[str]) -> TrainConfig:
     """The config these options give, for launchers that call ``train`` themselves (tools/ray_train.py)."""
     with main.make_context("train.py", list(args)) as ctx:
         return config(ctx)
+
+
+if __name__ == "__main__":  # python -m imagenet_ais.train_cli (it printed nothing)
+    main()

@@ -236,3 +236,30 @@ def test_ais_install_says_which_aisnode_is_there() -> None:
         pytest.skip("no aisnode built here (./run test builds it)")
     said = run_cli(ROOT / "run", "-n", "ais-install").stderr
     assert said == "run: .cache/bin/aisnode is there, built from AIStore v1.5.0 (pinned: v1.5.0)\n"
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_into_a_fresh_venv_and_trains(tmp_path: Path) -> None:
+    # `pip install .` was undocumented and untested; `python -m imagenet_ais` failed
+    uv = VENV_BIN / "uv"
+    run_cli(uv, "build", "--wheel", "--out-dir", tmp_path / "dist", "--no-build-isolation", "--quiet", ROOT)
+    (wheel,) = (tmp_path / "dist").glob("imagenet_ais-*.whl")
+    fresh = tmp_path / "venv"
+    run_cli(uv, "venv", "--quiet", "--python", sys.executable, fresh)
+    # the lock's versions, from uv's cache where ./run test just installed them
+    run_cli(
+        uv, "pip", "install", "--quiet", "--python", fresh / "bin" / "python", wheel, "-c", ROOT / "requirements.lock"
+    )
+    assert "--epoch-size N" in run_cli(fresh / "bin" / "imagenet-train", "--help").stdout
+    assert "convert" in run_cli(fresh / "bin" / "imagenet-shards", "--help").stdout
+    # away from the checkout (python -m puts the working directory first on sys.path) and its PYTHONPATH
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    python = [str(fresh / "bin" / "python")]
+    where = subprocess.run([*python, "-c", "import imagenet_ais; print(imagenet_ais.__file__)"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert where.startswith(str(fresh)), "the wheel's package, not this checkout's"
+    step = shlex.split("--synthetic --arch shufflenet_v2_x0_5 --batch-size 2 --image-size 32 --max-steps 1")
+    proc = subprocess.run([*python, "-m", "imagenet_ais", "train", *step, "--output", "run"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    assert proc.returncode == 0 and "stopped at step 1" in proc.stdout, proc.stderr
+    assert (tmp_path / "run" / "last.pt").exists()
