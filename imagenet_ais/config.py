@@ -63,6 +63,7 @@ class TrainConfig:
     max_bad: float = 0.01  # of an epoch's samples, skipped or padded, before the run stops
     log_every: int = 20
     log_keys: bool = False
+    trackers: tuple[str, ...] = ("tensorboard",)  # where records go besides metrics.jsonl (trackers.TRACKERS)
     upload: str | None = None  # gs://, ais:// or a directory: checkpoints, metrics and log go here too
     checkpoint_every: int | None = None  # steps, besides every epoch end
     keep_last: int = 3  # step checkpoints kept in --output

@@ -1,5 +1,5 @@
-"""Run metrics: JSON lines (metrics.jsonl) and TensorBoard event files, side by side in the run
-directory, plus GPU utilisation and memory samples where there is a GPU."""
+"""Run metrics: JSON lines (metrics.jsonl) in the run directory, passed on to the --tracker's
+(TensorBoard event files beside it by default), plus GPU samples where there is a GPU."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.tensorboard import SummaryWriter
+
+from imagenet_ais.trackers import Tracker, numbers, warn_once
 
 METRICS = "metrics.jsonl"
 LOG = "train.log"  # rank 0's messages
@@ -20,10 +21,10 @@ CONFIG = "config.json"  # the settings of the run's last start (config.differenc
 
 
 class MetricsLog:
-    """One record per log interval or validation; resumed runs continue both logs.
+    """One record per log interval or validation; resumed runs continue the log and the trackers.
 
-    Every number of a record also goes to TensorBoard as ``<kind>/<name>`` at its step. A
-    run that resumes at ``step`` drops the records past that step, in both logs, so the steps
+    Every record also goes to each ``--tracker`` (trackers.py; TensorBoard's event files by
+    default). A run that resumes at ``step`` drops the records past that step, so the steps
     retrained after a crash are not counted twice; one that starts at step 0 (afresh, or
     --resume finding no checkpoint yet) removes what an attempt that died before its first
     checkpoint left, event files included (TensorBoard's purge marks would leave raw readers
@@ -31,32 +32,50 @@ class MetricsLog:
     files or not.
     """
 
-    def __init__(self, output: Path | None, step: int = 0, report: Callable[[dict], None] | None = None):
+    def __init__(
+        self,
+        output: Path | None,
+        step: int = 0,
+        report: Callable[[dict], None] | None = None,
+        trackers: list[Tracker] | None = None,
+    ):
         if output and step == 0:
             for leftover in (output / METRICS, *output.glob("events.out.tfevents.*")):
                 leftover.unlink(missing_ok=True)
         elif output:
             _drop_records_after(output / METRICS, step)
         self.file = (output / METRICS).open("a", buffering=1) if output else None
-        # TensorBoard purges events at or after purge_step; the record at the resume step stays
-        self.board = SummaryWriter(str(output), purge_step=step + 1 if step else None) if output else None
+        self.trackers = trackers or []
         self.report = report
 
     def write(self, **record: Any) -> None:
         if self.report:
             self.report(record)
-        if not self.file or not self.board:
+        if not self.file:
             return
         self.file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
-        for name, value in record.items():
-            if isinstance(value, int | float) and not isinstance(value, bool) and name not in ("step", "epoch"):
-                self.board.add_scalar(f"{record['kind']}/{name}", value, record["step"])
-        self.board.flush()
+        for tracker in list(self.trackers):
+            try:
+                tracker.log(numbers(record), record["step"])
+            except Exception as e:  # a tracker's server gone: the run goes on, metrics.jsonl has it all
+                warn_once(tracker, e)
+                self.trackers.remove(tracker)
 
-    def close(self) -> None:
-        if self.file and self.board:
+    def tracker_ids(self) -> dict[str, str]:
+        """The trackers' runs, for the checkpoint: a resumed run continues them."""
+        return {t.name: t.run_id for t in self.trackers if t.run_id}
+
+    def close(self, status: str = "finished", values: dict[str, float] | None = None, step: int = 0) -> None:
+        """Ends the log and the trackers' runs: ``status`` finished, stopped or failed; ``values``
+        (the final result) go to the trackers last."""
+        for tracker in self.trackers:
+            try:
+                tracker.finish(status, values or {}, step)
+            except Exception as e:
+                warn_once(tracker, e)
+        self.trackers = []
+        if self.file:
             self.file.close()
-            self.board.close()
 
 
 def _drop_records_after(path: Path, step: int) -> None:

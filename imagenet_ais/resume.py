@@ -5,7 +5,7 @@ topology this run has."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ class Standing:
     last_val: dict[str, float] | None = None
     averaged_at: int | None = None  # --dp decent: the step of the last global average
     run_id: str = ""  # the run's id (upload.run_id), carried from checkpoint to checkpoint
+    trackers: dict[str, str] = field(default_factory=dict)  # --tracker's runs (MLflow's, W&B's ids) to continue
 
 
 def resume(
@@ -87,7 +88,13 @@ def resume(
             f"{state['epoch'] + 1}, as far through it as it was, and the schedule follows the new epochs"
         )
     standing = Standing(
-        state["epoch"], state["step"], 0, state["best_top1"], state["last_val"], run_id=state.get("run_id", "")
+        state["epoch"],
+        state["step"],
+        0,
+        state["best_top1"],
+        state["last_val"],
+        run_id=state.get("run_id", ""),
+        trackers=state.get("trackers", {}),
     )
     if standing.epoch < cfg.epochs:
         standing.first_step = continue_epoch(state, cfg, loader, d, say)

@@ -36,6 +36,7 @@ from imagenet_ais.metrics import MetricsLog
 from imagenet_ais.resume import Standing
 from imagenet_ais.storage import open_store
 from imagenet_ais.stream import CacheSpec, LoaderSpec
+from imagenet_ais.trackers import open_trackers
 from imagenet_ais.transforms import VAL_CROP
 
 
@@ -278,7 +279,9 @@ def assemble(parts: Parts, standing: Standing, report: Callable[[dict], None] | 
     stepping = model.wrap(
         parts.raw_model, cfg, d, parts.decent, parts.compiled, parts.new_optimizer, schedule, parts.scaler
     )
-    log = MetricsLog(parts.output if d.main else None, step=standing.step, report=report)
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "sources"}
+    trackers = open_trackers(cfg.trackers, parts.output, settings, standing.step, standing.trackers) if d.main else []
+    log = MetricsLog(parts.output if d.main else None, step=standing.step, report=report, trackers=trackers)
     if cfg.log_keys and d.main and standing.step == 0:  # an attempt that died before its first checkpoint
         keys_log.cut_back(parts.output, 0, {})
     uploader = (

@@ -13,6 +13,7 @@ from imagenet_ais.augment import POLICIES
 from imagenet_ais.config import OPTIMIZERS, RECIPES, SCHEDULE_NAMES, SCHEDULES, TrainConfig, with_recipe
 from imagenet_ais.decentralized import TOPOLOGIES
 from imagenet_ais.errors import one_line
+from imagenet_ais.trackers import TRACKERS
 from imagenet_ais.training import EXIT_PREEMPTED, train
 
 DEFAULTS = TrainConfig()  # the options' defaults are the config's
@@ -213,6 +214,15 @@ def parse_workers(value: str) -> int | None:
     default=DEFAULTS.log_every,
     type=click.IntRange(min=1),
     help="steps per metrics record",
+)
+@click.option(
+    "--tracker",
+    "trackers",
+    multiple=True,
+    default=DEFAULTS.trackers,
+    type=click.Choice(TRACKERS),
+    help="where records go besides metrics.jsonl (repeatable): TensorBoard event files in --output, MLflow "
+    "(MLFLOW_TRACKING_URI), W&B (WANDB_MODE=offline keeps it local); a resumed run continues their runs",
 )
 @click.option("--log-keys", is_flag=True, help="write every training key per epoch and rank under OUTPUT/keys/")
 @click.option("--upload", help="also upload checkpoints, metrics and log here (gs://, ais:// or a directory)")

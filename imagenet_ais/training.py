@@ -74,7 +74,7 @@ def train(cfg: TrainConfig, report: Callable[[dict], None] | None = None) -> dic
         ):
             return _train(cfg, d, report)
     except BaseException:
-        if made and {p.name for p in output.glob("*")} <= {locks.TRAIN_LOCK, LOG, CONFIG}:
+        if made and {p.name for p in output.glob("*")} <= {locks.TRAIN_LOCK, LOG, CONFIG, upload.CLAIM}:
             shutil.rmtree(output, ignore_errors=True)  # a start that failed leaves no folder it made
         raise
 
@@ -345,6 +345,7 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
         "steps_per_epoch": len(loader),
         "best_top1": standing.best_top1,
         "run_id": standing.run_id,
+        "trackers": run.log.tracker_ids(),
         "last_val": standing.last_val,
         "rng": rng,
         # the samples of the epoch trained so far, whichever rank trained them
@@ -382,7 +383,9 @@ def finish(run: Run, complete: bool, exit_code: int = 0) -> dict[str, Any]:
     run.stop.restore()
     if not cfg.synthetic:
         run.say(run.health.summary())
-    run.log.close()
+    last = run.standing.last_val or {}
+    status = "finished" if complete else "stopped" if exit_code in (0, EXIT_PREEMPTED) else "failed"
+    run.log.close(status, {f"final/{k}": last[k] for k in ("top1", "top5") if k in last}, run.standing.step)
     if run.uploader:
         run.say(f"waiting up to {cfg.flush_timeout:.0f}s for uploads to {cfg.upload}")
         missing = run.uploader.flush(cfg.flush_timeout)

@@ -24,6 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -235,19 +236,19 @@ def sync(src: Path, dest_url: str, retry_seconds: float = 120) -> tuple[list[str
         for p in wanted
         if p.parent == src and _CHECKPOINT.fullmatch(p.name) and (s := p.stat())
     }
-    pointers = []
+    pointers: list[tuple[str, int, dict[str, Any]]] = []
     for path in sorted(wanted):
         name, stat = path.relative_to(src).as_posix(), path.stat()
         if name in LINK_POINTERS and (linked := checkpoints.get((stat.st_dev, stat.st_ino))):
             step = int(linked.removeprefix("ckpt-").removesuffix(".pt"))
-            pointers.append((name, {"checkpoint": linked, "step": step, "time": stat.st_mtime, "run": run}))
+            pointers.append((name, step, {"checkpoint": linked, "step": step, "time": stat.st_mtime, "run": run}))
         elif store.matches(name, path):
             skipped.append(name)
         else:
             store.put_file(path, name, keep=True)
             uploaded.append(name)
-    for name, pointer in pointers:  # last: each names a checkpoint already there
-        if _points_past(store, LINK_POINTERS[name], pointer["step"]):
+    for name, step, pointer in pointers:  # last: each names a checkpoint already there
+        if _points_past(store, LINK_POINTERS[name], step):
             store.write_bytes(LINK_POINTERS[name], json.dumps(pointer).encode())
             uploaded.append(f"{LINK_POINTERS[name]} (for {name}, the same file as {pointer['checkpoint']})")
         else:

@@ -1,0 +1,169 @@
+"""``--tracker``: where a run's records go besides metrics.jsonl: TensorBoard event files (the
+default), MLflow, Weights & Biases (repeatable).
+
+Each gets, from rank 0, the run's settings at its start, every training record (each
+``--log-every`` steps) and validation record as ``<kind>/<name>`` at its step, and the outcome at
+the end. MLflow and W&B are imported only when asked for: neither is a dependency (``pip install
+mlflow-skinny sqlalchemy alembic`` for MLflow's default sqlite store, ``pip install wandb``). A
+resumed run continues the same MLflow or W&B run: their ids are kept in the checkpoint. Where a
+tracker fails during the run, it says so once and the run goes on without it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from imagenet_ais.errors import ConfigError
+
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+PROJECT = "imagenet-ais"  # MLflow's experiment and W&B's project, unless MLFLOW_EXPERIMENT_NAME / WANDB_PROJECT
+
+
+class Tracker(Protocol):
+    name: str
+    run_id: str  # what a resumed run continues ("" for TensorBoard: its files are the run's)
+
+    def log(self, values: dict[str, float], step: int) -> None: ...
+
+    def finish(self, status: str, values: dict[str, float], step: int) -> None: ...
+
+
+def numbers(record: dict[str, Any]) -> dict[str, float]:
+    """A metrics record's numbers as ``<kind>/<name>`` (step and epoch are where, not what)."""
+    return {
+        f"{record['kind']}/{name}": float(value)
+        for name, value in record.items()
+        if isinstance(value, int | float) and not isinstance(value, bool) and name not in ("step", "epoch")
+    }
+
+
+class TensorBoard:
+    name, run_id = "tensorboard", ""
+
+    def __init__(self, output: Path, step: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # TensorBoard purges events at or after purge_step; the record at the resume step stays
+        self.board = SummaryWriter(str(output), purge_step=step + 1 if step else None)
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for name, value in values.items():
+            self.board.add_scalar(name, value, step)
+        self.board.flush()
+
+    def finish(self, status: str, values: dict[str, float], step: int) -> None:
+        self.board.close()
+
+
+class MLflow:
+    """A run of MLflow's client (MLFLOW_TRACKING_URI, or MLflow's default ./mlflow.db): no global
+    active run is set in this process."""
+
+    name = "mlflow"
+
+    def __init__(self, settings: dict[str, Any], title: str, run_id: str):
+        try:
+            from mlflow import MlflowClient
+            from mlflow.entities import Param
+        except ImportError:
+            install = "pip install mlflow-skinny sqlalchemy alembic"
+            raise ConfigError(f"--tracker mlflow: MLflow is not installed ({install}), or leave it out") from None
+        try:
+            self.client = MlflowClient()
+            if not run_id:
+                experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
+                found = self.client.get_experiment_by_name(experiment)
+                ident = found.experiment_id if found else self.client.create_experiment(experiment)
+                run_id = self.client.create_run(ident, run_name=title).info.run_id
+                params = [Param(k, str(v)[:500]) for k, v in settings.items()]
+                self.client.log_batch(run_id, params=params)
+            else:
+                self.client.update_run(run_id, status="RUNNING")
+        except Exception as e:  # the store's own errors: one line, before anything trains
+            raise ConfigError(f"--tracker mlflow: {_first_line(e)} (tracking URI {_mlflow_uri()})") from None
+        self.run_id = run_id
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+
+    def finish(self, status: str, values: dict[str, float], step: int) -> None:
+        if values:
+            self.log(values, step)
+        self.client.set_terminated(self.run_id, {"finished": "FINISHED", "stopped": "KILLED"}.get(status, "FAILED"))
+
+
+class Wandb:
+    """A W&B run (WANDB_MODE=offline keeps it in OUTPUT/wandb for ``wandb sync``)."""
+
+    name = "wandb"
+
+    def __init__(self, settings: dict[str, Any], title: str, run_id: str, output: Path):
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("--tracker wandb: W&B is not installed (pip install wandb), or leave it out") from None
+        project = os.environ.get("WANDB_PROJECT", PROJECT)
+        try:
+            self.run = wandb.init(
+                project=project, name=title, id=run_id or None, resume="allow" if run_id else None,
+                config=settings, dir=str(output),
+            )  # fmt: skip
+        except Exception as e:  # no API key, no server: one line, before anything trains
+            raise ConfigError(f"--tracker wandb: {_first_line(e)} (wandb login, or WANDB_MODE=offline)") from None
+        self.run_id = self.run.id
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def finish(self, status: str, values: dict[str, float], step: int) -> None:
+        self.run.summary.update(values)
+        self.run.finish(exit_code=0 if status == "finished" else 1)
+
+
+def open_trackers(
+    names: tuple[str, ...], output: Path, settings: dict[str, Any], step: int, resumed: dict[str, str]
+) -> list[Tracker]:
+    """The trackers ``names`` asks for, continuing the runs ``resumed`` names (from the checkpoint)."""
+    if unknown := [n for n in names if n not in TRACKERS]:
+        raise ConfigError(f"--tracker {unknown[0]!r}: one of {', '.join(TRACKERS)}")
+    opened: list[Tracker] = []
+    try:
+        for name in dict.fromkeys(names):
+            if name == "tensorboard":
+                opened.append(TensorBoard(output, step))
+            elif name == "mlflow":
+                opened.append(MLflow(settings, output.name, resumed.get(name, "")))
+            else:
+                opened.append(Wandb(settings, output.name, resumed.get(name, ""), output))
+    except BaseException:
+        for tracker in opened:
+            tracker.finish("failed", {}, step)
+        raise
+    return opened
+
+
+def warn_once(tracker: Tracker, e: Exception) -> None:
+    print(
+        f"WARNING: --tracker {tracker.name} failed ({type(e).__name__}: {_first_line(e)}); the run goes on "
+        "without it (metrics.jsonl has every record)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
+
+
+def _mlflow_uri() -> str:
+    from mlflow import get_tracking_uri
+
+    return str(get_tracking_uri())

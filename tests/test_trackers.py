@@ -1,0 +1,93 @@
+"""--tracker: MLflow (a real sqlite store) and W&B (offline, its own run files) fed by real runs,
+stopped and resumed into the same tracker run."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from conftest import TINY, TINY_ARCH, train_here, write_shards
+
+pytestmark = pytest.mark.slow  # each trains twice and starts its tracker (MLflow's import alone takes seconds)
+
+
+def run_twice(tmp_path: Path, env: dict[str, str], *trackers: str) -> Path:
+    """A run stopped at step 3 (--max-steps), then resumed to its end (2 epochs of 6 steps)."""
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [12, 12], "val": [8]})
+    args = ["--data", data, "--output", output, *TINY, "--workers", "0", "--epochs", "2", "--log-every", "2"]
+    args += ["--resume", "auto", *(a for t in trackers for a in ("--tracker", t))]
+    assert "stopped at step 3" in train_here(*args, "--max-steps", "3", env=env).stdout
+    assert "resumed from" in train_here(*args, env=env).stdout
+    return output
+
+
+def test_mlflow_gets_the_settings_every_record_and_the_result_in_one_run_across_a_resume(tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    output = run_twice(tmp_path, {"MLFLOW_TRACKING_URI": uri}, "mlflow", "tensorboard")
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("imagenet-ais").experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == "run", "one run, continued by the resume"
+    assert run.data.params["arch"] == TINY_ARCH and run.data.params["epochs"] == "2"
+    loss = client.get_metric_history(run.info.run_id, "train/loss")
+    assert sorted({m.step for m in loss}) == [2, 3, 4, 6, 8, 10, 12], "every record, before and after the stop"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val/top1")] == [6, 12]
+    (final,) = client.get_metric_history(run.info.run_id, "final/top1")
+    last = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()][-1]
+    assert final.value == pytest.approx(last["top1"]) and final.step == 12
+    assert list(output.glob("events.out.tfevents.*")), "TensorBoard too, as asked"
+
+
+def wandb_records(run_file: Path) -> list:
+    """The records of W&B's run file: a LevelDB-style log (32 KiB blocks; each piece a 7-byte
+    header: CRC, length, type FULL/FIRST/MIDDLE/LAST) after W&B's own 7-byte header."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, records, pieces, at = run_file.read_bytes(), [], b"", 7
+    assert data[:4] == b":W&B"
+    while at + 7 <= len(data):
+        if 32768 - at % 32768 < 7:  # a block's tail too short for a header is padding
+            at += 32768 - at % 32768
+            continue
+        length, kind = struct.unpack("<HB", data[at + 4 : at + 7])
+        pieces, at = pieces + data[at + 7 : at + 7 + length], at + 7 + length
+        if kind in (1, 4):  # FULL, LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pieces)
+            records.append(record)
+            pieces = b""
+    return records
+
+
+def test_wandb_offline_gets_the_settings_every_record_and_the_result_in_one_run_across_a_resume(
+    tmp_path: Path,
+) -> None:
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path)}
+    output = run_twice(tmp_path, env, "wandb")
+    files = sorted((output / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2 and len({f.name for f in files}) == 1, "both attempts log to the same run id"
+    history, config = [], {}
+    for record in (r for f in files for r in wandb_records(f)):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            history.append({item.nested_key[0] if item.nested_key else item.key: json.loads(item.value_json)
+                            for item in record.history.item})  # fmt: skip
+        elif kind == "run":  # the settings come with the run's record
+            config |= {item.key: json.loads(item.value_json) for item in record.run.config.update}
+    assert config["arch"] == TINY_ARCH and config["epochs"] == 2
+    steps = [h["_step"] for h in history if "train/loss" in h]
+    assert steps[:2] == [2, 3] and steps[-1] == 12 and 6 in steps, steps
+    assert [h["_step"] for h in history if "val/top1" in h] == [6, 12]
+    assert not list(output.glob("events.out.tfevents.*")), "no TensorBoard files where it was not asked for"
+
+
+def test_a_tracker_that_cannot_start_is_one_line_before_anything_trains(tmp_path: Path) -> None:
+    args = ["--synthetic", "--output", tmp_path / "run", *TINY, "--max-steps", "1", "--workers", "0"]
+    bad = {"MLFLOW_TRACKING_URI": "http://127.0.0.1:9", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}  # no server there
+    proc = train_here(*args, "--tracker", "mlflow", env=bad, check=False)
+    assert proc.returncode == 1 and proc.stderr.startswith("Error: --tracker mlflow: "), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists(), "nothing left of the start"
