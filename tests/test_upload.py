@@ -410,7 +410,10 @@ def test_two_runs_given_one_upload_location_never_mix_their_files(
     training.train(tiny_synthetic(first, uploads, max_steps=2, resume=None))
     assert {"ckpt-00000002.pt", "latest.json", "metrics.jsonl"} <= {p.name for p in uploads.iterdir()}
     assert run_of(uploads) == "0123abcd" and json.loads((uploads / "latest.json").read_text())["run"] == "0123abcd"
-    # upload.sh from the second run's output into it is refused the same way
+    assert not second.exists(), "the refused start left no folder of its own behind"
+    # upload.sh from another run's output into it is refused the same way
+    second.mkdir()
+    (second / "run.json").write_text('{"run": "4567cdef"}')
     (second / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(upload.Claimed, match="the location is another run's"):
         upload.sync(second, str(uploads))
