@@ -187,9 +187,15 @@ class Playground:
             self.stop_node(node)
 
 
+# aisnode's feature flag S3-Reverse-Proxy (1 << 13 in v1.5.0's cmn/feat): the gateway passes S3 calls
+# on to the target itself instead of redirecting (boto3 follows no redirect of a PUT)
+S3_REVERSE_PROXY = 1 << 13
+
+
 def _cluster_config(primary: str) -> dict:
     """The cluster-wide config: the primary proxy, timeouts and limits for a laptop or CI machine."""
     return {
+        "features": str(S3_REVERSE_PROXY),
         "backend": {},
         "proxy": {"primary_url": primary, "original_url": primary, "discovery_url": "", "non_electable": False},
         "timeout": {

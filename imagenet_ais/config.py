@@ -64,7 +64,7 @@ class TrainConfig:
     log_every: int = 20
     log_keys: bool = False
     trackers: tuple[str, ...] = ("tensorboard",)  # where records go besides metrics.jsonl (trackers.TRACKERS)
-    upload: str | None = None  # gs://, ais:// or a directory: checkpoints, metrics and log go here too
+    upload: str | None = None  # gs://, s3://, ais:// or a directory: checkpoints, metrics and log go here too
     checkpoint_every: int | None = None  # steps, besides every epoch end
     keep_last: int = 3  # step checkpoints kept in --output
     upload_retry_seconds: float = 120.0

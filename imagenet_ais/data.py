@@ -226,6 +226,7 @@ class _ShardLoader:
         self.device, self.pin = feeding.device, feeding.device.type == "cuda"
         self.to_device = _OnDevice(self.dataset, feeding.device, feeding.channels_last)
         self.feed: DeviceFeed | None = None  # the epoch's, while it is iterated
+        self.padded = 0  # samples repeated to fill an epoch's last batches when decodes failed
         self.interrupted: Callable[[float], bool] | None = None  # ends a wait for a batch (feed.Interrupted)
 
     def received(self) -> Iterator[HostBatch]:
@@ -248,6 +249,27 @@ class _ShardLoader:
     def busy(self) -> dict[str, float]:
         """Seconds each of the feed's threads worked since the last call (see feed.py)."""
         return self.feed.busy() if self.feed else {}
+
+    def counters(self) -> dict[str, int]:
+        """Samples that failed to decode, shards that failed to read and the samples they listed
+        unread, the samples listed by every shard the workers set out to read, samples repeated to pad."""
+        ds = self.dataset
+        return {
+            "skipped": ds.skipped.value,
+            "read_errors": ds.read_errors.value,
+            "unread": ds.unread.value,
+            "drawn": ds.drawn.value,
+            "padded": self.padded,
+        }
+
+    def shut_down(self) -> None:
+        """Stop the feed's threads and the DataLoader's workers (persistent: they would wait for the next epoch)."""
+        if self.feed:
+            self.feed.close(timeout=5)
+        iterator = getattr(self.loader, "_iterator", None)  # torch keeps no public handle on its workers
+        if iterator is not None:
+            iterator._shutdown_workers()
+            self.loader._iterator = None
 
     def host_batches(self) -> Iterator[HostBatch]:
         raise NotImplementedError
@@ -300,25 +322,12 @@ class TrainLoader(_ShardLoader):
         else:
             self.steps = nominal_steps(epoch_size or sum(counts), world, batch)
         self.epoch = 0
-        self.padded = 0  # samples repeated to fill the epoch's last batches when decodes failed
         self.delivered: list[torch.Tensor] = []  # this epoch's (shard, index) handed to training
         self.restored: dict | None = None  # the position this epoch continues from (all ranks')
         self.resumed_step = 0  # where the next iteration starts: > 0 once, after a mid-epoch restore
 
     def __len__(self) -> int:
         return self.steps
-
-    def counters(self) -> dict[str, int]:
-        """Samples that failed to decode, shards that failed to read and the samples they listed
-        unread, the samples listed by every shard the workers set out to read, samples repeated to pad."""
-        ds = self.dataset
-        return {
-            "skipped": ds.skipped.value,
-            "read_errors": ds.read_errors.value,
-            "unread": ds.unread.value,
-            "drawn": ds.drawn.value,
-            "padded": self.padded,
-        }
 
     def plan(self) -> str:
         """A digest of what the epochs' sample order follows from (the shards, their sample
@@ -332,8 +341,11 @@ class TrainLoader(_ShardLoader):
         spec = self.spec
         return hashlib.sha256(json.dumps([spec.names, spec.listed]).encode()).hexdigest()[:16]
 
-    def set_epoch(self, epoch: int, image_size: int | None = None) -> None:
-        """Start ``epoch`` (call before iterating), optionally at another image size."""
+    def set_epoch(self, epoch: int, image_size: int | None = None, keep_restored: bool = True) -> None:
+        """Start ``epoch`` (call before iterating), optionally at another image size; where a
+        restored position is of this epoch, from there, unless not ``keep_restored``."""
+        if not keep_restored:
+            self._resume_at((-1, {}, ""))
         if epoch != self.epoch or epoch != self.dataset.resumed[0]:
             self.delivered, self.restored, self.resumed_step = [], None, 0
         self.epoch = epoch
@@ -356,7 +368,7 @@ class TrainLoader(_ShardLoader):
         steps left follow from what is left. Resampled mode: from ``step`` on, each worker
         drawing a fresh stream named by ``restart`` (not one the interrupted run drew)."""
         done = trained(position) if position else {}
-        self.dataset.resumed = (epoch, done, restart)
+        self._resume_at((epoch, done, restart))
         self.epoch, self.dataset.epoch.value = epoch, epoch
         self.delivered, self.restored = [], position
         if self.dataset.mode == "exact":
@@ -364,6 +376,12 @@ class TrainLoader(_ShardLoader):
             step = self.steps - exact_assignment(counts, world, batch, self.spec.seed, epoch, done)[1]
         self.resumed_step = step
         return step
+
+    def _resume_at(self, resumed: tuple[int, Done, str]) -> None:
+        """Workers keep ``dataset.resumed`` as it was when they started: where it changes, they start afresh."""
+        if resumed != self.dataset.resumed:
+            self.shut_down()
+            self.dataset.resumed = resumed
 
     def __iter__(self) -> Iterator[Batch]:
         """The rest of this epoch's batches on the device; a batch counts as delivered once handed out."""

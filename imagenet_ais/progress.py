@@ -13,7 +13,8 @@ import torch
 from tqdm import tqdm
 
 from imagenet_ais import distributed
-from imagenet_ais.data import SyntheticLoader, TrainLoader
+from imagenet_ais.data import SyntheticLoader
+from imagenet_ais.loader import ShardLoader
 from imagenet_ais.metrics import gpu_sample
 
 
@@ -90,7 +91,7 @@ class Window:
 
     def record(
         self,
-        loader: TrainLoader | SyntheticLoader,
+        loader: ShardLoader | SyntheticLoader,
         d: distributed.Dist,
         global_batch: int,
         epoch: int,

@@ -15,8 +15,9 @@ from torch.optim.swa_utils import AveragedModel
 
 from imagenet_ais import checkpoint, distributed, keys_log
 from imagenet_ais.config import TrainConfig
-from imagenet_ais.data import SyntheticLoader, TrainLoader
+from imagenet_ais.data import SyntheticLoader
 from imagenet_ais.errors import DataError
+from imagenet_ais.loader import ShardLoader, StateMismatch
 from imagenet_ais.metrics import LOG, METRICS
 from imagenet_ais.model import mismatches
 from imagenet_ais.sampling import merge_positions
@@ -43,7 +44,7 @@ def resume(
     optimizer: torch.optim.Optimizer | None,
     scaler: torch.amp.GradScaler,
     classes: list[str],
-    loader: TrainLoader | SyntheticLoader,
+    loader: ShardLoader | SyntheticLoader,
     say: Callable[..., None],
     ema: AveragedModel | None = None,
 ) -> Standing:
@@ -144,43 +145,51 @@ def check_same_data(
 
 
 def continue_epoch(
-    state: dict[str, Any], cfg: TrainConfig, loader: TrainLoader | SyntheticLoader, d: distributed.Dist, say: Callable
+    state: dict[str, Any], cfg: TrainConfig, loader: ShardLoader | SyntheticLoader, d: distributed.Dist, say: Callable
 ) -> int:
     """The step at which this run continues the epoch the checkpoint ``state`` stopped in (0:
     from its start), with ``loader`` set to train what that epoch has not. The world size,
     per-rank batch and workers may differ from the interrupted run's; where the epoch cannot
     be continued as it would have gone on, says so in one line and what it does instead."""
-    epoch, step, steps = state["epoch"], state["step_in_epoch"], len(loader)
+    step, steps = state["step_in_epoch"], len(loader)
     if not step or isinstance(loader, SyntheticLoader):  # (--synthetic: every step is alike)
         return min(step, steps)
-    world, batch, mode = len(state["rng"]), state["config"]["batch_size"], state["config"]["epoch_mode"]
-    moved = (world, batch) != (d.world, cfg.batch_size)
-    stopped = f"epoch {epoch + 1} stopped at step {step} of {state['steps_per_epoch']} on {world} × {batch}"
-    plan = loader.plan()
-    if state.get("plan", plan) != plan:
-        say(f"warning: {stopped} over other shards or another --seed: it starts over", err=True)
+    data = loader_state(state, loader.plan())
+    world, batch = data["world_size"], data["batch_size"]
+    try:
+        loader.load_state_dict(data)
+    except StateMismatch as e:
+        say(f"warning: {e}: it starts over", err=True)
         return 0
-    restart = f"{state['step']}"  # names the streams a resampled epoch draws from here on
-    if cfg.epoch_mode == "exact":
-        position = state["data_position"]
-        if isinstance(position, list):  # written before positions were topology-free: one per rank
-            position = merge_positions(epoch, position) if any(position) else None
-        if mode != "exact" or not position:
-            say(f"warning: {stopped} in {mode} mode, which keeps no record of its samples: it starts over", err=True)
-            return 0
-        first = loader.restore(epoch, restart, position)
-        if moved:
-            trained = sum(len(v) for v in position["delivered"].values())
+    # stopped on its epoch's last step: the state is the next epoch's start, and this one's end is still to validate
+    first = loader.step if data["epoch"] == state["epoch"] else steps
+    if (world, batch) != (d.world, cfg.batch_size):
+        stopped = f"epoch {data['epoch'] + 1} stopped at step {step} of {data['steps']} on {world} × {batch}"
+        if cfg.epoch_mode == "exact":
+            trained = sum(len(v) for v in data["position"]["delivered"].values())
             say(
                 f"{stopped}: its {trained} samples trained are left out and the rest shared among "
                 f"{d.world} × {cfg.batch_size}, {steps - first} steps (each sample of the epoch once)"
             )
-        return first
-    first = min(steps, round(step * steps / state["steps_per_epoch"]))  # as far through the epoch
-    loader.restore(epoch, restart, step=first)
-    if moved:
-        say(
-            f"{stopped}: resampled mode continues at step {first} of {steps} on {d.world} × {cfg.batch_size}, "
-            "every worker drawing a fresh stream (none of the interrupted run's is replayed)"
-        )
+        else:
+            say(
+                f"{stopped}: resampled mode continues at step {first} of {steps} on {d.world} × {cfg.batch_size}, "
+                "every worker drawing a fresh stream (none of the interrupted run's is replayed)"
+            )
     return first
+
+
+def loader_state(state: dict[str, Any], plan: str | None) -> dict[str, Any]:
+    """The ShardLoader state a checkpoint keeps; one written before it kept that state whole
+    holds its parts (an exact position then maybe one per rank; no plan: taken as this one)."""
+    if state.get("data"):
+        return state["data"]
+    position = state.get("data_position")
+    if isinstance(position, list):  # written before positions were topology-free: one per rank
+        position = merge_positions(state["epoch"], position) if any(position) else None
+    config = state["config"]
+    return {
+        "epoch": state["epoch"], "step": state["step_in_epoch"], "steps": state["steps_per_epoch"],
+        "mode": config["epoch_mode"], "plan": state.get("plan", plan), "position": position,
+        "world_size": len(state["rng"]), "batch_size": config["batch_size"],
+    }  # fmt: skip

@@ -17,27 +17,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from imagenet_ais import checkpoint, dali_crops, distributed, keys_log, model, recipe, upload
-from imagenet_ais.augment import NO_AUGMENT, Augment
+from imagenet_ais import checkpoint, distributed, keys_log, model, recipe, upload
+from imagenet_ais.augment import Augment
 from imagenet_ais.config import TrainConfig
-from imagenet_ais.data import (
-    SYNTHETIC_CLASSES,
-    SYNTHETIC_STEPS,
-    Feeding,
-    SyntheticLoader,
-    TrainLoader,
-    ValLoader,
-    nominal_steps,
-)
+from imagenet_ais.data import SYNTHETIC_CLASSES, SYNTHETIC_STEPS, SyntheticLoader, nominal_steps
 from imagenet_ais.data_health import DataHealth
 from imagenet_ais.errors import ConfigError
+from imagenet_ais.loader import ShardLoader
 from imagenet_ais.manifest import load_manifest
 from imagenet_ais.metrics import MetricsLog
 from imagenet_ais.resume import Standing
 from imagenet_ais.storage import open_store
-from imagenet_ais.stream import CacheSpec, LoaderSpec
 from imagenet_ais.trackers import open_trackers
-from imagenet_ais.transforms import VAL_CROP
 
 
 class StopSignal:
@@ -80,8 +71,8 @@ class Parts:
     d: distributed.Dist
     output: Path
     say: Callable[..., None]
-    train_loader: TrainLoader | SyntheticLoader
-    val_loader: ValLoader | None
+    train_loader: ShardLoader | SyntheticLoader
+    val_loader: ShardLoader | None
     classes: list[str]
     health: DataHealth
     raw_model: nn.Module  # the weights, as saved
@@ -176,7 +167,7 @@ def loaders(
     val_size: int,
     channels_last: bool,
     say: Callable[..., None],
-) -> tuple[TrainLoader | SyntheticLoader, ValLoader | None, list[str], str]:
+) -> tuple[ShardLoader | SyntheticLoader, ShardLoader | None, list[str], str]:
     """The training and validation loaders, the class names, and how the data is fed (for the
     run's first line)."""
     if cfg.synthetic:
@@ -186,38 +177,27 @@ def loaders(
         return synthetic, None, classes, "synthetic data"
     if not cfg.data:
         raise ConfigError("no --data given: point it at a shard location holding manifest.json, or use --synthetic")
-    if cfg.cache_size is not None and not cfg.cache_dir:
-        raise ConfigError("--cache-size bounds --cache-dir: give --cache-dir too")
-    cuda = d.device.type == "cuda"
-    manifest = load_manifest(open_store(cfg.data))
-    if cfg.decode in ("gpu", "dali") and not cuda:
+    if cfg.decode in ("gpu", "dali") and d.device.type != "cuda":
         say(f"note: --decode {cfg.decode} without a GPU decodes in the training process, on the CPU", err=True)
-    if cfg.decode == "dali" and not dali_crops.available():
-        raise ConfigError(
-            "--decode dali needs DALI: pip install .[dali] (NGC's PyTorch images have it) or --decode gpu"
-        )
-    decode = cfg.decode if cfg.decode != "auto" else "gpu" if cuda else "cpu"
-    workers = cfg.workers if cfg.workers is not None else distributed.auto_workers(d.device)
-    cache = CacheSpec(cfg.cache_dir, cfg.cache_size) if cfg.cache_dir else None
-    spec = LoaderSpec(
-        d.world, d.rank, cfg.batch_size, cfg.seed, sizes[0], decode, len(manifest.classes), cache,
-        augment=Augment(cfg.auto_augment, cfg.random_erase),
+    manifest = load_manifest(open_store(cfg.data))
+    loader = functools.partial(
+        ShardLoader, cfg.data, batch_size=cfg.batch_size, rank=d.rank, world_size=d.world, decode=cfg.decode,
+        device=d.device, workers=cfg.workers, cache_dir=cfg.cache_dir, cache_size=cfg.cache_size, seed=cfg.seed,
+        channels_last=channels_last, manifest=manifest,
     )  # fmt: skip
-    feeding = Feeding(workers, d.device, channels_last)
-    train_split = manifest.split("train")
-    train_loader = TrainLoader(train_split, cfg.data, cfg.epoch_mode, spec, feeding, cfg.shuffle_buffer, cfg.epoch_size)
+    train_loader = loader(
+        "train", epoch_mode=cfg.epoch_mode, epoch_size=cfg.epoch_size, image_size=sizes[0],
+        shuffle_buffer=cfg.shuffle_buffer, augment=Augment(cfg.auto_augment, cfg.random_erase),
+    )  # fmt: skip
     val_loader = None
     val_split = manifest.splits.get("val")
     if not (val_split and val_split.samples):
         say(f"note: {cfg.data} has no val split: the run validates nothing and keeps no best.pt", err=True)
     else:
-        resize = cfg.val_resize_size or val_size / VAL_CROP
-        if resize < val_size:
-            raise ConfigError(f"--val-resize-size {resize} is smaller than the validation crop ({val_size})")
-        val_spec = dataclasses.replace(spec, image_size=val_size, val_crop=val_size / resize, augment=NO_AUGMENT)
-        val_loader = ValLoader(val_split, cfg.data, val_spec, feeding)
+        val_loader = loader("val", image_size=val_size, val_resize_size=cfg.val_resize_size)
+    workers = train_loader.workers
     per_process = f"{workers} worker{'' if workers == 1 else 's'} per process"
-    return train_loader, val_loader, manifest.classes, f"{decode} decode, {per_process}"
+    return train_loader, val_loader, manifest.classes, f"{train_loader.decode} decode, {per_process}"
 
 
 def build(
@@ -227,9 +207,7 @@ def build(
     cuda = d.device.type == "cuda"
     channels_last = cfg.channels_last if cfg.channels_last is not None else cuda
     train_loader, val_loader, classes, feeding = loaders(cfg, d, sizes, val_size, channels_last, say)
-    problems = [
-        loader.dataset.problems for loader in (train_loader, val_loader) if isinstance(loader, TrainLoader | ValLoader)
-    ]
+    problems = [loader.problems for loader in (train_loader, val_loader) if isinstance(loader, ShardLoader)]
     health = DataHealth(problems, say, cfg.max_bad)
     raw_model = model.build_model(cfg.arch, len(classes))
     if cfg.weights:
@@ -291,8 +269,8 @@ def assemble(parts: Parts, standing: Standing, report: Callable[[dict], None] | 
     )
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     stop = StopSignal(d.world)
-    if isinstance(parts.train_loader, TrainLoader):
-        parts.train_loader.interrupted = stop.stop_waiting
+    if isinstance(parts.train_loader, ShardLoader):
+        parts.train_loader.stop_waiting_when(stop.stop_waiting)
     return Run(
         **vars(parts), standing=standing, model=stepping, criterion=criterion,
         mixer=recipe.batch_mixer(cfg.mixup_alpha, cfg.cutmix_alpha, len(parts.classes)), scheduler=scheduler,

@@ -39,7 +39,9 @@ def parse_workers(value: str) -> int | None:
 
 
 @click.command(context_settings={"show_default": True, "max_content_width": 100})
-@click.option("--data", help="shard location holding manifest.json (directory, file://, ais://, gs://, http(s)://)")
+@click.option(
+    "--data", help="shard location holding manifest.json (directory, file://, ais://, gs://, s3://, http(s)://)"
+)
 @click.option(
     "--recipe",
     type=click.Choice(list(RECIPES)),
@@ -225,7 +227,7 @@ def parse_workers(value: str) -> int | None:
     "(MLFLOW_TRACKING_URI), W&B (WANDB_MODE=offline keeps it local); a resumed run continues their runs",
 )
 @click.option("--log-keys", is_flag=True, help="write every training key per epoch and rank under OUTPUT/keys/")
-@click.option("--upload", help="also upload checkpoints, metrics and log here (gs://, ais:// or a directory)")
+@click.option("--upload", help="also upload checkpoints, metrics and log here (gs://, s3://, ais:// or a directory)")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), help="steps between checkpoints (besides epoch ends)")
 @click.option(
     "--keep-last", default=DEFAULTS.keep_last, type=click.IntRange(min=1), help="step checkpoints kept in --output"

@@ -20,17 +20,17 @@ from torch import nn
 
 from imagenet_ais import checkpoint, decentralized, distributed, keys_log, locks, resume, run_setup, upload
 from imagenet_ais.config import TrainConfig, check, differences, image_sizes, with_recipe
-from imagenet_ais.data import TrainLoader, ValLoader, WorkerDied
+from imagenet_ais.data import WorkerDied
 from imagenet_ais.data_health import DataHealth
 from imagenet_ais.errors import ConfigError, DataError
 from imagenet_ais.feed import Interrupted
+from imagenet_ais.loader import ShardLoader
 from imagenet_ais.metrics import CONFIG, LOG, METRICS, Reporter
 from imagenet_ais.model import autocast, check_arch
 from imagenet_ais.progress import Progress, Window
 from imagenet_ais.recipe import ModelEma
 from imagenet_ais.resume import Standing
 from imagenet_ais.run_setup import Parts, Run
-from imagenet_ais.sampling import merge_positions
 from imagenet_ais.stream import UnreadableData, reason
 
 EXIT_WORKER_DIED = 1  # a DataLoader worker was killed (the OOM killer?): continue with --resume auto
@@ -328,10 +328,8 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
     if distributed.any_rank(not finite(run.raw_model), d.device):
         raise Diverged
     rng = distributed.gather_objects(checkpoint.rng_state())
-    # an exact epoch stopped inside: where each rank's share of it stands (synthetic data has none)
-    inside = cfg.epoch_mode == "exact" and step_in_epoch > 0
-    mine = loader.position() if inside and isinstance(loader, TrainLoader) else None
-    positions, exact = distributed.gather_objects(mine), mine is not None
+    # where the epochs stand, an exact one's samples trained by any rank (synthetic data has none)
+    data = loader.state_dict() if isinstance(loader, ShardLoader) else None
     if not d.main:
         return
     state = {
@@ -348,9 +346,7 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
         "trackers": run.log.tracker_ids(),
         "last_val": standing.last_val,
         "rng": rng,
-        # the samples of the epoch trained so far, whichever rank trained them
-        "data_position": merge_positions(epoch, [loader.restored, *positions]) if exact else None,
-        "plan": loader.plan(),
+        "data": data,
         "data_identity": loader.identity(),
         "keys_logged": keys_log.sizes(run.output, epoch) if cfg.log_keys else {},
         "arch": cfg.arch,
@@ -425,7 +421,7 @@ def catch_up(cfg: TrainConfig, output: Path, standing: Standing, say: Callable[.
 
 
 @torch.no_grad()
-def validate(model: nn.Module, loader: ValLoader, cfg: TrainConfig, d: distributed.Dist) -> dict[str, float]:
+def validate(model: nn.Module, loader: ShardLoader, cfg: TrainConfig, d: distributed.Dist) -> dict[str, float]:
     """Top-1/top-5 over the whole split: each rank scores its own disjoint share, then sums."""
     model.eval()
     correct = torch.zeros(2, dtype=torch.int64, device=d.device)  # top-1, top-5: counted on the device, no sync a batch
@@ -438,7 +434,7 @@ def validate(model: nn.Module, loader: ValLoader, cfg: TrainConfig, d: distribut
         correct += torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(dim=1).sum()])
         seen += len(y)
     correct1, correct5 = correct.tolist()
-    c1, c5, n, skipped = distributed.all_reduce_sum([correct1, correct5, seen, loader.dataset.skipped.value], d.device)
+    c1, c5, n, skipped = distributed.all_reduce_sum([correct1, correct5, seen, loader.counters()["skipped"]], d.device)
     model.train()
     top1, top5 = 100 * c1 / max(n, 1), 100 * c5 / max(n, 1)
     missing = loader.samples - int(n)  # the manifest's count: unread shards and skipped samples

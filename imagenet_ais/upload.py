@@ -322,7 +322,7 @@ def fetch_latest(source_url: str, output: Path, extra: tuple[str, ...] = (), aft
 @click.argument("dest")
 @click.option("--retry-seconds", default=120.0, show_default=True, help="retry a failing upload this long")
 def main(src: Path, dest: str, retry_seconds: float) -> None:
-    """Sync the directory SRC to DEST (gs://, ais:// or a directory), skipping identical files."""
+    """Sync the directory SRC to DEST (gs://, s3://, ais:// or a directory), skipping identical files."""
     with one_line():
         uploaded, skipped = sync(src, dest, retry_seconds)
     for name in uploaded:

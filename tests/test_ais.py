@@ -328,7 +328,7 @@ def test_a_stored_copy_whose_checksum_differs_is_deleted_and_the_upload_fails(
     env: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # as if the bytes had changed on the way: the target's checksum of them is not ours
-    monkeypatch.setattr(ais_storage, "_file_checksum", lambda path, kind: "0" * 16)
+    monkeypatch.setattr(ais_storage, "file_checksum", lambda path, kind: "0" * 16)
     monkeypatch.setattr(AISStore, "PUT_TRIES", 2)
     store = AISStore(bucket_url())
     src = tmp_path / "shard.tar"

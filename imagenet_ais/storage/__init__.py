@@ -1,10 +1,11 @@
 """Storage URLs: where shards and manifests live, behind one small interface.
 
 A location is a directory-like URL: a local path or ``file://``, ``ais://bucket/prefix``,
-``gs://bucket/prefix``, or (read-only) ``http(s)://host[:port]/prefix``.
+``gs://bucket/prefix``, ``s3://bucket/prefix`` (S3 or a compatible server), or (read-only)
+``http(s)://host[:port]/prefix``.
 Writes are all-or-nothing: an object appears under its final name only once it is complete.
 
-One module per backend (local, ais, gcs, http) beside base (the Store interface and what they share).
+One module per backend (local, ais, gcs, s3, http) beside base (the Store interface and what they share).
 The remote backends load their SDKs with their modules, which are imported only when first used
 (by open_store, or by importing one of their names from here): a local-only run never imports them.
 """
@@ -22,12 +23,14 @@ if TYPE_CHECKING:
     from imagenet_ais.storage.ais import AISStore
     from imagenet_ais.storage.gcs import GCSStore, file_crc32c
     from imagenet_ais.storage.http import HTTPStore
+    from imagenet_ais.storage.s3 import S3Store
 
 __all__ = [
     "AISStore",
     "GCSStore",
     "HTTPStore",
     "LocalStore",
+    "S3Store",
     "Store",
     "download",
     "file_crc32c",
@@ -36,7 +39,8 @@ __all__ = [
     "stream_sha256",
 ]
 
-_LAZY = {"AISStore": "ais", "GCSStore": "gcs", "file_crc32c": "gcs", "HTTPStore": "http"}  # name → its module
+# name → its module
+_LAZY = {"AISStore": "ais", "GCSStore": "gcs", "file_crc32c": "gcs", "HTTPStore": "http", "S3Store": "s3"}
 
 
 def __getattr__(name: str) -> Any:
@@ -69,8 +73,14 @@ def open_store(url: str, retry_seconds: float = 120) -> Store:
         from imagenet_ais.storage.gcs import GCSStore
 
         return GCSStore(url, retry_seconds)
+    if scheme == "s3":
+        from imagenet_ais.storage.s3 import S3Store
+
+        return S3Store(url, retry_seconds)
     if scheme in ("http", "https"):
         from imagenet_ais.storage.http import HTTPStore
 
         return HTTPStore(url, retry_seconds)
-    raise ConfigError(f"unsupported storage URL {url!r}: use a local directory, file://, ais://, gs:// or http(s)://")
+    raise ConfigError(
+        f"unsupported storage URL {url!r}: use a local directory, file://, ais://, gs://, s3:// or http(s)://"
+    )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import io
 import json
 import os
@@ -16,7 +15,6 @@ from http.client import IncompleteRead
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
-import xxhash
 from aistore.sdk import Client
 from aistore.sdk.errors import AISError
 from aistore.sdk.obj.object import Object
@@ -30,15 +28,16 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_at
 from urllib3.exceptions import ProtocolError, ReadTimeoutError
 
 from imagenet_ais.errors import AlreadyThere, ConfigError, StorageError
-from imagenet_ais.storage.base import _bucket_and_prefix, _checked, _hexdigest, _same_bytes, _StoreBase
+from imagenet_ais.storage.base import (
+    AIS_CHECKSUMS,
+    _bucket_and_prefix,
+    _checked,
+    _same_bytes,
+    _StoreBase,
+    file_checksum,
+)
 
 T = TypeVar("T")
-# AIStore's checksum types this client computes too; "xxhash2" is XXH64 with seed 0
-_CHECKSUMS = ("xxhash2", "sha256", "md5")
-
-
-def _file_checksum(path: Path, kind: str) -> str:
-    return _hexdigest(path.open("rb"), xxhash.xxh64(seed=0) if kind == "xxhash2" else hashlib.new(kind))
 
 
 class _VerifyFailed(StorageError):
@@ -309,8 +308,8 @@ class AISStore(_StoreBase):
             with src.open("rb") as body:
                 headers = _put_on_target(self.bucket.client, obj.get_url(), body, size).headers
             stored = (headers.get("ais-checksum-type", ""), headers.get("ais-checksum-value", ""))
-        if stored and stored[0] in _CHECKSUMS:  # no read-back
-            same = self.size(name) == size and _file_checksum(src, stored[0]) == stored[1]
+        if stored and stored[0] in AIS_CHECKSUMS:  # no read-back
+            same = self.size(name) == size and file_checksum(src, stored[0]) == stored[1]
         else:
             same = _same_bytes(self, name, src)
         if not same:

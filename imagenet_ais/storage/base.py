@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+import xxhash
+
 from imagenet_ais.errors import ConfigError, DataError, StorageError
 from imagenet_ais.storage.scratch import scratch_file
 
@@ -59,6 +61,15 @@ def _hexdigest(stream: BinaryIO, h: Any) -> str:
     for block in _blocks(stream):
         h.update(block)
     return h.hexdigest()
+
+
+# AIStore's checksum types this client computes too; "xxhash2" is XXH64 with seed 0
+AIS_CHECKSUMS = ("xxhash2", "sha256", "md5")
+
+
+def file_checksum(path: Path, kind: str) -> str:
+    """The hex digest of a file, of one of AIS_CHECKSUMS."""
+    return _hexdigest(path.open("rb"), xxhash.xxh64(seed=0) if kind == "xxhash2" else hashlib.new(kind))
 
 
 def stream_sha256(stream: BinaryIO) -> str:

@@ -1,0 +1,156 @@
+"""ShardLoader, the data path as a library: a plain training loop over it, its state across a
+stop (also on another number of ranks), and PyTorch Lightning resuming mid-epoch through it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import write_shards
+from torch import nn
+
+from imagenet_ais import ShardLoader, StateMismatch
+from imagenet_ais.errors import ConfigError
+
+SHARDS = [20, 13, 7, 24]  # 64 samples: 8 steps of 8 on one rank, 4 on two
+ALL = {f"train-{s}-{i}" for s, n in enumerate(SHARDS) for i in range(n)}
+OPTIONS = {"image_size": 32, "workers": 2, "epoch_mode": "exact", "device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = tmp_path_factory.mktemp("shards")
+    write_shards(root, {"train": SHARDS, "val": [5, 6]})
+    return str(root)
+
+
+def tiny_model() -> nn.Module:
+    layers = [nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)]
+    return nn.Sequential(*layers)
+
+
+def train_steps(loader: ShardLoader, model: nn.Module, steps: int | None = None) -> list[str]:
+    """A plain loop over one pass of ``loader`` (``steps`` of it at most): the keys trained."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    keys: list[str] = []
+    for step, (images, labels, batch_keys) in enumerate(loader):
+        assert images.shape == (8, 3, 32, 32) and images.dtype == torch.float32 and labels.dtype == torch.int64
+        loss = nn.functional.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        keys += batch_keys
+        if steps is not None and step + 1 == steps:
+            break
+    return keys
+
+
+def test_a_plain_loop_trains_exact_epochs_and_resumes_mid_epoch_on_two_ranks(data: str, tmp_path: Path) -> None:
+    model = tiny_model()
+    with ShardLoader(data, "train", 8, **OPTIONS) as loader:
+        assert (len(loader), loader.classes, loader.samples) == (8, ["c0", "c1", "c2", "c3"], 64)
+        first = train_steps(loader, model)
+        assert Counter(first) == Counter(ALL), "epoch 1: every sample once"
+        second = train_steps(loader, model, steps=3)  # the next pass is the next epoch
+        assert first != second[: len(first)], "another epoch, another order"
+        torch.save({"model": model.state_dict(), "data": loader.state_dict()}, tmp_path / "ckpt.pt")
+
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # (plain data: a weights-only load reads it)
+    assert (saved["data"]["epoch"], saved["data"]["step"]) == (1, 3)
+    rest: list[list[str]] = []
+    for rank in (0, 1):  # the epoch goes on on 2 ranks, each its own loader (as DDP's processes)
+        with ShardLoader(data, "train", 8, rank=rank, world_size=2, **OPTIONS) as loader:
+            loader.load_state_dict(saved["data"])
+            assert (loader.epoch, loader.step) == (1, 2), "40 samples left: 2 steps of 2 × 8"
+            rest.append(train_steps(loader, tiny_model()))
+            assert loader.state_dict()["epoch"] == 2, "handed out whole: the state is the next epoch's"
+    assert [len(r) for r in rest] == [16, 16], "the same steps on each rank"
+    trained = Counter(second + rest[0] + rest[1])
+    assert set(trained.values()) == {1} and len(trained) == 56, "epoch 2: no sample twice (8 sit it out)"
+
+
+def test_a_resampled_epoch_goes_on_as_far_through_it_from_fresh_streams(data: str) -> None:
+    options = {**OPTIONS, "epoch_mode": "resampled", "epoch_size": 160}
+    with ShardLoader(data, "train", 8, **options) as loader:
+        assert len(loader) == 20
+        before = train_steps(loader, tiny_model(), steps=5)
+        state = loader.state_dict()
+    assert (state["step"], state["position"]) == (5, None)
+    with ShardLoader(data, "train", 4, **options) as loader:  # half the batch: twice the steps
+        loader.load_state_dict(state)
+        after = [key for _, _, keys in loader for key in keys]
+        assert len(after) == (40 - 10) * 4, "from step 10 of 40"
+        assert (loader.step, loader.state_dict()["epoch"]) == (0, 1), "the next pass: the next epoch's start"
+    assert set(before + after) <= ALL
+
+
+def test_a_state_of_other_shards_or_seed_starts_its_epoch_over(data: str) -> None:
+    with ShardLoader(data, "train", 8, **OPTIONS) as loader:
+        train_steps(loader, tiny_model(), steps=2)
+        state = loader.state_dict()
+    with ShardLoader(data, "train", 8, **OPTIONS, seed=1) as loader:
+        with pytest.raises(StateMismatch, match=r"epoch 1 stopped at step 2 of 8 on 1 × 8 over other shards"):
+            loader.load_state_dict(state)
+        assert Counter(train_steps(loader, tiny_model())) == Counter(ALL), "the epoch whole, from its start"
+
+
+def test_validation_reads_every_sample_once_and_wrong_settings_are_one_line(data: str, monkeypatch) -> None:
+    with ShardLoader(data, "val", 4, **OPTIONS) as loader:
+        keys = [key for _, _, batch in loader for key in batch]
+        assert sorted(keys) == sorted(f"val-{s}-{i}" for s, n in enumerate([5, 6]) for i in range(n))
+        assert loader.state_dict() == {}
+        with pytest.raises(TypeError):
+            len(loader)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's, before the caller's init_process_group
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE is 2 but torch\.distributed is not initialised"):
+        ShardLoader(data, "train", 8, **OPTIONS)
+    with pytest.raises(ConfigError, match="rank 2 of world size 2"):
+        ShardLoader(data, "train", 8, rank=2, world_size=2, **OPTIONS)
+    with pytest.raises(ConfigError, match="epoch mode 'exactly'"):
+        ShardLoader(data, "train", 8, rank=0, world_size=1, **{**OPTIONS, "epoch_mode": "exactly"})
+
+
+def test_lightning_resumes_mid_epoch_with_each_sample_of_the_epoch_once(data: str, tmp_path: Path) -> None:
+    import lightning.pytorch as pl  # (5 s of import: only here)
+
+    trained: list[list[str]] = []  # each fit's keys, by epoch
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = tiny_model()
+
+        def training_step(self, batch: tuple, _: int) -> torch.Tensor:
+            images, labels, keys = batch
+            while len(trained[-1]) <= self.current_epoch:
+                trained[-1].append([])
+            trained[-1][self.current_epoch] += keys
+            return nn.functional.cross_entropy(self.net(images), labels)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Data(pl.LightningDataModule):
+        def train_dataloader(self) -> ShardLoader:
+            return ShardLoader(data, "train", 8, **OPTIONS)
+
+    def fit(ckpt_path: Path | None = None, **options: object) -> None:
+        trained.append([])
+        checkpoints = pl.callbacks.ModelCheckpoint(tmp_path, every_n_train_steps=5, save_top_k=-1)
+        trainer = pl.Trainer(
+            max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[checkpoints], **options,  # type: ignore[arg-type]
+        )  # fmt: skip
+        trainer.fit(Module(), datamodule=Data(), ckpt_path=ckpt_path)
+
+    fit(max_steps=5)  # stopped after 5 of epoch 1's 8 steps, as a preempted job (its checkpoint at step 5)
+    (saved,) = tmp_path.glob("*.ckpt")
+    loop = torch.load(saved, weights_only=False)["loops"]["fit_loop"]["state_dict"]
+    assert loop["combined_loader"][0]["step"] == 5, "Lightning keeps the loader's state in its checkpoint"
+    fit(ckpt_path=saved)
+    (before,), (after, second) = trained
+    assert len(before) == 40 and len(after) == 24, "the rest of epoch 1, not its start again"
+    assert Counter(before + after) == Counter(ALL) and Counter(second) == Counter(ALL), "each sample once an epoch"
+    assert second != before + after, "epoch 2 in another order"
