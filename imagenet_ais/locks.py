@@ -4,7 +4,7 @@ convert's lock is taken before DEST is read and dropped after the manifest.
 
 A local directory is locked with an flock on ``DEST/_convert.lock``: the kernel drops it when the
 holder dies, however it dies (on NFS it holds only where the server supports locks).
-Object stores (``ais://``, ``gs://``) have no such thing, so the lock is an object there,
+Object stores (``ais://``, ``gs://``, ``s3://``) have no such thing, so the lock is an object there,
 ``_convert.lock``, naming pid, host and time, written before any work and deleted after. Limits:
 AIStore has no create-if-absent, so two runs starting within the same moment may both write it;
 reading it back after the write narrows that window, it does not close it (GCS's precondition
