@@ -26,6 +26,7 @@ import math
 import multiprocessing as mp
 import random
 import signal
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from typing import NamedTuple
 
 import torch
 from torch.utils.data import DataLoader
+from torch.utils.data._utils.signal_handling import _remove_worker_pids as remove_worker_pids
 
 from imagenet_ais.cache import ShardCache
 from imagenet_ais.dali_crops import DaliCrops, DaliFailed
@@ -263,13 +265,27 @@ class _ShardLoader:
         }
 
     def shut_down(self) -> None:
-        """Stop the feed's threads and the DataLoader's workers (persistent: they would wait for the next epoch)."""
+        """Stop the feed's threads and end this loader's DataLoader workers at once: they hold
+        nothing that must outlive them (stream.worker_init), and torch's own shutdown waits 5 s
+        for each that is busy (a read in progress, batches prefetched), wherever it is collected."""
         if self.feed:
             self.feed.close(timeout=5)
         iterator = getattr(self.loader, "_iterator", None)  # torch keeps no public handle on its workers
-        if iterator is not None:
-            iterator._shutdown_workers()
-            self.loader._iterator = None
+        if iterator is None:
+            return
+        if iterator._worker_pids_set:  # else its SIGCHLD handler reports the kills as workers that crashed
+            remove_worker_pids(id(iterator))
+            iterator._worker_pids_set = False
+        for worker in iterator._workers:
+            worker.kill()
+        iterator._shutdown_workers()  # (joins them, dead already, and closes the queues)
+        self.loader._iterator = None
+
+    def __del__(self) -> None:
+        # a loader dropped unclosed (a framework's, a test's): its workers ended as by close, not
+        # by torch's wait of 5 s a busy worker; at interpreter exit, _stop_at_exit has done it
+        if not sys.is_finalizing() and hasattr(self, "to_device"):  # (not when __init__ failed)
+            self.shut_down()
 
     def host_batches(self) -> Iterator[HostBatch]:
         raise NotImplementedError

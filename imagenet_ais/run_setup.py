@@ -83,6 +83,12 @@ class Parts:
     compiled: bool
     ema: recipe.ModelEma | None  # --model-ema
 
+    def close(self) -> None:
+        """The loaders' workers and feed threads ended: a run leaves no process of its own behind."""
+        for loader in (self.train_loader, self.val_loader):
+            if isinstance(loader, ShardLoader):
+                loader.close()
+
 
 @dataclass
 class Run(Parts):

@@ -88,6 +88,15 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
         (output / CONFIG).write_text(json.dumps(asdict(cfg), indent=1) + "\n")
     sizes, val_size = image_sizes(cfg)
     parts = run_setup.build(cfg, d, output, sizes, val_size, say)
+    try:
+        return _resume_and_train(parts, sizes, report)
+    finally:
+        parts.close()
+
+
+def _resume_and_train(parts: Parts, sizes: list[int], report: Callable[[dict], None] | None) -> dict[str, Any]:
+    """The run made of ``parts``, from where its checkpoint (if any) stands to its end."""
+    cfg, d, output, say = parts.cfg, parts.d, parts.output, parts.say
     optimizer = None if parts.decent else parts.optimizer
     standing = resume.resume(
         cfg, d, parts.raw_model, optimizer, parts.scaler, parts.classes, parts.train_loader, say, parts.ema

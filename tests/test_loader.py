@@ -3,12 +3,13 @@ stop (also on another number of ranks), and PyTorch Lightning resuming mid-epoch
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_shards
+from conftest import TINY_ARCH, write_shards
 from torch import nn
 
 from imagenet_ais import ShardLoader, StateMismatch
@@ -154,3 +155,21 @@ def test_lightning_resumes_mid_epoch_with_each_sample_of_the_epoch_once(data: st
     assert len(before) == 40 and len(after) == 24, "the rest of epoch 1, not its start again"
     assert Counter(before + after) == Counter(ALL) and Counter(second) == Counter(ALL), "each sample once an epoch"
     assert second != before + after, "epoch 2 in another order"
+
+
+def test_a_closed_loader_and_a_finished_run_leave_no_worker_behind(data: str, tmp_path: Path) -> None:
+    from imagenet_ais import training
+    from imagenet_ais.config import TrainConfig
+
+    before = set(mp.active_children())
+    loader = ShardLoader(data, "train", 8, **OPTIONS)
+    next(iter(loader))  # its workers started, and prefetching
+    assert len(set(mp.active_children()) - before) == 2
+    loader.close()
+    assert set(mp.active_children()) <= before, "killed: nothing of theirs outlives them"
+    cfg = TrainConfig(
+        data=data, output=str(tmp_path / "run"), arch=TINY_ARCH, image_size=32, batch_size=8, epochs=1, workers=2,
+        warmup_epochs=0, epoch_mode="exact",
+    )  # fmt: skip
+    assert training.train(cfg)["exit_code"] == 0, "the killed workers are no crash to torch's SIGCHLD handler"
+    assert set(mp.active_children()) <= before, "a run in someone else's program ends its loaders' workers"
