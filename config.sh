@@ -46,7 +46,7 @@
 : "${SERVE_RATE:=}"               # ./run serve: cap per connection, e.g. 100m (bytes/s); empty = none
 : "${SERVE_ROOT:=.cache/serve}"   # ./run serve: per-port nginx config, pid file and logs
 : "${OUTPUT:=}"                   # run directory; empty = runs/<verb>
-: "${UPLOAD:=}"                   # gs://, ais:// or a directory: checkpoints, metrics and log are uploaded there too
+: "${UPLOAD:=}"                   # gs://, s3://, ais:// or a directory: checkpoints, metrics and log are uploaded there too
 : "${TRAIN_EXTRA:=}"              # more train.py options, split on spaces
 
 # Container (./run build, push, shell, docker2)

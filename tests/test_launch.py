@@ -80,6 +80,8 @@ def test_docker2_and_shell_mount_data_and_results(tmp_path: Path) -> None:
     assert flag(cmd, "--data") == ["/data"] and flag(cmd, "--output") == ["/results/docker2"]
     remote = dry("docker2", env={**env, "DATA": "ais://b/p"})[-1]
     assert flag(remote, "--data") == ["ais://b/p"] and {"AIS_ENDPOINT", "AIS_AUTHN_TOKEN"} <= set(flag(remote, "-e"))
+    s3 = dry("docker2", env={**env, "DATA": "s3://b/p", "AWS_ENDPOINT_URL": "http://s3:9000", "AWS_REGION": "eu-1"})[-1]
+    assert flag(s3, "--data") == ["s3://b/p"] and {"AWS_ENDPOINT_URL", "AWS_REGION"} <= set(flag(s3, "-e"))
     shell = dry("shell", env=env)[-1]
     assert "-it" in shell and f"{ROOT}:/workspace/imagenet-ais" in flag(shell, "-v") and shell[-1] == "bash"
 
