@@ -76,6 +76,10 @@ class TrainConfig:
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
+# exact: every sample at most once an epoch; resampled: shards drawn with replacement (data.py)
+EPOCH_MODES = ("resampled", "exact")
+# auto: gpu where CUDA is; cpu: PIL in the workers; gpu: nvJPEG; dali: DALI's JPEG-engine crops
+DECODES = ("auto", "cpu", "gpu", "dali")
 # sgd: with Nesterov momentum (plain where --momentum is 0); rmsprop with torchvision's settings.
 # (LAMB and LARS are not in torch.optim.)
 OPTIMIZERS = ("sgd", "adamw", "rmsprop")

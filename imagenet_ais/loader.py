@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from imagenet_ais.augment import NO_AUGMENT, Augment
+from imagenet_ais.config import DECODES, EPOCH_MODES
 from imagenet_ais.dali_crops import available as dali_available
 from imagenet_ais.data import Batch, Feeding, TrainLoader, ValLoader
 from imagenet_ais.distributed import auto_workers, gather_objects
@@ -38,8 +39,6 @@ from imagenet_ais.storage import open_store
 from imagenet_ais.stream import CacheSpec, LoaderSpec
 from imagenet_ais.transforms import VAL_CROP
 
-EPOCH_MODES = ("resampled", "exact")
-DECODES = ("auto", "cpu", "gpu", "dali")
 STATE_VERSION = 1
 
 

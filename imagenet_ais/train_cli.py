@@ -10,7 +10,16 @@ import click
 from click.core import ParameterSource
 
 from imagenet_ais.augment import POLICIES
-from imagenet_ais.config import OPTIMIZERS, RECIPES, SCHEDULE_NAMES, SCHEDULES, TrainConfig, with_recipe
+from imagenet_ais.config import (
+    DECODES,
+    EPOCH_MODES,
+    OPTIMIZERS,
+    RECIPES,
+    SCHEDULE_NAMES,
+    SCHEDULES,
+    TrainConfig,
+    with_recipe,
+)
 from imagenet_ais.decentralized import TOPOLOGIES
 from imagenet_ais.errors import one_line
 from imagenet_ais.trackers import TRACKERS
@@ -159,7 +168,7 @@ def parse_workers(value: str) -> int | None:
 @click.option(
     "--decode",
     default=DEFAULTS.decode,
-    type=click.Choice(["auto", "cpu", "gpu", "dali"]),
+    type=click.Choice(DECODES),
     help="cpu: PIL in the DataLoader workers; gpu: nvJPEG, crop and resize on the GPU; dali: the crops decoded "
     "by DALI on the GPU's JPEG engines (pip install .[dali]); auto: gpu where CUDA is",
 )
@@ -190,7 +199,7 @@ def parse_workers(value: str) -> int | None:
 @click.option("--resume", help="'auto' (the last checkpoint in --output, if any) or a checkpoint path")
 @click.option("--max-steps", type=click.IntRange(min=1), help="stop after this global step (checkpointed)")
 @click.option("--synthetic", is_flag=True, help="random data already on the device: the throughput ceiling")
-@click.option("--epoch-mode", default=DEFAULTS.epoch_mode, type=click.Choice(["resampled", "exact"]))
+@click.option("--epoch-mode", default=DEFAULTS.epoch_mode, type=click.Choice(EPOCH_MODES))
 @click.option(
     "--epoch-size",
     type=click.IntRange(min=1),
