@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY, free_port, run_cli, shards_here, train_here
+from conftest import ROOT, TINY, free_port, run_cli, shards_here, train_here, wait_until
 
 from imagenet_ais.errors import AlreadyThere, NotFound, StorageError
 from imagenet_ais.storage import S3Store, open_store
@@ -22,24 +22,25 @@ pytestmark = pytest.mark.xdist_group("ais")
 
 
 @pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    """moto's S3 server (PyPI's moto[server]) on a free loopback port, for this module."""
+def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """moto's S3 server (PyPI's moto[s3], served by flask) on a free loopback port, for this module."""
     port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "server.log"  # (a pipe would fill with its request lines)
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
     )
-    endpoint, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
-    import urllib.request
+    endpoint = f"http://127.0.0.1:{port}"
 
-    while True:
+    def answers() -> bool:
         try:
             urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-            break
         except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "moto's server did not start"
-            time.sleep(0.2)
+            return False
+        return True
+
+    wait_until(proc, answers, "moto's S3 server", timeout=60, poll=0.2, log=log)
     yield endpoint
     proc.terminate()
     proc.wait()
