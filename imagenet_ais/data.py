@@ -11,9 +11,10 @@ plans are in sampling.py):
   trains what the interrupted one had not, on any topology.
 
 Each DataLoader worker reads its share of the epoch and hands over whole batches (stream.py).
-In the training process one feed thread receives and pins them (pooling workers' short last
-batches) while others make them ready on the device (decode, then crop), ahead of the step
-(see feed.py and transforms.py).
+In the training process one feed thread receives them (training's JPEG bytes in place, in the
+workers' page-locked buffers: handover.py; others it pins), pooling workers' short last batches,
+while others make them ready on the device (decode, then crop), ahead of the step (see feed.py
+and transforms.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from imagenet_ais.cache import ShardCache
 from imagenet_ais.dali_crops import DaliCrops, DaliFailed
 from imagenet_ais.errors import DataError
 from imagenet_ais.feed import DeviceFeed, Stage, close_all
+from imagenet_ais.handover import Slots
 from imagenet_ais.manifest import SplitInfo
 from imagenet_ais.sampling import Done, exact_assignment, trained
 from imagenet_ais.storage import is_local
@@ -55,8 +57,6 @@ from imagenet_ais.transforms import (
     take_encoded,
 )
 
-SYNTHETIC_CLASSES = 1000
-SYNTHETIC_STEPS = 100  # steps per "epoch" of --synthetic
 CPU = torch.device("cpu")
 
 
@@ -105,12 +105,14 @@ def _exit_hook() -> None:
     atexit.register(_stop_at_exit)
 
 
-def _received(batch: tuple) -> HostBatch:
+def _received(slots: Slots | None, batch: tuple) -> HostBatch:
     pixels, labels, keys, ids = batch
     if len(pixels) == 1:
         images: torch.Tensor | Encoded = torch.from_numpy(pixels[0])
     else:
         blob, sizes, boxes, plans = pixels
+        if isinstance(blob, int):  # written into the worker's buffer ``blob``, read there
+            blob = slots.read(blob, sum(sizes))  # type: ignore[union-attr]
         images = Encoded(blob, sizes, torch.from_numpy(boxes), torch.from_numpy(plans))
     return HostBatch(images, torch.from_numpy(labels), keys, torch.from_numpy(ids))
 
@@ -141,20 +143,20 @@ def _pinned(batch: HostBatch) -> HostBatch:
     """``batch`` in pinned memory, ready for an asynchronous copy to the GPU."""
     images = batch.images
     if isinstance(images, Encoded):
-        images = pin_encoded(images)
+        images = images if images.blob.is_pinned() else pin_encoded(images)  # (handover.py's are)
     else:
         images = torch.empty(images.shape, dtype=torch.uint8, pin_memory=True).copy_(images)
     return batch._replace(images=images, labels=batch.labels.pin_memory())
 
 
-def _loader(dataset: ShardStream, batch: int, workers: int) -> DataLoader:
+def _loader(dataset: ShardStream, batch: int, workers: int, slots: Slots | None) -> DataLoader:
     return DataLoader(
         dataset,
         batch_size=batch,
         num_workers=workers,
         persistent_workers=workers > 0,
         prefetch_factor=2 if workers > 0 else None,
-        collate_fn=collate_in_worker,
+        collate_fn=functools.partial(collate_in_worker, slots=slots),
         worker_init_fn=worker_init,
     )
 
@@ -204,6 +206,9 @@ class Feeding:
     workers: int
     device: torch.device = CPU
     channels_last: bool = False
+    # training's JPEG bytes cross in the workers' shared buffers (handover.py); None: on CUDA,
+    # where the GPU copies from them directly (elsewhere the device path is the tests')
+    handover: bool | None = None
 
 
 class _ShardLoader:
@@ -224,8 +229,13 @@ class _ShardLoader:
         )  # fmt: skip
         self.dataset = ShardStream(self.spec, mode)
         _exit_hook()
-        self.loader = _loader(self.dataset, self.spec.batch, feeding.workers)
         self.device, self.pin = feeding.device, feeding.device.type == "cuda"
+        self.slots = None  # training's JPEG bytes cross in place (validation's the usual way: it is rare)
+        handover = self.pin if feeding.handover is None else feeding.handover
+        if handover and feeding.workers and spec.decode != "cpu" and mode != "val":
+            sample_bytes = sum(s.bytes for s in split.shards) / max(1, split.samples)
+            self.slots = Slots.for_batches(feeding.workers, spec.batch, sample_bytes)
+        self.loader = _loader(self.dataset, self.spec.batch, feeding.workers, self.slots)
         self.to_device = _OnDevice(self.dataset, feeding.device, feeding.channels_last)
         self.feed: DeviceFeed | None = None  # the epoch's, while it is iterated
         self.padded = 0  # samples repeated to fill an epoch's last batches when decodes failed
@@ -235,11 +245,17 @@ class _ShardLoader:
         """The workers' batches as they arrive; a worker that died ends them in one line."""
         try:
             before = set(mp.active_children())
+            if self.slots and self.slots.registered and getattr(self.loader, "_iterator", None) is None:
+                # workers start again: buffers page-locked before they fork would not be theirs
+                self.slots = self.slots.renewed()
+                self.loader = _loader(self.dataset, self.spec.batch, self.loader.num_workers, self.slots)
             batches = iter(self.loader)  # (the first time, its workers start)
+            if self.slots and self.pin:
+                self.slots.pin()
             after = set(mp.active_children())
             _workers.intersection_update(after)  # (those gone need no killing)
             _workers.update(after - before)
-            yield from map(_received, batches)
+            yield from map(functools.partial(_received, self.slots), batches)
         except RuntimeError as e:  # torch's "DataLoader worker (pid(s) 1234) exited unexpectedly"
             if not str(e).startswith("DataLoader worker"):
                 raise
@@ -280,6 +296,8 @@ class _ShardLoader:
             worker.kill()
         iterator._shutdown_workers()  # (joins them, dead already, and closes the queues)
         self.loader._iterator = None
+        if self.slots:
+            self.slots.reclaim()
 
     def __del__(self) -> None:
         # a loader dropped unclosed (a framework's, a test's): its workers ended as by close, not
@@ -307,7 +325,7 @@ class TrainLoader(_ShardLoader):
     """Fixed-length epochs: ``len(self)`` batches of exactly ``batch`` samples, every epoch.
 
     Each worker mixes its samples in a buffer and hands over whole batches; the training
-    process only pins them, except for each worker's short last batch of an exact epoch,
+    process only receives them, except for each worker's short last batch of an exact epoch,
     which it pools with the others' (and pads the epoch's last batch if decodes failed).
     """
 
@@ -454,39 +472,3 @@ class ValLoader(_ShardLoader):
 
     def __iter__(self) -> Iterator[Batch]:
         yield from (batch for batch, _ in self._on_device(self.host_batches(), ahead=2))
-
-
-class SyntheticLoader:
-    """Random images already on the device: the rate with no input pipeline at all."""
-
-    restored = None  # no data position to continue from: every synthetic step is alike
-
-    def __init__(self, batch: int, size: int, device: torch.device, channels_last: bool, steps: int = SYNTHETIC_STEPS):
-        self.fmt = torch.channels_last if channels_last else torch.contiguous_format
-        self.x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=self.fmt)
-        self.y = torch.randint(0, SYNTHETIC_CLASSES, (batch,), device=device)
-        self.steps = steps
-
-    def __len__(self) -> int:
-        return self.steps
-
-    def set_epoch(self, epoch: int, image_size: int | None = None) -> None:
-        if image_size and image_size != self.x.shape[-1]:
-            self.x = torch.randn(*self.x.shape[:2], image_size, image_size, device=self.x.device)
-            self.x = self.x.contiguous(memory_format=self.fmt)
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[str]]]:
-        for _ in range(self.steps):
-            yield self.x, self.y, []
-
-    def busy(self) -> dict[str, float]:
-        return {}  # no feed threads
-
-    def counters(self) -> dict[str, int]:
-        return {"skipped": 0, "read_errors": 0, "unread": 0, "drawn": 0, "padded": 0}
-
-    def plan(self) -> None:
-        return None  # nothing a resumed epoch must match
-
-    def identity(self) -> None:
-        return None  # no data a checkpoint could have been trained on instead

@@ -1,7 +1,7 @@
 """Batches made ready on the device ahead of the step that needs them.
 
 A pipeline of threads works while the training step runs: one pulls host batches (receiving
-from the DataLoader workers and pinning: Python, holding the GIL), and each stage after it
+from the DataLoader workers: Python, holding the GIL), and each stage after it
 (e.g. nvJPEG decode, then crop + resize + normalise) has a thread of its own, so that the
 stages' times overlap instead of adding up. Measured on the H100 (bench/RESULTS.md), one
 thread doing the work in turn spent the sum of the stages per batch, and the sum was the

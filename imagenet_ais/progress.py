@@ -13,9 +13,9 @@ import torch
 from tqdm import tqdm
 
 from imagenet_ais import distributed
-from imagenet_ais.data import SyntheticLoader
 from imagenet_ais.loader import ShardLoader
 from imagenet_ais.metrics import gpu_sample
+from imagenet_ais.synthetic_loader import SyntheticLoader
 
 
 class Progress:

@@ -15,12 +15,12 @@ from torch.optim.swa_utils import AveragedModel
 
 from imagenet_ais import checkpoint, distributed, keys_log
 from imagenet_ais.config import TrainConfig
-from imagenet_ais.data import SyntheticLoader
 from imagenet_ais.errors import DataError
 from imagenet_ais.loader import ShardLoader, StateMismatch
 from imagenet_ais.metrics import LOG, METRICS
 from imagenet_ais.model import mismatches
 from imagenet_ais.sampling import merge_positions
+from imagenet_ais.synthetic_loader import SyntheticLoader
 
 
 @dataclass

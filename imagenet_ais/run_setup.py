@@ -20,7 +20,7 @@ from torch import nn
 from imagenet_ais import checkpoint, distributed, keys_log, model, recipe, upload
 from imagenet_ais.augment import Augment
 from imagenet_ais.config import TrainConfig
-from imagenet_ais.data import SYNTHETIC_CLASSES, SYNTHETIC_STEPS, SyntheticLoader, nominal_steps
+from imagenet_ais.data import nominal_steps
 from imagenet_ais.data_health import DataHealth
 from imagenet_ais.errors import ConfigError
 from imagenet_ais.loader import ShardLoader
@@ -28,6 +28,7 @@ from imagenet_ais.manifest import load_manifest
 from imagenet_ais.metrics import MetricsLog
 from imagenet_ais.resume import Standing
 from imagenet_ais.storage import open_store
+from imagenet_ais.synthetic_loader import SYNTHETIC_CLASSES, SYNTHETIC_STEPS, SyntheticLoader
 from imagenet_ais.trackers import open_trackers
 
 

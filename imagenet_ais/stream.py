@@ -30,6 +30,7 @@ from imagenet_ais.augment import NO_AUGMENT, Augment
 from imagenet_ais.cache import ShardCache
 from imagenet_ais.children import exit_with_parent
 from imagenet_ais.errors import ConfigError, DataError, StorageError
+from imagenet_ais.handover import Slots
 from imagenet_ais.members import members
 from imagenet_ais.sampling import (
     Done,
@@ -44,6 +45,7 @@ from imagenet_ais.transforms import (
     VAL_CROP,
     augment_on_cpu,
     augment_rng,
+    batch_crops,
     decode_on_cpu,
     encode_batch,
     encode_for_device,
@@ -308,22 +310,29 @@ def worker_init(_: int) -> None:
     exit_with_parent()  # ignoring SIGTERM, a worker must still end with a training killed outright
 
 
-def collate_in_worker(samples: list[tuple]) -> tuple:
+def collate_in_worker(samples: list[tuple], slots: Slots | None = None) -> tuple:
     """A worker's batch in the form that crosses to the training process fastest.
 
     Measured on the GPU machine (bench/RESULTS.md): pixels passed as a tensor, i.e. in a
     fresh shared-memory block per batch, capped the main process at ~550-950 img/s, as
     every first touch of a fresh mapping faults per 4 KiB page in that VM; as a numpy array,
     through the pipe into reused memory, they reached ~2,900 img/s end to end. JPEG bytes go
-    in shared memory: they are read once, when copied into pinned memory. The small arrays
-    (labels, ids, crops) go as numpy too: a shared tensor holds a file descriptor for as long
-    as it lives, and the ids are kept for the whole epoch.
+    into one of this worker's ``slots`` (handover.py), only its number through the pipe, or
+    where there is none free, in a shared-memory block of their own. The small arrays (labels,
+    ids, crops) go as numpy: a shared tensor holds a file descriptor for as long as it lives,
+    and the ids are kept for the whole epoch.
     """
     images, labels, keys, shards, indices = zip(*samples, strict=True)
     ids = np.stack([np.array(shards, dtype=np.int64), np.array(indices, dtype=np.int64)], axis=1)
     if isinstance(images[0], torch.Tensor):
         pixels: tuple = (np.stack([image.numpy() for image in images]),)
     else:
-        blob, sizes, boxes, plans = encode_batch([(raw, box) for raw, box, _ in images], [p for *_, p in images])
-        pixels = (blob, sizes, boxes.numpy(), plans.numpy())
+        encoded, plans = [(raw, box) for raw, box, _ in images], [p for *_, p in images]
+        slot = slots.write([raw for raw, _ in encoded]) if slots else None
+        if slot is None:
+            blob, sizes, boxes, drawn = encode_batch(encoded, plans)
+            pixels = (blob, sizes, boxes.numpy(), drawn.numpy())
+        else:
+            sizes, boxes, drawn = batch_crops(encoded, plans)
+            pixels = (slot, sizes, boxes.numpy(), drawn.numpy())
     return pixels, np.array(labels, dtype=np.int64), list(keys), ids

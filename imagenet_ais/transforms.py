@@ -167,10 +167,17 @@ def encode_batch(samples: list[tuple[bytes, Box]], plans: list[list[float]] | No
     """A worker's batch as one uint8 tensor (one shared-memory block to hand over), sizes, boxes,
     and each sample's augmentation plan (augment.py), if any."""
     blob = torch.frombuffer(bytearray(b"".join(raw for raw, _ in samples)), dtype=torch.uint8)
+    return Encoded(blob, *batch_crops(samples, plans))
+
+
+def batch_crops(
+    samples: list[tuple[bytes, Box]], plans: list[list[float]] | None = None
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """An encoded batch's all but its bytes: each sample's size, box and augmentation plan."""
     boxes = torch.tensor([tuple(box) for _, box in samples], dtype=torch.int64).view(-1, 5)
     width = len(plans[0]) if plans else 0
     drawn = torch.tensor(plans, dtype=torch.float32) if width else torch.zeros(len(samples), 0)
-    return Encoded(blob, [len(raw) for raw, _ in samples], boxes, drawn)
+    return [len(raw) for raw, _ in samples], boxes, drawn
 
 
 def concat_encoded(batches: list[Encoded]) -> Encoded:
