@@ -233,7 +233,7 @@ class _ShardLoader:
         self.slots = None  # training's JPEG bytes cross in place (validation's the usual way: it is rare)
         handover = self.pin if feeding.handover is None else feeding.handover
         if handover and feeding.workers and spec.decode != "cpu" and mode != "val":
-            sample_bytes = sum(s.bytes for s in split.shards) / max(1, split.samples)
+            sample_bytes = split.bytes / max(1, split.samples)
             self.slots = Slots.for_batches(feeding.workers, spec.batch, sample_bytes)
         self.loader = _loader(self.dataset, self.spec.batch, feeding.workers, self.slots)
         self.to_device = _OnDevice(self.dataset, feeding.device, feeding.channels_last)

@@ -75,12 +75,13 @@ class Slots:
         info = get_worker_info()
         if info is None or sum(map(len, raws)) > self.capacity:
             return None
-        held = self.held.numpy()
-        first = info.id * self.per_worker
-        free = [i for i in range(self.per_worker) if not held[first + (self.turn + i) % self.per_worker]]
-        if not free:
+        held, first = self.held.numpy(), info.id * self.per_worker
+        for tried in range(self.per_worker):  # from the one after the last written
+            index = first + (self.turn + tried) % self.per_worker
+            if not held[index]:
+                break
+        else:
             return None
-        index = first + (self.turn + free[0]) % self.per_worker
         self.turn = (index - first + 1) % self.per_worker
         view, start = memoryview(self.buffers[index].numpy()), 0
         for raw in raws:

@@ -228,6 +228,12 @@ def tiny_jpeg(rng: random.Random, cls: int) -> bytes:
     return buf.getvalue()
 
 
+def members(shard: Path) -> dict[str, bytes]:
+    """A tar shard's members by name."""
+    with tarfile.open(shard) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
+
+
 def relist(dest: Path) -> Manifest:
     """``dest``'s manifest.json, rewritten to list each shard there at its bytes and SHA-256 as it
     now is: damage that only reading its members can find (a converter's bug, another's shard)."""

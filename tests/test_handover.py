@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import functools
 import gc
-import tarfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import write_shards
+from conftest import members, write_shards
 
 from imagenet_ais import data
 from imagenet_ais.data import Feeding, HostBatch, TrainLoader
@@ -31,13 +30,8 @@ def train_loader(tmp_path: Path, samples: int = 150, batch: int = 5) -> TrainLoa
 
 def stored(root: Path) -> dict[str, bytes]:
     """Each sample's JPEG bytes as its shard holds them."""
-    out = {}
-    for path in root.glob("*.tar"):
-        with tarfile.open(path) as tar:
-            for member in tar.getmembers():
-                if member.name.endswith(".jpg"):
-                    out[member.name.removesuffix(".jpg")] = tar.extractfile(member).read()  # type: ignore[union-attr]
-    return out
+    tars = (members(path).items() for path in root.glob("*.tar"))
+    return {name.removesuffix(".jpg"): data for tar in tars for name, data in tar if name.endswith(".jpg")}
 
 
 def jpegs(batch: HostBatch) -> dict[str, bytes]:

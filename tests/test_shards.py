@@ -26,6 +26,7 @@ from click.testing import CliRunner
 from conftest import (
     ROOT,
     child_pids,
+    members,
     outliving,
     run_cli,
     shards_here,
@@ -41,11 +42,6 @@ from imagenet_ais.manifest import Manifest
 from imagenet_ais.shards import file_sha256
 from imagenet_ais.storage import LocalStore
 from imagenet_ais.synth import wnid
-
-
-def members(shard: Path) -> dict[str, bytes]:
-    with tarfile.open(shard) as tar:
-        return {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
 
 
 def test_convert_accepts_quirks_rejects_bad_and_shuffles(tree: Path, tmp_path: Path) -> None:
