@@ -8,10 +8,9 @@ import itertools
 import statistics
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-from imagenet_ais.metrics import SLOWDOWNS, throttle_names
+from imagenet_ais.metrics import SLOWDOWNS, cpu_jiffies, throttle_names
 
 WARMUP_STEPS = 50  # compile, CUDA graph capture, cuDNN's autotuning and the allocator's growth
 
@@ -116,9 +115,8 @@ class HostCpu:
     @staticmethod
     def _sample() -> tuple[float, int, int]:
         """(wall time, busy jiffies, all jiffies) of every core together."""
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        idle = fields[3] + fields[4]  # idle, iowait
-        return time.time(), sum(fields) - idle, sum(fields)
+        busy, total = cpu_jiffies() or (0, 0)
+        return time.time(), busy, total
 
     def busy(self, start: float, end: float) -> float:
         """The share of all cores' time spent busy between ``start`` and ``end`` (wall-clock

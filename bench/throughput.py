@@ -196,6 +196,8 @@ def train(args: list[str], batch: int, output: Path, log: Path, gpus: int = 1) -
 
     busy = sorted({k for _, r in windows for k in r if k.startswith("busy_")})
     ranks = rank_figures(windows)
+    later = sum(n for n, _ in windows[1:]) * batch  # images after the first window, when "cropped" was read
+    cropped = windows[-1][1].get("cropped", 0) - windows[0][1].get("cropped", 0)
     return {
         "img_per_s": rate,
         "data_wait": mean("data_wait"),
@@ -203,6 +205,7 @@ def train(args: list[str], batch: int, output: Path, log: Path, gpus: int = 1) -
         "epoch_start": sum(starts) / len(starts) if starts else 0.0,
         "host_cpu": cpu.busy(windows[0][1]["time"] - seconds[0], windows[-1][1]["time"]),
         **{k: mean(k) for k in busy},  # rank 0's feed threads, fraction of the time working
+        "cropped": cropped / later if later else 0.0,  # share of the images cropped in the workers (cpu_share.py)
         "ranks": ranks,
         "invalid": invalid_because(ranks),
     }
@@ -430,6 +433,7 @@ def main(
                         f"{name:34} {n:4} {variant:12} {r['img_per_s']:8.1f} {r['data_wait']:10.3f} {ratio:6.3f} "
                         f"{scaling:8.3f} {r['seconds']:5.0f} {r['epoch_start']:+10.2f}s {r.get('host_cpu', 0):8.2f}"
                         + (f"  busy: {busy}" if busy else "")
+                        + (f"  cropped in workers {r['cropped']:.2f}" if r.get("cropped") else "")
                         + (f"  INVALID ({invalid})" if invalid else "")
                     )
                     if r.get("ranks"):

@@ -51,6 +51,7 @@ class TrainConfig:
     compile: bool | None = None  # None = on for GPU (off with --dp decent)
     compile_mode: str | None = None  # torch.compile mode; None = reduce-overhead (CUDA graphs) on GPU
     decode: str = "auto"  # "gpu": nvJPEG on the device (transforms.py); "dali": dali_crops.py; auto = gpu on CUDA
+    cpu_share: float | str = "auto"  # with gpu/dali, of training's samples cropped in the workers (cpu_share.py)
     dp: str = "ddp"  # or "decent": decentralized data parallel (decentralized.py)
     topology: str = "ring"  # --dp decent: who mixes with whom at each step
     seed: int = 0

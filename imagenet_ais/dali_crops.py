@@ -69,7 +69,7 @@ class DaliCrops:
         if not self.pipes or self.shape[0] < piece or self.shape[1] != size:
             self.pipes, self.shape = [self._build(piece, size) for _ in range(self.parts)], (piece, size)
         jpegs = np.split(batch.blob.numpy(), np.cumsum(batch.sizes)[:-1])
-        boxes = batch.boxes.numpy().astype(np.int32)
+        boxes = batch.boxes[:n].numpy().astype(np.int32)  # (the rows after are cropped already)
         out = torch.empty(n, size, size, 3, dtype=torch.uint8, device=self.device)
         # the calling thread's stream (the feed's side stream), which other threads do not have
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None

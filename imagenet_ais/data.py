@@ -11,8 +11,8 @@ plans are in sampling.py):
   trains what the interrupted one had not, on any topology.
 
 Each DataLoader worker reads its share of the epoch and hands over whole batches (stream.py).
-In the training process one feed thread receives them (training's JPEG bytes in place, in the
-workers' page-locked buffers: handover.py; others it pins), pooling workers' short last batches,
+In the training process one feed thread receives them (host_batch.py; training's JPEG bytes in
+place, in the workers' page-locked buffers: handover.py; others it pins), pooling workers' short last batches,
 while others make them ready on the device (decode, then crop), ahead of the step (see feed.py
 and transforms.py).
 """
@@ -28,7 +28,7 @@ import multiprocessing as mp
 import random
 import signal
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -37,25 +37,19 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.signal_handling import _remove_worker_pids as remove_worker_pids
 
+from imagenet_ais import host_batch
 from imagenet_ais.cache import ShardCache
+from imagenet_ais.cpu_share import AUTO, LIMIT
 from imagenet_ais.dali_crops import DaliCrops, DaliFailed
 from imagenet_ais.errors import DataError
 from imagenet_ais.feed import DeviceFeed, Stage, close_all
 from imagenet_ais.handover import Slots
+from imagenet_ais.host_batch import HostBatch
 from imagenet_ais.manifest import SplitInfo
 from imagenet_ais.sampling import Done, exact_assignment, trained
 from imagenet_ais.storage import is_local
 from imagenet_ais.stream import LoaderSpec, ShardStream, StreamSpec, UnreadableData, collate_in_worker, worker_init
-from imagenet_ais.transforms import (
-    Decoded,
-    Encoded,
-    concat_encoded,
-    crop_decoded,
-    decode_encoded,
-    normalize,
-    pin_encoded,
-    take_encoded,
-)
+from imagenet_ais.transforms import Decoded, Encoded, crop_decoded, decode_encoded, normalize
 
 CPU = torch.device("cpu")
 
@@ -68,13 +62,6 @@ def nominal_steps(samples: int, world: int, batch: int) -> int:
 
 class WorkerDied(RuntimeError):
     """A DataLoader worker ended unexpectedly (killed: by the OOM killer, most often)."""
-
-
-class HostBatch(NamedTuple):
-    images: torch.Tensor | Encoded  # uint8 N × H × W × 3 (decode "cpu"), or JPEG bytes and crops
-    labels: torch.Tensor  # int64, N
-    keys: list[str]
-    ids: torch.Tensor  # int64 N × 2: (shard, sample index) of each sample
 
 
 class Batch(NamedTuple):
@@ -103,50 +90,6 @@ _workers: set[mp.process.BaseProcess] = set()  # our loaders' DataLoader workers
 @functools.cache
 def _exit_hook() -> None:
     atexit.register(_stop_at_exit)
-
-
-def _received(slots: Slots | None, batch: tuple) -> HostBatch:
-    pixels, labels, keys, ids = batch
-    if len(pixels) == 1:
-        images: torch.Tensor | Encoded = torch.from_numpy(pixels[0])
-    else:
-        blob, sizes, boxes, plans = pixels
-        if isinstance(blob, int):  # written into the worker's buffer ``blob``, read there
-            blob = slots.read(blob, sum(sizes))  # type: ignore[union-attr]
-        images = Encoded(blob, sizes, torch.from_numpy(boxes), torch.from_numpy(plans))
-    return HostBatch(images, torch.from_numpy(labels), keys, torch.from_numpy(ids))
-
-
-def _concat(batches: Sequence[HostBatch]) -> HostBatch:
-    first = batches[0].images
-    images = (
-        concat_encoded([b.images for b in batches])  # type: ignore[misc]
-        if isinstance(first, Encoded)
-        else torch.cat([b.images for b in batches])  # type: ignore[misc]
-    )
-    return HostBatch(
-        images,
-        torch.cat([b.labels for b in batches]),
-        [k for b in batches for k in b.keys],
-        torch.cat([b.ids for b in batches]),
-    )
-
-
-def _take(batch: HostBatch, rows: list[int]) -> HostBatch:
-    """The samples ``rows`` of ``batch`` (repeats allowed)."""
-    images = batch.images
-    picked = take_encoded(images, rows) if isinstance(images, Encoded) else images[rows]
-    return HostBatch(picked, batch.labels[rows], [batch.keys[r] for r in rows], batch.ids[rows])
-
-
-def _pinned(batch: HostBatch) -> HostBatch:
-    """``batch`` in pinned memory, ready for an asynchronous copy to the GPU."""
-    images = batch.images
-    if isinstance(images, Encoded):
-        images = images if images.blob.is_pinned() else pin_encoded(images)  # (handover.py's are)
-    else:
-        images = torch.empty(images.shape, dtype=torch.uint8, pin_memory=True).copy_(images)
-    return batch._replace(images=images, labels=batch.labels.pin_memory())
 
 
 def _loader(dataset: ShardStream, batch: int, workers: int, slots: Slots | None) -> DataLoader:
@@ -179,10 +122,11 @@ class _OnDevice:
 
     def decode(self, batch: HostBatch) -> tuple[Decoded, HostBatch]:
         encoded: Encoded = batch.images  # type: ignore[assignment]
-        if self.dali:
+        if self.dali and encoded.sizes:
             try:
-                crops = self.dali(encoded, self.dataset.size.value)
-                return Decoded(crops.permute(0, 3, 1, 2), encoded.boxes, encoded.plans, None), batch
+                crops = self.dali(encoded, self.dataset.size.value).permute(0, 3, 1, 2)
+                pixels = encoded.pixels.to(self.device, non_blocking=True)
+                return Decoded(crops, encoded.boxes, encoded.plans, None, pixels), batch
             except DaliFailed as e:  # nvJPEG's path finds and replaces the samples that failed
                 self.dataset.report("DALI", f"could not decode a batch ({e}): nvJPEG decodes such batches", None)
         decoded = decode_encoded(encoded, self.device)
@@ -209,6 +153,15 @@ class Feeding:
     # training's JPEG bytes cross in the workers' shared buffers (handover.py); None: on CUDA,
     # where the GPU copies from them directly (elsewhere the device path is the tests')
     handover: bool | None = None
+    # of training's samples, cropped in the workers (cpu_share.py): a share, "auto", or None:
+    # "auto" on CUDA (elsewhere the device is the CPU too), nothing without workers
+    cpu_share: float | str | None = None
+
+    def share(self) -> float | str:
+        """The share of training's samples the workers crop, or "auto" (cpu_share.py)."""
+        if not self.workers:
+            return 0.0
+        return (AUTO if self.device.type == "cuda" else 0.0) if self.cpu_share is None else self.cpu_share
 
 
 class _ShardLoader:
@@ -225,7 +178,7 @@ class _ShardLoader:
         listed = [(s.bytes, s.sha256) for s in split.shards]
         self.spec = StreamSpec(
             **vars(spec), location=location, names=names, counts=counts, listed=listed, shard_cache=cache,
-            shuffle=shuffle,
+            shuffle=shuffle, cpu_share=feeding.share() if spec.decode != "cpu" and mode != "val" else 0.0,
         )  # fmt: skip
         self.dataset = ShardStream(self.spec, mode)
         _exit_hook()
@@ -233,7 +186,9 @@ class _ShardLoader:
         self.slots = None  # training's JPEG bytes cross in place (validation's the usual way: it is rare)
         handover = self.pin if feeding.handover is None else feeding.handover
         if handover and feeding.workers and spec.decode != "cpu" and mode != "val":
-            sample_bytes = split.bytes / max(1, split.samples)
+            share = self.spec.cpu_share
+            cropped = (LIMIT if share == AUTO else float(share)) * 3 * spec.image_size**2  # (cpu_share.py's pixels)
+            sample_bytes = split.bytes / max(1, split.samples) + cropped
             self.slots = Slots.for_batches(feeding.workers, spec.batch, sample_bytes)
         self.loader = _loader(self.dataset, self.spec.batch, feeding.workers, self.slots)
         self.to_device = _OnDevice(self.dataset, feeding.device, feeding.channels_last)
@@ -255,7 +210,7 @@ class _ShardLoader:
             after = set(mp.active_children())
             _workers.intersection_update(after)  # (those gone need no killing)
             _workers.update(after - before)
-            yield from map(functools.partial(_received, self.slots), batches)
+            yield from map(functools.partial(host_batch.received, self.slots), batches)
         except RuntimeError as e:  # torch's "DataLoader worker (pid(s) 1234) exited unexpectedly"
             if not str(e).startswith("DataLoader worker"):
                 raise
@@ -270,7 +225,8 @@ class _ShardLoader:
 
     def counters(self) -> dict[str, int]:
         """Samples that failed to decode, shards that failed to read and the samples they listed
-        unread, the samples listed by every shard the workers set out to read, samples repeated to pad."""
+        unread, the samples listed by every shard the workers set out to read, samples repeated to pad,
+        samples the workers cropped themselves (cpu_share.py)."""
         ds = self.dataset
         return {
             "skipped": ds.skipped.value,
@@ -278,6 +234,7 @@ class _ShardLoader:
             "unread": ds.unread.value,
             "drawn": ds.drawn.value,
             "padded": self.padded,
+            "cropped": ds.cropped.value,
         }
 
     def shut_down(self) -> None:
@@ -309,7 +266,7 @@ class _ShardLoader:
         raise NotImplementedError
 
     def _ready(self, batch: HostBatch) -> HostBatch:
-        return _pinned(batch) if self.pin else batch
+        return host_batch.pinned(batch) if self.pin else batch
 
     def _on_device(self, batches: Iterator[HostBatch], ahead: int) -> Iterator[tuple[Batch, torch.Tensor]]:
         feed = self.feed = DeviceFeed(batches, self.to_device.stages(), self.device, ahead, self.interrupted)
@@ -437,16 +394,16 @@ class TrainLoader(_ShardLoader):
                 pool.append(received)
                 if sum(len(b.keys) for b in pool) < batch:
                     continue
-                pooled = _concat(pool)
-                received, rest = _take(pooled, list(range(batch))), list(range(batch, len(pooled.keys)))
-                pool = [_take(pooled, rest)] if rest else []
+                pooled = host_batch.concat(pool)
+                received, rest = host_batch.take(pooled, list(range(batch))), list(range(batch, len(pooled.keys)))
+                pool = [host_batch.take(pooled, rest)] if rest else []
             yield (previous := self._ready(received))
             made += 1
             if made == self.steps:
                 return
         rng = random.Random(f"pad:{self.spec.seed}:{self.epoch}:{self.spec.rank}")
         while made < self.steps:  # decodes failed or shards were cut short: repeat samples
-            have = _concat(pool) if pool else None
+            have = host_batch.concat(pool) if pool else None
             source = previous or have
             if source is None:
                 raise UnreadableData(
@@ -454,9 +411,9 @@ class TrainLoader(_ShardLoader):
                     "restore them (imagenet_shards.py verify) and continue with --resume auto"
                 )
             need = batch - (len(have.keys) if have else 0)
-            padding = _take(source, [rng.randrange(len(source.keys)) for _ in range(need)])
+            padding = host_batch.take(source, [rng.randrange(len(source.keys)) for _ in range(need)])
             self.padded += need
-            yield (previous := self._ready(_concat([have, padding]) if have else padding))
+            yield (previous := self._ready(host_batch.concat([have, padding]) if have else padding))
             pool, made = [], made + 1
 
 

@@ -10,6 +10,7 @@ Here the training process makes a few buffers per worker once, in shared memory 
 page-locked (so the GPU copies from them directly). A worker writes a batch's bytes into one of
 its own buffers that is free and sends only the buffer's number; the training process reads the
 bytes in place; a buffer is free again once no tensor in the training process refers to it.
+The pixels of samples a worker cropped itself (cpu_share.py) follow the JPEGs in the same buffer.
 Where none of a worker's buffers is free, or a batch is larger than one, the batch goes the
 usual way: nothing waits on a buffer, so nothing can deadlock on one.
 """
@@ -21,8 +22,11 @@ import warnings
 import weakref
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import get_worker_info
+
+from imagenet_ais.transforms import as_bytes
 
 PER_WORKER = 3  # a batch being written, one waiting in the DataLoader, one in the feed
 HEADROOM = 1.25  # buffer size over a batch of average samples: batches of larger ones still fit
@@ -69,11 +73,12 @@ class Slots:
         """New buffers of the same number and size (these stay until nothing refers to them)."""
         return Slots(len(self.buffers) // self.per_worker, self.capacity, self.per_worker)
 
-    def write(self, raws: Sequence[bytes]) -> int | None:
+    def write(self, raws: Sequence[bytes | np.ndarray]) -> int | None:
         """(In a worker) ``raws`` one after another into a free buffer of this worker's: its number,
         or None where none is free or large enough."""
         info = get_worker_info()
-        if info is None or sum(map(len, raws)) > self.capacity:
+        chunks = [as_bytes(raw) for raw in raws]
+        if info is None or sum(map(len, chunks)) > self.capacity:
             return None
         held, first = self.held.numpy(), info.id * self.per_worker
         for tried in range(self.per_worker):  # from the one after the last written
@@ -84,9 +89,9 @@ class Slots:
             return None
         self.turn = (index - first + 1) % self.per_worker
         view, start = memoryview(self.buffers[index].numpy()), 0
-        for raw in raws:
-            view[start : start + len(raw)] = raw
-            start += len(raw)
+        for chunk in chunks:
+            view[start : start + len(chunk)] = chunk
+            start += len(chunk)
         held[index] = 1
         return index
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from imagenet_ais.augment import NO_AUGMENT, Augment
 from imagenet_ais.config import DECODES, EPOCH_MODES
+from imagenet_ais.cpu_share import AUTO, checked
 from imagenet_ais.dali_crops import available as dali_available
 from imagenet_ais.data import Batch, Feeding, TrainLoader, ValLoader
 from imagenet_ais.distributed import auto_workers, gather_objects
@@ -64,6 +65,8 @@ class ShardLoader:
       ``dali`` extra), or "auto": "gpu" on a CUDA device, else "cpu".
     - ``device``: by default the current CUDA device, else the CPU. ``workers``: DataLoader
       processes, by default this rank's CPUs (less two beside a GPU).
+    - ``cpu_share``: with "gpu"/"dali", the share of training samples the workers crop themselves
+      (cpu_share.py); "auto": on a GPU, as much as their spare time allows.
     - ``cache_dir``/``cache_size``: remote shards kept on the node's disk, read from there next epoch.
     - ``augment``: RandAugment-style policies and random erasing (augment.Augment), training only.
       ``val_resize_size``: validation resizes the short side to it, then takes the centre crop.
@@ -90,6 +93,7 @@ class ShardLoader:
         augment: Augment = NO_AUGMENT,
         val_resize_size: float | None = None,
         channels_last: bool = False,
+        cpu_share: float | str = AUTO,
         manifest: Manifest | None = None,
     ):
         rank, world_size = _topology(rank, world_size)
@@ -107,7 +111,8 @@ class ShardLoader:
             world_size, rank, batch_size, seed, image_size, self.decode, len(manifest.classes),
             CacheSpec(cache_dir, cache_size) if cache_dir else None, augment=augment,
         )  # fmt: skip
-        feeding = Feeding(self.workers, device, channels_last)
+        share = None if cpu_share == AUTO else checked(cpu_share)  # (None: "auto" where there is a GPU)
+        feeding = Feeding(self.workers, device, channels_last, cpu_share=share)
         data = manifest.split(split)
         self._loader: TrainLoader | ValLoader
         if split == "train":

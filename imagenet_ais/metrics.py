@@ -155,3 +155,13 @@ class Reporter:
             # opened for each line: a resume that fetches the uploaded log replaces the file
             with self.path.open("a") as log:
                 log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+
+
+def cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, all) time of every core together since boot, in jiffies (Linux's /proc/stat); None elsewhere."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + fields[4]  # idle, iowait
+    return sum(fields) - idle, sum(fields)

@@ -195,6 +195,7 @@ def loaders(
     train_loader = loader(
         "train", epoch_mode=cfg.epoch_mode, epoch_size=cfg.epoch_size, image_size=sizes[0],
         shuffle_buffer=cfg.shuffle_buffer, augment=Augment(cfg.auto_augment, cfg.random_erase),
+        cpu_share=cfg.cpu_share,
     )  # fmt: skip
     val_loader = None
     val_split = manifest.splits.get("val")

@@ -3,7 +3,8 @@
 A worker's share of the epoch comes from sampling.py (exact or resampled plans); it reads those
 samples from their shards (through the node's cache for remote ones), mixes them in a shuffle
 buffer and decodes them: to uint8 pixels (decode "cpu"), or to JPEG bytes plus the crop to
-take (decode "gpu": the device decodes). Whole batches cross to the training process (data.py).
+take (decode "gpu": the device decodes; a share of training's samples cropped here all the same,
+cpu_share.py). Whole batches cross to the training process (data.py).
 Only image and ``.cls`` members are read: nothing in a shard is unpickled.
 """
 
@@ -29,6 +30,7 @@ from webdataset.tariterators import group_by_keys
 from imagenet_ais.augment import NO_AUGMENT, Augment
 from imagenet_ais.cache import ShardCache
 from imagenet_ais.children import exit_with_parent
+from imagenet_ais.cpu_share import CpuShare, offload
 from imagenet_ais.errors import ConfigError, DataError, StorageError
 from imagenet_ais.handover import Slots
 from imagenet_ais.members import members
@@ -47,8 +49,10 @@ from imagenet_ais.transforms import (
     augment_rng,
     batch_crops,
     decode_on_cpu,
-    encode_batch,
     encode_for_device,
+    join_block,
+    ordered,
+    pixel_side,
 )
 
 IMAGE_EXTS = ("jpg", "jpeg", "png")
@@ -137,6 +141,7 @@ class StreamSpec(LoaderSpec):
     listed: list[tuple[int, str]]  # each shard's bytes and SHA-256 in the manifest: checked as it streams
     shard_cache: ShardCache | None = None  # the node's cache, for remote shards
     shuffle: int = 0  # samples each worker mixes before batching (0: stored order)
+    cpu_share: float | str = 0.0  # of training's samples, cropped in the workers (cpu_share.py): a share or "auto"
 
 
 class ShardStream(IterableDataset):
@@ -159,6 +164,7 @@ class ShardStream(IterableDataset):
         self.read_errors = mp.Value("q", 0)  # shards that failed part-way or held fewer samples than listed
         self.unread = mp.Value("q", 0)  # the samples those shards list that were not read
         self.drawn = mp.Value("q", 0)  # the samples listed by every shard piece a worker set out to read
+        self.cropped = mp.Value("q", 0)  # training samples the workers cropped themselves (cpu_share.py)
         self._failing = 0  # (per worker) shard reads that failed in a row, nothing read from them
         self.problems: mp.Queue = mp.Queue()  # "where: what" lines, for the training process to name
         self._told: set[str] = set()  # (per worker) shards already reported
@@ -166,6 +172,7 @@ class ShardStream(IterableDataset):
         # resampled streams fresh ones); set before the workers start, so even persistent
         # workers see it
         self.resumed: tuple[int, Done, str] = (-1, {}, "")
+        self.share = CpuShare(spec.cpu_share)  # (per worker, kept from epoch to epoch)
 
     def _done(self) -> tuple[Done, str]:
         """What a resumed epoch leaves out, and how its resampled streams are told apart."""
@@ -270,6 +277,8 @@ class ShardStream(IterableDataset):
         if self.spec.shuffle > 1 and self.mode != "val":
             seed = f"buffer:{self.spec.seed}:{self.epoch.value}:{self.spec.rank}:{worker}"
             samples = shuffle(self.spec.shuffle, self.spec.shuffle, seed=seed)(samples)
+        if self.mode != "val" and self.spec.decode != "cpu" and self.spec.cpu_share:
+            samples = offload(samples, self.share, self.size.value, self.cropped)
         return samples
 
     def _decoded(self, pieces: Iterator[Piece]) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
@@ -322,17 +331,16 @@ def collate_in_worker(samples: list[tuple], slots: Slots | None = None) -> tuple
     ids, crops) go as numpy: a shared tensor holds a file descriptor for as long as it lives,
     and the ids are kept for the whole epoch.
     """
+    if not isinstance(samples[0][0], torch.Tensor):
+        samples = ordered(samples)  # JPEGs first, those cropped here (cpu_share.py) after them
     images, labels, keys, shards, indices = zip(*samples, strict=True)
     ids = np.stack([np.array(shards, dtype=np.int64), np.array(indices, dtype=np.int64)], axis=1)
     if isinstance(images[0], torch.Tensor):
         pixels: tuple = (np.stack([image.numpy() for image in images]),)
     else:
         encoded, plans = [(raw, box) for raw, box, _ in images], [p for *_, p in images]
-        slot = slots.write([raw for raw, _ in encoded]) if slots else None
-        if slot is None:
-            blob, sizes, boxes, drawn = encode_batch(encoded, plans)
-            pixels = (blob, sizes, boxes.numpy(), drawn.numpy())
-        else:
-            sizes, boxes, drawn = batch_crops(encoded, plans)
-            pixels = (slot, sizes, boxes.numpy(), drawn.numpy())
+        raws = [raw for raw, _ in encoded]
+        sizes, boxes, drawn = batch_crops(encoded, plans)
+        where = slots.write(raws) if slots else None
+        pixels = (join_block(raws) if where is None else where, sizes, boxes.numpy(), drawn.numpy(), pixel_side(raws))
     return pixels, np.array(labels, dtype=np.int64), list(keys), ids

@@ -20,8 +20,9 @@ from imagenet_ais.config import (
     TrainConfig,
     with_recipe,
 )
+from imagenet_ais.cpu_share import checked
 from imagenet_ais.decentralized import TOPOLOGIES
-from imagenet_ais.errors import one_line
+from imagenet_ais.errors import ConfigError, one_line
 from imagenet_ais.trackers import TRACKERS
 from imagenet_ais.training import EXIT_PREEMPTED, train
 
@@ -45,6 +46,13 @@ def parse_workers(value: str) -> int | None:
     if not value.isdigit():
         raise click.BadParameter(f"{value!r} is neither 'auto' nor a number of workers (0 or more)")
     return int(value)
+
+
+def parse_share(value: str) -> float | str:
+    try:
+        return checked(value)
+    except ConfigError as e:
+        raise click.BadParameter(str(e).removeprefix(f"--cpu-share {value}: ")) from None
 
 
 @click.command(context_settings={"show_default": True, "max_content_width": 100})
@@ -171,6 +179,13 @@ def parse_workers(value: str) -> int | None:
     type=click.Choice(DECODES),
     help="cpu: PIL in the DataLoader workers; gpu: nvJPEG, crop and resize on the GPU; dali: the crops decoded "
     "by DALI on the GPU's JPEG engines (pip install .[dali]); auto: gpu where CUDA is",
+)
+@click.option(
+    "--cpu-share",
+    default=DEFAULTS.cpu_share,
+    callback=lambda ctx, param, value: parse_share(value),
+    help="with --decode gpu/dali, the share of training samples the DataLoader workers crop themselves; "
+    "auto: as much as their spare time allows (on a GPU), up to 0.5",
 )
 @click.option(
     "--dp",

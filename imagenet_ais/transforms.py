@@ -11,6 +11,8 @@ trains it. Val: the centre square of side
 - decode "gpu": workers only read the JPEG header to pick the crop, and hand over the encoded
   bytes; nvJPEG decodes the whole batch on the GPU, which then crops, resizes, flips and
   normalises. The odd non-RGB or non-JPEG sample is re-encoded as an RGB JPEG in the worker.
+  Workers with time to spare crop some samples themselves (cpu_share.py): those cross as
+  pixels, after the batch's JPEGs, and the device flips, augments and normalises them with the rest.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 import random
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -47,13 +50,21 @@ class Box(NamedTuple):
     flip: bool = False
 
 
+NO_PIXELS = torch.empty(0, 0, 0, 3, dtype=torch.uint8)
+
+
 class Encoded(NamedTuple):
-    """A batch still in JPEG form: bytes on the host, crops and augmentations to apply once decoded."""
+    """A batch still in JPEG form: bytes on the host, crops and augmentations to apply once decoded.
+
+    Its first ``len(sizes)`` samples are JPEGs; the K after them (``pixels``) were cropped and
+    resized in the worker already (cpu_share.py). ``boxes`` and ``plans`` have a row for each sample.
+    """
 
     blob: torch.Tensor  # uint8: the batch's JPEGs end to end
     sizes: list[int]  # bytes of each JPEG in ``blob``
     boxes: torch.Tensor  # int64 N × 5: left, top, width, height, flip
     plans: torch.Tensor  # float32 N × Augment.width (N × 0 without augmentation)
+    pixels: torch.Tensor = NO_PIXELS  # uint8 K × size × size × 3, neither flipped nor augmented yet
 
 
 def augment_rng(seed: int, epoch: int, key: str) -> random.Random:
@@ -163,58 +174,113 @@ def encode_for_device(data: bytes, augment: random.Random | None, val_crop: floa
     return data, box
 
 
-def encode_batch(samples: list[tuple[bytes, Box]], plans: list[list[float]] | None = None) -> Encoded:
-    """A worker's batch as one uint8 tensor (one shared-memory block to hand over), sizes, boxes,
-    and each sample's augmentation plan (augment.py), if any."""
-    blob = torch.frombuffer(bytearray(b"".join(raw for raw, _ in samples)), dtype=torch.uint8)
-    return Encoded(blob, *batch_crops(samples, plans))
+def crop_on_cpu(raw: bytes, box: Box, size: int) -> np.ndarray:
+    """``encode_for_device``'s JPEG cropped to ``box`` and resized, as decode "cpu" does: uint8
+    size × size × 3, not flipped (the device flips it with the batch)."""
+    return np.asarray(_crop_resize(Image.open(io.BytesIO(raw)), box, size))
+
+
+Raw = bytes | np.ndarray  # a worker's sample: JPEG bytes, or its crop decoded already (crop_on_cpu)
+
+
+def encode_batch(samples: list[tuple[Raw, Box]], plans: list[list[float]] | None = None) -> Encoded:
+    """A worker's batch, JPEGs first and those decoded already last (``ordered``): sizes, boxes,
+    each sample's augmentation plan (augment.py), if any, and the bytes in one block."""
+    raws = [raw for raw, _ in samples]
+    return split_block(join_block(raws), *batch_crops(samples, plans), pixel_side(raws))
+
+
+def join_block(raws: list[Raw]) -> torch.Tensor:
+    """``raws`` end to end in one uint8 tensor (one shared-memory block to hand over)."""
+    return torch.frombuffer(bytearray(b"".join(map(as_bytes, raws))), dtype=torch.uint8)
+
+
+def as_bytes(raw: Raw) -> memoryview:
+    """``raw``'s bytes, without a copy."""
+    return (memoryview(raw) if isinstance(raw, bytes) else raw.data).cast("B")
+
+
+def pixel_side(raws: list[Raw]) -> int:
+    """The side of the crops decoded already, last among ``raws`` (0: none)."""
+    return 0 if isinstance(raws[-1], bytes) else len(raws[-1])
+
+
+def ordered(samples: list[tuple]) -> list[tuple]:
+    """A worker's samples (image first) with those decoded already last, as a batch has them."""
+    return sorted(samples, key=lambda sample: not isinstance(sample[0][0], bytes))
 
 
 def batch_crops(
-    samples: list[tuple[bytes, Box]], plans: list[list[float]] | None = None
+    samples: list[tuple[Raw, Box]], plans: list[list[float]] | None = None
 ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """An encoded batch's all but its bytes: each sample's size, box and augmentation plan."""
+    """An encoded batch's all but its bytes: each JPEG's size, each sample's box and augmentation plan."""
     boxes = torch.tensor([tuple(box) for _, box in samples], dtype=torch.int64).view(-1, 5)
     width = len(plans[0]) if plans else 0
     drawn = torch.tensor(plans, dtype=torch.float32) if width else torch.zeros(len(samples), 0)
-    return [len(raw) for raw, _ in samples], boxes, drawn
+    return [len(raw) for raw, _ in samples if isinstance(raw, bytes)], boxes, drawn
 
 
-def concat_encoded(batches: list[Encoded]) -> Encoded:
-    sizes = [n for b in batches for n in b.sizes]
-    return Encoded(
+def split_block(block: torch.Tensor, sizes: list[int], boxes: torch.Tensor, plans: torch.Tensor, side: int) -> Encoded:
+    """The batch whose JPEGs (``sizes``) and then pixels (the other rows, ``side`` a side) are ``block``."""
+    jpeg = sum(sizes)
+    count = len(boxes) - len(sizes)
+    pixels = block[jpeg : jpeg + count * side * side * 3].view(count, side, side, 3) if count else NO_PIXELS
+    return Encoded(block[:jpeg], sizes, boxes, plans, pixels)
+
+
+def concat_encoded(batches: list[Encoded]) -> tuple[Encoded, list[int]]:
+    """``batches`` as one, its JPEGs first; and which row of their concatenation each row is."""
+    order: list[int] = []
+    decoded: list[int] = []
+    start = 0
+    for b in batches:
+        order += range(start, start + len(b.sizes))
+        decoded += range(start + len(b.sizes), start + len(b.boxes))
+        start += len(b.boxes)
+    order += decoded
+    pixels = [b.pixels for b in batches if len(b.pixels)]
+    encoded = Encoded(
         torch.cat([b.blob for b in batches]),
-        sizes,
-        torch.cat([b.boxes for b in batches]),
-        torch.cat([b.plans for b in batches]),
+        [n for b in batches for n in b.sizes],
+        torch.cat([b.boxes for b in batches])[order],
+        torch.cat([b.plans for b in batches])[order],
+        torch.cat(pixels) if pixels else NO_PIXELS,
     )
+    return encoded, order
 
 
-def take_encoded(batch: Encoded, rows: list[int]) -> Encoded:
-    """The samples ``rows`` of ``batch`` (repeats allowed), packed again."""
+def take_encoded(batch: Encoded, rows: list[int]) -> tuple[Encoded, list[int]]:
+    """The samples ``rows`` of ``batch`` (repeats allowed) packed again, JPEGs first; and the
+    rows in the order taken."""
     jpegs = batch.blob.split(batch.sizes)
-    picked = torch.cat([jpegs[r] for r in rows])
-    return Encoded(picked, [batch.sizes[r] for r in rows], batch.boxes[rows], batch.plans[rows])
+    first = [r for r in rows if r < len(jpegs)]
+    decoded = [r for r in rows if r >= len(jpegs)]
+    picked = torch.cat([jpegs[r] for r in first]) if first else batch.blob[:0]
+    pixels = batch.pixels[[r - len(jpegs) for r in decoded]] if decoded else NO_PIXELS
+    order = first + decoded
+    return Encoded(picked, [batch.sizes[r] for r in first], batch.boxes[order], batch.plans[order], pixels), order
 
 
 def pin_encoded(batch: Encoded) -> Encoded:
-    """``batch`` with its bytes copied into pinned memory.
+    """``batch`` with its bytes (and pixels) copied into pinned memory.
 
     The copy reads the worker's shared memory here, in the thread that forms batches, so the
     first-touch page faults on it are not paid inside nvJPEG's call; a pinned buffer comes
     from torch's caching host allocator, i.e. is reused without faulting again.
     """
     pinned = torch.empty(len(batch.blob), dtype=torch.uint8, pin_memory=True).copy_(batch.blob)
-    return batch._replace(blob=pinned)
+    pixels = torch.empty(batch.pixels.shape, dtype=torch.uint8, pin_memory=True).copy_(batch.pixels)
+    return batch._replace(blob=pinned, pixels=pixels)
 
 
 class Decoded(NamedTuple):
     """A batch decoded on the device, not yet cropped."""
 
     images: list[torch.Tensor] | torch.Tensor  # uint8 3×H×W each, or N×3×size×size already cropped (DALI)
-    boxes: torch.Tensor  # the crop of each image (its flip only, once cropped)
+    boxes: torch.Tensor  # the crop of each sample (its flip only, once cropped)
     plans: torch.Tensor  # its augmentation (augment.py)
-    rows: list[int] | None  # None, or which sample each image is (failures replaced by others)
+    rows: list[int] | None  # None, or which sample each row is (failures replaced by others)
+    pixels: torch.Tensor = NO_PIXELS  # the samples after ``images``: cropped in the workers, on the device
 
 
 def decode_on_device(
@@ -230,10 +296,12 @@ def decode_on_device(
 
 
 def decode_encoded(batch: Encoded, device: torch.device) -> Decoded:
-    images, rows = _decode(list(batch.blob.split(batch.sizes)), device)
+    images, rows = _decode(list(batch.blob.split(batch.sizes)), device) if batch.sizes else ([], None)
+    pixels = batch.pixels.to(device, non_blocking=True)
     if rows:
-        return Decoded(images, batch.boxes[rows], batch.plans[rows], rows)
-    return Decoded(images, batch.boxes, batch.plans, None)
+        rows += range(len(images), len(batch.boxes))  # (the pixels' rows stay theirs)
+        return Decoded(images, batch.boxes[rows], batch.plans[rows], rows, pixels)
+    return Decoded(images, batch.boxes, batch.plans, None, pixels)
 
 
 def crop_decoded(
@@ -241,7 +309,9 @@ def crop_decoded(
 ) -> torch.Tensor:
     """Crop, resize, flip, augment (``augment``'s ops, normalisation, erasing): float N×3×size×size on ``device``."""
     boxes, images = decoded.boxes, decoded.images
-    out = images if isinstance(images, torch.Tensor) else _resize_crops(images, boxes, size, device)
+    out = images if isinstance(images, torch.Tensor) else _resize_crops(images, boxes[: len(images)], size, device)
+    if len(decoded.pixels):
+        out = torch.cat([out, decoded.pixels.permute(0, 3, 1, 2).to(out.dtype)])
     flip = boxes[:, 4].bool().to(device, non_blocking=True).view(-1, 1, 1, 1)
     out = augment.apply(torch.where(flip, out.flip(-1), out).float(), decoded.plans)
     mean, std = _mean_std(device)

@@ -1,0 +1,157 @@
+"""Training crops made in the DataLoader workers (cpu_share.py): a share of each batch crosses as
+pixels after its JPEGs, and the batch on the device is the one the GPU's path alone makes; "auto"
+follows the time a worker waits for requests."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+import torch
+from conftest import write_shards
+from test_dali_crops import broken_jpeg
+from test_handover import off_the_main_thread
+from test_transforms import jpeg, photo, pixels
+
+from imagenet_ais.cpu_share import AUTO, GAIN, HOST_BUSY, IDLE, LIMIT, CpuShare, checked, offload
+from imagenet_ais.data import Feeding, TrainLoader
+from imagenet_ais.errors import ConfigError
+from imagenet_ais.manifest import SplitInfo
+from imagenet_ais.stream import LoaderSpec
+from imagenet_ais.transforms import Encoded, encode_for_device
+
+COUNTS = [22, 21, 19]  # 62 samples: 12 batches of 5, the workers' short last ones pooled
+
+
+def shards(tmp_path) -> SplitInfo:  # type: ignore[no-untyped-def]
+    keys = [f"train-{s}-{i}" for s, n in enumerate(COUNTS) for i in range(n)]
+    pictures = {k: jpeg(photo(90 + i % 40, 70 + i % 30, seed=i)) for i, k in enumerate(keys)}
+    return write_shards(tmp_path, {"train": COUNTS}, pictures=pictures).split("train")
+
+
+def epoch(split: SplitInfo, root: str, feeding: Feeding, decode: str = "gpu") -> tuple[dict, list[int]]:
+    """Each trained sample's image (0-255, as trained) by key, and the samples cropped in the workers per batch."""
+    spec = LoaderSpec(1, 0, 5, seed=7, image_size=32, decode=decode)
+    loader = TrainLoader(split, root, "exact", spec, feeding, 16)
+    loader.set_epoch(0)
+    images, cropped = {}, []
+    for batch in loader.host_batches():  # the feed's stages, one after the other
+        encoded: Encoded = batch.images  # type: ignore[assignment]
+        cropped.append(len(encoded.pixels))
+        assert len(encoded.sizes) + len(encoded.pixels) == len(batch.keys) == 5
+        decoded, batch = loader.to_device.decode(batch)
+        out, _ = loader.to_device.crop((decoded, batch))
+        images.update(zip(out.keys, pixels(out.images), strict=True))
+    loader.shut_down()
+    assert loader.counters()["cropped"] == sum(cropped)
+    return images, cropped
+
+
+def assert_same_training(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys() and len(got) == 60  # the exact epoch's samples, each once
+    # resampled by PIL instead of roi_align: 1.3 levels apart on average here, 5.5 at most; a
+    # sample flipped the other way is 52 apart at the median
+    diff = torch.stack([(got[k] - expected[k]).abs().mean() for k in expected])
+    assert diff.mean() < 2.0 and diff.max() < 8.0, diff
+
+
+@off_the_main_thread
+@pytest.mark.parametrize("handover", [True, False], ids=["in-the-workers-buffers", "in-blocks-of-their-own"])
+def test_half_the_samples_cropped_in_the_workers_train_as_the_gpu_path_makes_them(tmp_path, handover: bool) -> None:  # type: ignore[no-untyped-def]
+    split = shards(tmp_path)
+    expected, none = epoch(split, str(tmp_path), Feeding(2, handover=handover, cpu_share=0.0))
+    got, cropped = epoch(split, str(tmp_path), Feeding(2, handover=handover, cpu_share=0.5))
+    assert sum(none) == 0
+    assert 25 <= sum(cropped) <= 31 and any(0 < c < 5 for c in cropped), cropped  # each worker's every other
+    assert_same_training(got, expected)
+
+
+@off_the_main_thread
+def test_an_epoch_all_cropped_in_the_workers_trains_the_same(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    split = shards(tmp_path)
+    expected, _ = epoch(split, str(tmp_path), Feeding(2, cpu_share=0.0))
+    got, cropped = epoch(split, str(tmp_path), Feeding(2, cpu_share=1.0))
+    assert cropped == [5] * 12  # no JPEG left for the device to decode
+    assert_same_training(got, expected)
+
+
+@pytest.mark.dali
+@off_the_main_thread
+def test_dali_decodes_the_jpegs_and_the_workers_crops_follow_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    split = shards(tmp_path)
+    expected, _ = epoch(split, str(tmp_path), Feeding(2, cpu_share=0.0))
+    got, cropped = epoch(split, str(tmp_path), Feeding(2, handover=True, cpu_share=0.5), decode="dali")
+    assert 25 <= sum(cropped) <= 31
+    assert_same_training(got, expected)
+
+
+def test_a_jpeg_pil_cannot_decode_stays_one_for_the_gpu_path_to_report() -> None:
+    good = encode_for_device(jpeg(photo(120, 100)), None)
+    broken = (broken_jpeg(), good[1])
+    samples = [((raw, box, []), 0, f"k{i}", 0, i) for i, (raw, box) in enumerate([good, broken])]
+    cropped = mp.Value("q", 0)
+    out = list(offload(iter(samples), CpuShare(1.0), 16, cropped))
+    assert isinstance(out[0][0][0], np.ndarray) and out[0][0][0].shape == (16, 16, 3) and cropped.value == 1
+    assert out[1][0][0] == broken[0] and out[1][1:] == samples[1][1:]
+
+
+class Cores:
+    """The host's cores' (busy, all) time, advanced by each reading: ``busy`` of it busy."""
+
+    def __init__(self, busy: float) -> None:
+        self.busy, self.now = busy, (0, 0)
+
+    def __call__(self) -> tuple[int, int]:
+        self.now = (self.now[0] + round(100 * self.busy), self.now[1] + 100)
+        return self.now
+
+
+def test_auto_takes_more_while_a_worker_waits_and_gives_back_while_it_is_late() -> None:
+    share = CpuShare(AUTO, Cores(busy=0.5))
+    assert share.share == 0 and not share.take()
+    share.observe(0.3, 0.3)  # not a whole window yet
+    assert share.share == 0
+    share.observe(0.0, 0.4)  # a window: waited 0.7 of it
+    assert share.share == pytest.approx(GAIN * (0.7 - IDLE))
+    for _ in range(20):
+        share.observe(0.2, 0.8)
+    assert share.share == LIMIT
+    share.observe(1.0, 0.0)  # late: no wait at all
+    assert share.share == pytest.approx(LIMIT - GAIN * IDLE)
+    for _ in range(20):
+        share.observe(1.0, 0.0)
+    assert share.share == 0
+
+
+def test_auto_gives_back_while_the_hosts_cores_are_taken_even_if_it_waits() -> None:
+    cores = Cores(busy=0.5)
+    share = CpuShare(AUTO, cores)
+    for _ in range(10):
+        share.observe(0.2, 0.8)
+    assert share.share == LIMIT
+    cores.busy = HOST_BUSY + 0.05  # the training process short of CPU: its workers wait all the more
+    share.observe(0.0, 1.0)
+    assert share.share == pytest.approx(LIMIT - GAIN * IDLE)
+    cores.busy = HOST_BUSY - 0.05
+    share.observe(0.0, 1.0)
+    assert share.share == LIMIT
+    assert CpuShare(AUTO, lambda: None).host_busy() == 0  # no /proc/stat: the workers' wait decides alone
+
+
+def test_a_fixed_share_takes_exactly_that_many_and_does_not_move() -> None:
+    share = CpuShare(0.25)
+    assert sum(share.take() for _ in range(100)) == 25
+    share.observe(0.0, 10.0)
+    assert share.share == 0.25
+    assert not any(CpuShare(0.0).take() for _ in range(100))
+
+
+def test_the_share_is_auto_on_a_gpu_with_workers_only_and_checked_in_one_line() -> None:
+    cuda = torch.device("cuda")
+    assert Feeding(2, cuda).share() == AUTO and Feeding(0, cuda).share() == 0.0
+    assert Feeding(2).share() == 0.0 and Feeding(2, cpu_share=0.3).share() == 0.3
+    assert checked("0.3") == 0.3 and checked(AUTO) == AUTO
+    for bad in ("2", "-0.1", "half"):
+        with pytest.raises(ConfigError, match=rf"^--cpu-share {bad}: give 'auto' or a share of the samples"):
+            checked(bad)
