@@ -23,7 +23,6 @@ on the workers), and a fixed 0.2 to 0.556. ResNet-50 bs256: 0.32 of the samples,
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.sharedctypes import Synchronized
@@ -35,12 +34,12 @@ from imagenet_ais.metrics import cpu_jiffies
 from imagenet_ais.transforms import crop_on_cpu
 
 AUTO = "auto"
-LIMIT = 0.5  # the most "auto" takes: the workers' buffers are sized for it (handover.py)
+LIMIT = 0.5  # the most "auto" takes: data.py sizes the workers' buffers for it
 IDLE = 0.25  # the part of its time an "auto" worker keeps waiting: cores left to the training process
 HOST_BUSY = 0.85  # the host's cores busier than this: every "auto" worker gives some back
 GAIN = 0.25
 WINDOW = 1.0  # seconds of a worker's time between changes of its share
-FAILED = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)  # PIL's: the GPU's path reports them
+FAILED = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)  # what PIL raises on a broken picture
 
 
 def checked(share: float | str) -> float | str:
@@ -49,7 +48,7 @@ def checked(share: float | str) -> float | str:
         return AUTO
     try:
         value = float(share)
-    except ValueError:
+    except (TypeError, ValueError):
         value = -1.0
     if not 0 <= value <= 1:
         raise ConfigError(f"--cpu-share {share}: give 'auto' or a share of the samples between 0 and 1 (e.g. 0.2)")
@@ -86,27 +85,37 @@ class CpuShare:
             self.busy = self.idle = 0.0
 
     def host_busy(self) -> float:
-        """The share of the host's cores' time spent busy since the last call (0 where unknown)."""
+        """The share of the host's cores' time spent busy since the last call (0 where unknown).
+        All the host's: under a cgroup's CPU limit the job's own may be full while these are not."""
         before, self.host = self.host, self.cores()
         if before is None or self.host is None or self.host[1] <= before[1]:
             return 0.0
         return (self.host[0] - before[0]) / (self.host[1] - before[1])
 
 
-def offload(samples: Iterator[tuple], share: CpuShare, size: int, cropped: Synchronized[int]) -> Iterator[tuple]:
+def offload(
+    samples: Iterator[tuple],
+    share: CpuShare,
+    size: int,
+    cropped: Synchronized[int],
+    failed: Callable[[tuple, str], None],
+) -> Iterator[tuple]:
     """``samples`` (JPEG bytes, box, plan; then the rest), a share of them cropped to size ×
-    size pixels here and counted in ``cropped``; a JPEG PIL cannot decode stays one, for the
-    GPU's path to report."""
+    size pixels here and counted in ``cropped``; one PIL cannot decode goes to ``failed`` with
+    what went wrong instead, skipped as decode "cpu" skips it."""
     mark = time.perf_counter()
     for sample in samples:
         (raw, box, plan), *rest = sample
         if share.take():
-            with contextlib.suppress(*FAILED):
+            try:
                 sample = ((crop_on_cpu(raw, box, size), box, plan), *rest)
-                with cropped.get_lock():
-                    cropped.value += 1
+            except FAILED as e:
+                failed(sample, f"{type(e).__name__}: {e}")
+                continue
+            with cropped.get_lock():
+                cropped.value += 1
         made = time.perf_counter()
         yield sample
-        asked = time.perf_counter()
+        asked = time.perf_counter()  # (the wait includes collating the batch: a few ms of ~0.5 s here)
         share.observe(made - mark, asked - made)
         mark = asked

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from imagenet_ais.handover import Slots
-from imagenet_ais.transforms import Encoded, concat_encoded, pin_encoded, split_block, take_encoded
+from imagenet_ais.transforms import Encoded, concat_encoded, pin_encoded, pinned_copy, split_block, take_encoded
 
 
 class HostBatch(NamedTuple):
@@ -57,7 +57,9 @@ def pinned(batch: HostBatch) -> HostBatch:
     """``batch`` in pinned memory, ready for an asynchronous copy to the GPU."""
     images = batch.images
     if isinstance(images, Encoded):
-        images = images if images.blob.is_pinned() else pin_encoded(images)  # (handover.py's are)
+        # (handover.py's are pinned; rows taken out of them may not be)
+        ready = images.blob.is_pinned() and (not len(images.pixels) or images.pixels.is_pinned())
+        images = images if ready else pin_encoded(images)
     else:
-        images = torch.empty(images.shape, dtype=torch.uint8, pin_memory=True).copy_(images)
+        images = pinned_copy(images)
     return batch._replace(images=images, labels=batch.labels.pin_memory())

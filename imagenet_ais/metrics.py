@@ -160,7 +160,8 @@ class Reporter:
 def cpu_jiffies() -> tuple[int, int] | None:
     """(busy, all) time of every core together since boot, in jiffies (Linux's /proc/stat); None elsewhere."""
     try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        # user … steal: the guest columns after them are counted in user and nice already
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
     except (OSError, ValueError):
         return None
     idle = fields[3] + fields[4]  # idle, iowait

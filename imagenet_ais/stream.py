@@ -278,7 +278,7 @@ class ShardStream(IterableDataset):
             seed = f"buffer:{self.spec.seed}:{self.epoch.value}:{self.spec.rank}:{worker}"
             samples = shuffle(self.spec.shuffle, self.spec.shuffle, seed=seed)(samples)
         if self.mode != "val" and self.spec.decode != "cpu" and self.spec.cpu_share:
-            samples = offload(samples, self.share, self.size.value, self.cropped)
+            samples = offload(samples, self.share, self.size.value, self.cropped, self._crop_failed)
         return samples
 
     def _decoded(self, pieces: Iterator[Piece]) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
@@ -289,10 +289,16 @@ class ShardStream(IterableDataset):
                     image, label = self._decode(sample, train, size)
                 except (StopIteration, KeyError, ValueError, OSError, SyntaxError, Image.DecompressionBombError) as e:
                     what = "no image member" if isinstance(e, StopIteration) else f"{type(e).__name__}: {e}"
-                    where = f"{self.spec.location}/{self.spec.names[piece.shard]}"
-                    self.report(where, f"sample {sample['__key__']!r} skipped ({what})", self.skipped)
+                    self._skip(piece.shard, sample["__key__"], what)
                     continue
                 yield image, label, sample["__key__"], piece.shard, index
+
+    def _skip(self, shard: int, key: str, what: str) -> None:
+        """A sample that cannot be decoded: named once, counted, not trained on."""
+        self.report(f"{self.spec.location}/{self.spec.names[shard]}", f"sample {key!r} skipped ({what})", self.skipped)
+
+    def _crop_failed(self, sample: tuple, what: str) -> None:
+        self._skip(sample[3], sample[2], what)  # (image, label, key, shard, index)
 
     def _decode(self, sample: dict, train: bool, size: int) -> tuple[torch.Tensor | tuple, int]:
         data = next(sample[e] for e in IMAGE_EXTS if e in sample)
@@ -325,9 +331,10 @@ def collate_in_worker(samples: list[tuple], slots: Slots | None = None) -> tuple
     Measured on the GPU machine (bench/RESULTS.md): pixels passed as a tensor, i.e. in a
     fresh shared-memory block per batch, capped the main process at ~550-950 img/s, as
     every first touch of a fresh mapping faults per 4 KiB page in that VM; as a numpy array,
-    through the pipe into reused memory, they reached ~2,900 img/s end to end. JPEG bytes go
-    into one of this worker's ``slots`` (handover.py), only its number through the pipe, or
-    where there is none free, in a shared-memory block of their own. The small arrays (labels,
+    through the pipe into reused memory, they reached ~2,900 img/s end to end. JPEG bytes (and
+    after them the pixels of samples cropped here, cpu_share.py) go into one of this worker's
+    ``slots`` (handover.py), only its number through the pipe, or where there is none free, in
+    a shared-memory block of their own. The small arrays (labels,
     ids, crops) go as numpy: a shared tensor holds a file descriptor for as long as it lives,
     and the ids are kept for the whole epoch.
     """

@@ -187,12 +187,15 @@ def encode_batch(samples: list[tuple[Raw, Box]], plans: list[list[float]] | None
     """A worker's batch, JPEGs first and those decoded already last (``ordered``): sizes, boxes,
     each sample's augmentation plan (augment.py), if any, and the bytes in one block."""
     raws = [raw for raw, _ in samples]
+    jpegs = [isinstance(raw, bytes) for raw in raws]
+    if jpegs != sorted(jpegs, reverse=True):
+        raise ValueError("encode_batch: the samples decoded already must come after the JPEGs")
     return split_block(join_block(raws), *batch_crops(samples, plans), pixel_side(raws))
 
 
 def join_block(raws: list[Raw]) -> torch.Tensor:
     """``raws`` end to end in one uint8 tensor (one shared-memory block to hand over)."""
-    return torch.frombuffer(bytearray(b"".join(map(as_bytes, raws))), dtype=torch.uint8)
+    return torch.frombuffer(bytearray().join(map(as_bytes, raws)), dtype=torch.uint8)
 
 
 def as_bytes(raw: Raw) -> memoryview:
@@ -268,9 +271,12 @@ def pin_encoded(batch: Encoded) -> Encoded:
     first-touch page faults on it are not paid inside nvJPEG's call; a pinned buffer comes
     from torch's caching host allocator, i.e. is reused without faulting again.
     """
-    pinned = torch.empty(len(batch.blob), dtype=torch.uint8, pin_memory=True).copy_(batch.blob)
-    pixels = torch.empty(batch.pixels.shape, dtype=torch.uint8, pin_memory=True).copy_(batch.pixels)
-    return batch._replace(blob=pinned, pixels=pixels)
+    return batch._replace(blob=pinned_copy(batch.blob), pixels=pinned_copy(batch.pixels))
+
+
+def pinned_copy(x: torch.Tensor) -> torch.Tensor:
+    """``x`` copied into pinned (page-locked) host memory, for asynchronous copies to the GPU."""
+    return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x)
 
 
 class Decoded(NamedTuple):

@@ -24,10 +24,10 @@ from imagenet_ais.transforms import Encoded, encode_for_device
 COUNTS = [22, 21, 19]  # 62 samples: 12 batches of 5, the workers' short last ones pooled
 
 
-def shards(tmp_path) -> SplitInfo:  # type: ignore[no-untyped-def]
+def shards(tmp_path, pictures: dict[str, bytes] | None = None) -> SplitInfo:  # type: ignore[no-untyped-def]
     keys = [f"train-{s}-{i}" for s, n in enumerate(COUNTS) for i in range(n)]
-    pictures = {k: jpeg(photo(90 + i % 40, 70 + i % 30, seed=i)) for i, k in enumerate(keys)}
-    return write_shards(tmp_path, {"train": COUNTS}, pictures=pictures).split("train")
+    photos = {k: jpeg(photo(90 + i % 40, 70 + i % 30, seed=i)) for i, k in enumerate(keys)}
+    return write_shards(tmp_path, {"train": COUNTS}, pictures=photos | (pictures or {})).split("train")
 
 
 def epoch(split: SplitInfo, root: str, feeding: Feeding, decode: str = "gpu") -> tuple[dict, list[int]]:
@@ -86,14 +86,29 @@ def test_dali_decodes_the_jpegs_and_the_workers_crops_follow_them(tmp_path) -> N
     assert_same_training(got, expected)
 
 
-def test_a_jpeg_pil_cannot_decode_stays_one_for_the_gpu_path_to_report() -> None:
+def test_a_sample_pil_cannot_decode_is_skipped_as_decode_cpu_skips_it() -> None:
     good = encode_for_device(jpeg(photo(120, 100)), None)
     broken = (broken_jpeg(), good[1])
-    samples = [((raw, box, []), 0, f"k{i}", 0, i) for i, (raw, box) in enumerate([good, broken])]
-    cropped = mp.Value("q", 0)
-    out = list(offload(iter(samples), CpuShare(1.0), 16, cropped))
-    assert isinstance(out[0][0][0], np.ndarray) and out[0][0][0].shape == (16, 16, 3) and cropped.value == 1
-    assert out[1][0][0] == broken[0] and out[1][1:] == samples[1][1:]
+    samples = [((raw, box, []), 0, f"k{i}", 0, i) for i, (raw, box) in enumerate([good, broken, good])]
+    cropped, failed = mp.Value("q", 0), []
+    out = list(offload(iter(samples), CpuShare(1.0), 16, cropped, lambda s, what: failed.append((s[2], what))))
+    assert [s[2] for s in out] == ["k0", "k2"] and cropped.value == 2
+    assert all(isinstance(s[0][0], np.ndarray) and s[0][0].shape == (16, 16, 3) for s in out)
+    assert len(failed) == 1 and failed[0][0] == "k1" and failed[0][1].startswith("OSError: "), failed
+
+
+@off_the_main_thread
+def test_in_a_loader_such_a_sample_is_named_with_its_shard_and_counted_as_skipped(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    split = shards(tmp_path, pictures={"train-1-4": broken_jpeg()})
+    spec = LoaderSpec(1, 0, 5, seed=7, image_size=32, decode="gpu")
+    loader = TrainLoader(split, str(tmp_path), "exact", spec, Feeding(2, cpu_share=1.0), 16)
+    loader.set_epoch(0)
+    keys = [k for batch in loader.host_batches() for k in batch.keys]
+    assert len(keys) == 60 and "train-1-4" not in keys  # the exact epoch's 12 batches, of the 61 others
+    problem = loader.dataset.problems.get(timeout=5)
+    assert problem.startswith(f"{tmp_path}/imagenet-train-000001.tar: sample 'train-1-4' skipped (OSError: ")
+    assert loader.counters()["skipped"] == 1
+    loader.shut_down()
 
 
 class Cores:
