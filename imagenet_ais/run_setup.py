@@ -192,8 +192,9 @@ def loaders(
         device=d.device, workers=cfg.workers, cache_dir=cfg.cache_dir, cache_size=cfg.cache_size, seed=cfg.seed,
         channels_last=channels_last, manifest=manifest,
     )  # fmt: skip
+    # each epoch gets its size (--progressive) from set_epoch; the workers' buffers hold the largest's crops
     train_loader = loader(
-        "train", epoch_mode=cfg.epoch_mode, epoch_size=cfg.epoch_size, image_size=sizes[0],
+        "train", epoch_mode=cfg.epoch_mode, epoch_size=cfg.epoch_size, image_size=max(sizes),
         shuffle_buffer=cfg.shuffle_buffer, augment=Augment(cfg.auto_augment, cfg.random_erase),
         cpu_share=cfg.cpu_share,
     )  # fmt: skip
