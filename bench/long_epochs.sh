@@ -8,7 +8,7 @@
 #   bench/long_epochs.sh OUT 1,2                    # then 1 and 2 GPUs on 16 cores each, as 1- and 2-GPU nodes
 #
 # NAME=OPTIONS add end-to-end rows with these train.py options (bench/throughput.py --variant), e.g.
-# 'dali=--decode dali'. DALI's own loop (bench/dali_train.py) is left out: its reader's epochs are
+# 'dali=--decode dali', or 'noshare=--cpu-share 0' (the workers' own crops off: cpu_share.py). DALI's own loop (bench/dali_train.py) is left out: its reader's epochs are
 # passes over these 100,000 images (390 steps at 1 GPU), not ImageNet's length.
 # Python packages the host lacks come from .wheels/ when it is there (`pip download` them first:
 # webdataset, braceexpand, loguru, tenacity, py-spy). The shards stay in /tmp/long-epochs between
