@@ -5,6 +5,7 @@ follows the time a worker waits for requests."""
 from __future__ import annotations
 
 import multiprocessing as mp
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from imagenet_ais.transforms import Encoded, encode_for_device
 COUNTS = [22, 21, 19]  # 62 samples: 12 batches of 5, the workers' short last ones pooled
 
 
-def shards(tmp_path, pictures: dict[str, bytes] | None = None) -> SplitInfo:  # type: ignore[no-untyped-def]
+def shards(tmp_path: Path, pictures: dict[str, bytes] | None = None) -> SplitInfo:
     keys = [f"train-{s}-{i}" for s, n in enumerate(COUNTS) for i in range(n)]
     photos = {k: jpeg(photo(90 + i % 40, 70 + i % 30, seed=i)) for i, k in enumerate(keys)}
     return write_shards(tmp_path, {"train": COUNTS}, pictures=photos | (pictures or {})).split("train")
@@ -58,7 +59,7 @@ def assert_same_training(got: dict, expected: dict) -> None:
 
 @off_the_main_thread
 @pytest.mark.parametrize("handover", [True, False], ids=["in-the-workers-buffers", "in-blocks-of-their-own"])
-def test_half_the_samples_cropped_in_the_workers_train_as_the_gpu_path_makes_them(tmp_path, handover: bool) -> None:  # type: ignore[no-untyped-def]
+def test_half_the_samples_cropped_in_the_workers_train_as_the_gpu_path_would(tmp_path: Path, handover: bool) -> None:
     split = shards(tmp_path)
     expected, none = epoch(split, str(tmp_path), Feeding(2, handover=handover, cpu_share=0.0))
     got, cropped = epoch(split, str(tmp_path), Feeding(2, handover=handover, cpu_share=0.5))
@@ -68,7 +69,7 @@ def test_half_the_samples_cropped_in_the_workers_train_as_the_gpu_path_makes_the
 
 
 @off_the_main_thread
-def test_an_epoch_all_cropped_in_the_workers_trains_the_same(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_an_epoch_all_cropped_in_the_workers_trains_the_same(tmp_path: Path) -> None:
     split = shards(tmp_path)
     expected, _ = epoch(split, str(tmp_path), Feeding(2, cpu_share=0.0))
     got, cropped = epoch(split, str(tmp_path), Feeding(2, cpu_share=1.0))
@@ -78,7 +79,7 @@ def test_an_epoch_all_cropped_in_the_workers_trains_the_same(tmp_path) -> None: 
 
 @pytest.mark.dali
 @off_the_main_thread
-def test_dali_decodes_the_jpegs_and_the_workers_crops_follow_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_dali_decodes_the_jpegs_and_the_workers_crops_follow_them(tmp_path: Path) -> None:
     split = shards(tmp_path)
     expected, _ = epoch(split, str(tmp_path), Feeding(2, cpu_share=0.0))
     got, cropped = epoch(split, str(tmp_path), Feeding(2, handover=True, cpu_share=0.5), decode="dali")
@@ -98,7 +99,7 @@ def test_a_sample_pil_cannot_decode_is_skipped_as_decode_cpu_skips_it() -> None:
 
 
 @off_the_main_thread
-def test_in_a_loader_such_a_sample_is_named_with_its_shard_and_counted_as_skipped(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_in_a_loader_such_a_sample_is_named_with_its_shard_and_counted_as_skipped(tmp_path: Path) -> None:
     split = shards(tmp_path, pictures={"train-1-4": broken_jpeg()})
     spec = LoaderSpec(1, 0, 5, seed=7, image_size=32, decode="gpu")
     loader = TrainLoader(split, str(tmp_path), "exact", spec, Feeding(2, cpu_share=1.0), 16)
