@@ -130,6 +130,11 @@ class ShardLoader:
         self._active: Generator[Batch] | None = None
 
     @property
+    def cpu_share(self) -> float | str:
+        """The share of training samples the workers crop themselves (cpu_share.py): a number, "auto" or 0."""
+        return self._loader.spec.cpu_share
+
+    @property
     def step(self) -> int:
         """The step of its epoch the next pass starts at: 0, or where a restored state left off
         (``enumerate(loader, start=loader.step)`` counts the epoch's steps)."""

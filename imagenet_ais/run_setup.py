@@ -20,6 +20,7 @@ from torch import nn
 from imagenet_ais import checkpoint, distributed, keys_log, model, recipe, upload
 from imagenet_ais.augment import Augment
 from imagenet_ais.config import TrainConfig
+from imagenet_ais.cpu_share import AUTO
 from imagenet_ais.data import nominal_steps
 from imagenet_ais.data_health import DataHealth
 from imagenet_ais.errors import ConfigError
@@ -206,6 +207,8 @@ def loaders(
         val_loader = loader("val", image_size=val_size, val_resize_size=cfg.val_resize_size)
     workers = train_loader.workers
     per_process = f"{workers} worker{'' if workers == 1 else 's'} per process"
+    if share := train_loader.cpu_share:  # (cpu_share.py)
+        per_process += f" cropping {'a share of' if share == AUTO else f'{float(share):.0%} of'} the samples"
     return train_loader, val_loader, manifest.classes, f"{train_loader.decode} decode, {per_process}"
 
 

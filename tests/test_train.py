@@ -485,12 +485,16 @@ def test_progressive_resizing_follows_its_schedule(decode: str, tmp_path: Path) 
         decode,
         "--log-every",
         "2",
+        *(["--cpu-share", "0.5"] if decode == "gpu" else []),  # half of them cropped by the worker, at each size
     )
     records = metrics(output)
     # the sizes of the batches actually trained on, per epoch, and of the validation batches
     train = {(r["epoch"], r["image_size"]) for r in records if r["kind"] == "train"}
     assert train == {(1, 32), (2, 64), (3, 96)}
     assert [(r["image_size"], r["samples"]) for r in records if r["kind"] == "val"] == [(64, 6)] * 3
+    if decode == "gpu":
+        assert "gpu decode, 1 worker per process cropping 50% of the samples" in (output / "train.log").read_text()
+        assert [r for r in records if r["kind"] == "train"][-1]["cropped"] >= 3 * 32 // 2 - 2
 
 
 def test_a_run_shows_in_tensorboard_and_plots_to_a_png(tmp_path: Path) -> None:
