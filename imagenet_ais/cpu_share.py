@@ -65,7 +65,7 @@ class CpuShare:
         self.share = 0.0 if self.adaptive else float(share)
         self.credit = 0.0  # shares of a sample owed: one is taken whenever it reaches 1
         self.busy = self.idle = 0.0
-        self.host = cores()  # the host's cores' (busy, all) time when the window began
+        self.host = cores() if self.adaptive else None  # the host's cores' (busy, all) time when the window began
 
     def take(self) -> bool:
         """Whether to decode the next sample here."""

@@ -125,8 +125,7 @@ class _OnDevice:
         if self.dali and encoded.sizes:
             try:
                 crops = self.dali(encoded, self.dataset.size.value).permute(0, 3, 1, 2)
-                pixels = encoded.pixels.to(self.device, non_blocking=True)
-                return Decoded(crops, encoded.boxes, encoded.plans, None, pixels), batch
+                return Decoded(crops, encoded.boxes, encoded.plans, None, encoded.pixels), batch
             except DaliFailed as e:  # nvJPEG's path finds and replaces the samples that failed
                 self.dataset.report("DALI", f"could not decode a batch ({e}): nvJPEG decodes such batches", None)
         decoded = decode_encoded(encoded, self.device)
@@ -153,15 +152,15 @@ class Feeding:
     # training's JPEG bytes cross in the workers' shared buffers (handover.py); None: on CUDA,
     # where the GPU copies from them directly (elsewhere the device path is the tests')
     handover: bool | None = None
-    # of training's samples, cropped in the workers (cpu_share.py): a share, "auto", or None:
-    # "auto" on CUDA (elsewhere the device is the CPU too), nothing without workers
-    cpu_share: float | str | None = None
+    # of training's samples, cropped in the workers (cpu_share.py): a share, or "auto": on CUDA
+    # only (elsewhere the device is the CPU too); nothing without workers
+    cpu_share: float | str = AUTO
 
     def share(self) -> float | str:
         """The share of training's samples the workers crop, or "auto" (cpu_share.py)."""
-        if not self.workers:
+        if not self.workers or (self.cpu_share == AUTO and self.device.type != "cuda"):
             return 0.0
-        return (AUTO if self.device.type == "cuda" else 0.0) if self.cpu_share is None else self.cpu_share
+        return self.cpu_share
 
 
 class _ShardLoader:
@@ -176,16 +175,17 @@ class _ShardLoader:
             cache = ShardCache(Path(spec.cache.root), location, spec.cache.max_bytes, shards)
         names, counts = [s.name for s in split.shards], [s.samples for s in split.shards]
         listed = [(s.bytes, s.sha256) for s in split.shards]
+        encoded = spec.decode != "cpu" and mode != "val"  # training's batches cross as JPEG bytes and crops
         self.spec = StreamSpec(
             **vars(spec), location=location, names=names, counts=counts, listed=listed, shard_cache=cache,
-            shuffle=shuffle, cpu_share=feeding.share() if spec.decode != "cpu" and mode != "val" else 0.0,
+            shuffle=shuffle, cpu_share=feeding.share() if encoded else 0.0,
         )  # fmt: skip
         self.dataset = ShardStream(self.spec, mode)
         _exit_hook()
         self.device, self.pin = feeding.device, feeding.device.type == "cuda"
         self.slots = None  # training's JPEG bytes cross in place (validation's the usual way: it is rare)
         handover = self.pin if feeding.handover is None else feeding.handover
-        if handover and feeding.workers and spec.decode != "cpu" and mode != "val":
+        if handover and feeding.workers and encoded:
             share = self.spec.cpu_share
             cropped = (LIMIT if share == AUTO else float(share)) * 3 * spec.image_size**2  # (cpu_share.py's pixels)
             sample_bytes = split.bytes / max(1, split.samples) + cropped

@@ -95,10 +95,10 @@ class Slots:
         held[index] = 1
         return index
 
-    def read(self, index: int, nbytes: int) -> torch.Tensor:
-        """(In the training process) the first ``nbytes`` of buffer ``index``, in place: the
-        buffer is free again once this tensor and every view of it are gone."""
-        array = self.buffers[index].numpy()[:nbytes]
+    def read(self, index: int) -> torch.Tensor:
+        """(In the training process) buffer ``index``, in place: it is free again once this
+        tensor and every view of it are gone."""
+        array = self.buffers[index].numpy()[:]  # (a view of its own, for the finalizer)
         self.reading.add(index)
         weakref.finalize(array, self._free, index)  # (the tensors' storage holds the array)
         return torch.from_numpy(array)

@@ -27,7 +27,7 @@ def received(slots: Slots | None, batch: tuple) -> HostBatch:
     else:
         block, sizes, boxes, plans, side = pixels
         if isinstance(block, int):  # written into the worker's buffer ``block``, read there
-            block = slots.read(block, sum(sizes) + (len(boxes) - len(sizes)) * side * side * 3)  # type: ignore[union-attr]
+            block = slots.read(block)  # type: ignore[union-attr]
         images = split_block(block, sizes, torch.from_numpy(boxes), torch.from_numpy(plans), side)
     return HostBatch(images, torch.from_numpy(labels), keys, torch.from_numpy(ids))
 

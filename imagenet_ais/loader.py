@@ -111,8 +111,7 @@ class ShardLoader:
             world_size, rank, batch_size, seed, image_size, self.decode, len(manifest.classes),
             CacheSpec(cache_dir, cache_size) if cache_dir else None, augment=augment,
         )  # fmt: skip
-        share = None if cpu_share == AUTO else checked(cpu_share)  # (None: "auto" where there is a GPU)
-        feeding = Feeding(self.workers, device, channels_last, cpu_share=share)
+        feeding = Feeding(self.workers, device, channels_last, cpu_share=checked(cpu_share))
         data = manifest.split(split)
         self._loader: TrainLoader | ValLoader
         if split == "train":

@@ -224,7 +224,7 @@ def batch_crops(
 
 
 def split_block(block: torch.Tensor, sizes: list[int], boxes: torch.Tensor, plans: torch.Tensor, side: int) -> Encoded:
-    """The batch whose JPEGs (``sizes``) and then pixels (the other rows, ``side`` a side) are ``block``."""
+    """The batch whose JPEGs (``sizes``) and then pixels (the other rows, ``side`` a side) begin ``block``."""
     jpeg = sum(sizes)
     count = len(boxes) - len(sizes)
     pixels = block[jpeg : jpeg + count * side * side * 3].view(count, side, side, 3) if count else NO_PIXELS
@@ -286,7 +286,7 @@ class Decoded(NamedTuple):
     boxes: torch.Tensor  # the crop of each sample (its flip only, once cropped)
     plans: torch.Tensor  # its augmentation (augment.py)
     rows: list[int] | None  # None, or which sample each row is (failures replaced by others)
-    pixels: torch.Tensor = NO_PIXELS  # the samples after ``images``: cropped in the workers, on the device
+    pixels: torch.Tensor = NO_PIXELS  # the samples after ``images``: cropped in the workers, still on the host
 
 
 def decode_on_device(
@@ -303,11 +303,10 @@ def decode_on_device(
 
 def decode_encoded(batch: Encoded, device: torch.device) -> Decoded:
     images, rows = _decode(list(batch.blob.split(batch.sizes)), device) if batch.sizes else ([], None)
-    pixels = batch.pixels.to(device, non_blocking=True)
     if rows:
         rows += range(len(images), len(batch.boxes))  # (the pixels' rows stay theirs)
-        return Decoded(images, batch.boxes[rows], batch.plans[rows], rows, pixels)
-    return Decoded(images, batch.boxes, batch.plans, None, pixels)
+        return Decoded(images, batch.boxes[rows], batch.plans[rows], rows, batch.pixels)
+    return Decoded(images, batch.boxes, batch.plans, None, batch.pixels)
 
 
 def crop_decoded(
@@ -317,7 +316,8 @@ def crop_decoded(
     boxes, images = decoded.boxes, decoded.images
     out = images if isinstance(images, torch.Tensor) else _resize_crops(images, boxes[: len(images)], size, device)
     if len(decoded.pixels):
-        out = torch.cat([out, decoded.pixels.permute(0, 3, 1, 2).to(out.dtype)])
+        pixels = decoded.pixels.to(device, non_blocking=True).permute(0, 3, 1, 2)
+        out = torch.cat([out, pixels.to(out.dtype)])
     flip = boxes[:, 4].bool().to(device, non_blocking=True).view(-1, 1, 1, 1)
     out = augment.apply(torch.where(flip, out.flip(-1), out).float(), decoded.plans)
     mean, std = _mean_std(device)
