@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Generator, Iterator
 from typing import Any
 
@@ -32,7 +33,7 @@ from imagenet_ais.config import DECODES, EPOCH_MODES
 from imagenet_ais.cpu_share import AUTO, checked
 from imagenet_ais.dali_crops import available as dali_available
 from imagenet_ais.data import Batch, Feeding, TrainLoader, ValLoader
-from imagenet_ais.distributed import auto_workers, gather_objects
+from imagenet_ais.distributed import WORK_QUEUES, auto_workers, gather_objects
 from imagenet_ais.errors import ConfigError, DataError
 from imagenet_ais.manifest import Manifest, load_manifest
 from imagenet_ais.sampling import merge_positions
@@ -101,6 +102,8 @@ class ShardLoader:
         if epoch_mode not in EPOCH_MODES:
             raise ConfigError(f"epoch mode {epoch_mode!r}: use one of {', '.join(EPOCH_MODES)}")
         self.decode = _decode(decode, device)
+        if device.type == "cuda" and self.decode != "cpu" and (warning := few_queues()):
+            warnings.warn(warning, stacklevel=2)
         if cache_size is not None and not cache_dir:
             raise ConfigError("--cache-size bounds --cache-dir: give --cache-dir too")
         manifest = manifest or load_manifest(open_store(location))
@@ -281,6 +284,19 @@ def _topology(rank: int | None, world: int | None) -> tuple[int, int]:
 
 def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def few_queues() -> str | None:
+    """Why the GPU decode would run slowly beside training in this process, if it would: CUDA's
+    default 8 work queues (or fewer) make its kernels wait behind the step's, which halved it
+    (bench/RESULTS.md runs L, AM). train.py asks for 32; a library leaves your process alone."""
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    if value.isdigit() and int(value) >= int(WORK_QUEUES):
+        return None
+    return (
+        f"CUDA_DEVICE_MAX_CONNECTIONS is {value}: the GPU decode beside training runs at half speed or less; "
+        f"set it to {WORK_QUEUES} before CUDA starts (train.py does)"
+    )
 
 
 def _decode(decode: str, device: torch.device) -> str:

@@ -14,6 +14,7 @@ from torch import nn
 
 from imagenet_ais import ShardLoader, StateMismatch
 from imagenet_ais.errors import ConfigError
+from imagenet_ais.loader import few_queues
 
 SHARDS = [20, 13, 7, 24]  # 64 samples: 8 steps of 8 on one rank, 4 on two
 ALL = {f"train-{s}-{i}" for s, n in enumerate(SHARDS) for i in range(n)}
@@ -111,6 +112,16 @@ def test_validation_reads_every_sample_once_and_wrong_settings_are_one_line(data
         ShardLoader(data, "train", 8, rank=2, world_size=2, **OPTIONS)
     with pytest.raises(ConfigError, match="epoch mode 'exactly'"):
         ShardLoader(data, "train", 8, rank=0, world_size=1, **{**OPTIONS, "epoch_mode": "exactly"})
+
+
+def test_cuda_left_at_its_default_work_queues_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ShardLoader warns with this on a GPU: the decode's kernels would wait behind the step's
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS is 8: the GPU decode" in str(few_queues())
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as some model-parallel recipes set it
+    assert "is 1:" in str(few_queues())
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    assert few_queues() is None
 
 
 def test_lightning_resumes_mid_epoch_with_each_sample_of_the_epoch_once(data: str, tmp_path: Path) -> None:
