@@ -66,12 +66,14 @@ def test_ray_with_token_auth_survives_a_lost_worker_and_leaves_the_cluster_runni
         env = {**tiny_run_env(data, output), "HOME": str(home), "RAY_ADDRESS": address, "RAY_WORKERS": "2"}
         env["TRAIN_EXTRA"] = "--log-every 2 --checkpoint-every 2 --epochs 2"
 
-        # without the token: one line saying what to set, nothing trained
-        refused = run_cli(ROOT / "run", "ray", env=env, check=False)
-        lines = refused.stderr.strip().splitlines()
-        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
-        assert "authentication" in lines[-1] and "RAY_AUTH_TOKEN_PATH" in lines[-1], refused.stderr
-        assert not (output / "metrics.jsonl").exists()
+        # Without the token: one line saying what to set, nothing trained. Beside the run with the
+        # token, in a thread: Ray takes ~20 s of retries to give up, mostly waiting.
+        refused_env = {**env, "OUTPUT": str(tmp_path / "refused")}
+        refusals: list[subprocess.CompletedProcess] = []
+        refuser = threading.Thread(
+            target=lambda: refusals.append(run_cli(ROOT / "run", "ray", env=refused_env, check=False))
+        )
+        refuser.start()
 
         # with the token file only (the driver turns token mode on); one worker is killed mid-run
         killed: list[int] = []
@@ -81,6 +83,12 @@ def test_ray_with_token_auth_survives_a_lost_worker_and_leaves_the_cluster_runni
             out = run_cli(ROOT / "run", "ray", env={**env, "RAY_AUTH_TOKEN_PATH": str(token)})
         finally:
             killer.join()
+            refuser.join()
+        (refused,) = refusals
+        lines = refused.stderr.strip().splitlines()
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+        assert "authentication" in lines[-1] and "RAY_AUTH_TOKEN_PATH" in lines[-1], refused.stderr
+        assert not (tmp_path / "refused" / "metrics.jsonl").exists()
         log = out.stdout + out.stderr
         assert killed, "no Ray Train worker was found to kill"
 
