@@ -8,7 +8,9 @@ of 500×375 q95 JPEGs (no DataLoader: the GPU side alone), beside either
 - `--sms N,...`: a training step (a CUDA graph of a torchvision ResNet, bf16, channels_last, SGD)
   on the whole GPU (0) or confined to a CUDA green context of N SMs: the step alone (its
   ceiling there) and the step fed, with each feed stage's busy seconds;
-- `--loads KIND:N,...`: matmuls or device-memory copies on N SMs (0: all): the feed's rate.
+- `--loads KIND:N,...`: matmuls or device-memory copies on N SMs (0: all): the feed's rate;
+- `--feeds N`: nothing but N processes, each with a feed of its own, at once: their rates, and
+  the GPU's JPEG engines' utilisation (`nvidia-smi dmon`).
 
 Each case prints the GPU's clocks, power, temperature and throttle reasons. CUDA gets 32 work
 queues as train.py gives it (distributed.WORK_QUEUES) unless CUDA_DEVICE_MAX_CONNECTIONS is set.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import io
 import itertools
+import multiprocessing as mp
 import os
 import random
 import subprocess
@@ -129,6 +132,45 @@ def feed(batches: list[Encoded]) -> DeviceFeed:
     return DeviceFeed(itertools.cycle(batches), stages, DEVICE, ahead=4)
 
 
+def feed_alone(batches: list[Encoded], seconds: float) -> float:
+    """The feed's images a second with nothing beside it, after a second's warm-up."""
+    source = feed(batches)
+    try:
+        for warm in (True, False):
+            start, n = time.perf_counter(), 0
+            while time.perf_counter() - start < (1.0 if warm else seconds):
+                next(source)
+                n += 1
+    finally:
+        source.close()
+    return n * len(batches[0].sizes) / (time.perf_counter() - start)
+
+
+def feeds_at_once(count: int, images: list[bytes], batch: int, seconds: float) -> Iterator[str]:
+    """``count`` processes, each with its feed alone on the GPU at the same time (each its own
+    nvJPEG decoder: torchvision decodes one batch at a time per process): is the decode bound by
+    the process or by the GPU's JPEG engines? With the engines' utilisation meanwhile."""
+    spawn = mp.get_context("spawn")
+    start, results = spawn.Barrier(count + 1), spawn.Queue()
+    jobs = [spawn.Process(target=_feed_process, args=(images, batch, seconds, start, results)) for _ in range(count)]
+    for job in jobs:
+        job.start()
+    start.wait(timeout=600)  # (a process that died first breaks it)
+    time.sleep(1 + seconds / 3)
+    usage = subprocess.run(["nvidia-smi", "dmon", "-s", "u", "-c", "3"], capture_output=True, text=True).stdout
+    rates = [results.get(timeout=seconds + 120) for _ in jobs]
+    for job in jobs:
+        job.join()
+    yield f"{count} feeds at once: {sum(rates):,.0f} img/s ({', '.join(f'{r:,.0f}' for r in rates)})"
+    yield from ("  " + line for line in usage.splitlines())
+
+
+def _feed_process(images: list[bytes], batch: int, seconds: float, start: Any, results: Any) -> None:
+    batches = host_batches(images, batch)
+    start.wait(timeout=600)
+    results.put(feed_alone(batches, seconds))
+
+
 def gpu_state() -> str:
     query = "clocks.sm,clocks.max.sm,clocks.video,power.draw,temperature.gpu,clocks_event_reasons.active"
     got = subprocess.run(
@@ -229,23 +271,23 @@ def main() -> None:
     parser.add_argument("--sms", default="0", help="the step's SMs per case; 0: all")
     parser.add_argument("--seconds", type=float, default=12.0)
     parser.add_argument("--images", type=int, default=4096)
+    parser.add_argument("--feeds", type=int, default=0, help="N processes feeding alone at once instead")
     parser.add_argument("--loads", default="", help="e.g. matmul:0,copy:88: the feed alone beside these instead")
     args = parser.parse_args()
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", WORK_QUEUES)  # before CUDA starts
     print(f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ['CUDA_DEVICE_MAX_CONNECTIONS']}")
-    batches = host_batches(jpegs(args.images), args.batch)
+    images = jpegs(args.images)
+    if args.feeds:
+        for line in feeds_at_once(args.feeds, images, args.batch, args.seconds):
+            print(line, flush=True)
+        return
+    batches = host_batches(images, args.batch)
     props = torch.cuda.get_device_properties(0)
     kb = sum(len(b.blob) for b in batches) / args.images / 1e3
     print(
         f"{props.name}, {props.multi_processor_count} SMs; {len(batches)} batches of {args.batch} ({kb:.0f} kB a JPEG)"
     )
-    source = feed(batches)
-    t0, n = time.perf_counter(), 0
-    while time.perf_counter() - t0 < args.seconds / 2:
-        next(source)
-        n += 1
-    source.close()
-    print(f"feed alone: {n * args.batch / (time.perf_counter() - t0):,.0f} img/s; gpu: {gpu_state()}")
+    print(f"feed alone: {feed_alone(batches, args.seconds / 2):,.0f} img/s; gpu: {gpu_state()}")
     for load in filter(None, args.loads.split(",")):
         kind, sms = load.split(":")
         for line in loaded(kind, int(sms), batches, args.seconds):
