@@ -271,7 +271,9 @@ class _ShardLoader:
     def _on_device(self, batches: Iterator[HostBatch], ahead: int) -> Iterator[tuple[Batch, torch.Tensor]]:
         feed = self.feed = DeviceFeed(batches, self.to_device.stages(), self.device, ahead, self.interrupted)
         try:
-            yield from feed
+            for item in feed:
+                self.dataset.starved.value = feed.starved  # (for the workers' crops: cpu_share.py)
+                yield item
         finally:
             # bounded: a pull thread can wait for ever on a worker whose read never returns (a
             # stalled mount); left behind, it ends with the workers, at the latest at exit

@@ -9,6 +9,7 @@ end-to-end limit. On CUDA the device work goes on a high-priority side stream.
 
 ``busy()`` tells how long each thread spent working (the pulling thread: getting a batch,
 waiting on the workers included): the stage near 100% of the wall time is the limit.
+``starved`` is the share of its time the consumer recently spent waiting for items.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 _END = object()
+STARVED_SECONDS = 5.0  # what ``starved`` averages over
 _live: weakref.WeakSet[DeviceFeed] = weakref.WeakSet()
 
 Stage = tuple[str, Callable[[Any], Any]]
@@ -72,6 +74,10 @@ class DeviceFeed:
         self.queues: list[queue.Queue] = [queue.Queue(maxsize=2) for _ in stages] + [queue.Queue(maxsize=ahead)]
         self.stopping = threading.Event()
         self.seconds = {"host": 0.0, **{name: 0.0 for name, _ in stages}}
+        # the consumer's share of time waiting for items: its mean so far, over the last
+        # STARVED_SECONDS or so once it has run that long (1 until an item is handed over)
+        self.starved, self._began = 1.0, time.monotonic()
+        self._handed = self._began
         self.threads = [threading.Thread(target=self._pull, name="host-batches", daemon=True)]
         self.threads += [
             threading.Thread(target=self._stage, args=(i, name, fn), name=f"feed-{name}", daemon=True)
@@ -150,6 +156,7 @@ class DeviceFeed:
             except queue.Empty:
                 if self.interrupted and self.interrupted(time.monotonic() - start):
                     raise Interrupted from None
+        self._waited(time.monotonic() - start)
         if item is _END:
             self.close()
             raise StopIteration
@@ -164,6 +171,14 @@ class DeviceFeed:
                 # written into it while the step's kernels may still read it
                 t.record_stream(current)
         return item
+
+    def _waited(self, seconds: float) -> None:
+        """The consumer waited ``seconds`` for this item: fold it into ``starved``."""
+        now = time.monotonic()
+        span, self._handed = now - self._handed, now  # since it had the last one: its own work, then the wait
+        if span > 0:
+            weight = span / min(STARVED_SECONDS, now - self._began)
+            self.starved += min(1.0, weight) * (min(1.0, seconds / span) - self.starved)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the threads (each finishes the item in hand first); give up after ``timeout`` seconds."""

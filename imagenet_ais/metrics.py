@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -157,12 +158,28 @@ class Reporter:
                 log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
 
 
-def cpu_jiffies() -> tuple[int, int] | None:
-    """(busy, all) time of every core together since boot, in jiffies (Linux's /proc/stat); None elsewhere."""
+def cpu_jiffies(cpus: Collection[int] | None = None) -> tuple[int, int] | None:
+    """(busy, all) time since boot, in jiffies, of ``cpus`` (numbers, as ``os.sched_getaffinity``
+    gives them) or of every core together (Linux's /proc/stat); None elsewhere."""
     try:
+        lines = Path("/proc/stat").read_text().splitlines()
         # user … steal: the guest columns after them are counted in user and nice already
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
+        rows = [[int(v) for v in line.split()[1:9]] for line in lines if _counted(line.split(maxsplit=1)[0], cpus)]
+    except (OSError, ValueError, IndexError):
         return None
-    idle = fields[3] + fields[4]  # idle, iowait
-    return sum(fields) - idle, sum(fields)
+    if not rows:
+        return None
+    busy = sum(sum(r) - r[3] - r[4] for r in rows)  # less idle and iowait
+    return busy, sum(map(sum, rows))
+
+
+def _counted(name: str, cpus: Collection[int] | None) -> bool:
+    if cpus is None:
+        return name == "cpu"
+    return name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus
+
+
+def own_cpu_jiffies() -> tuple[int, int] | None:
+    """``cpu_jiffies`` of the CPUs this process may run on (its affinity: taskset's, Slurm's
+    binding): a job bound to 8 of 16 cores has them full while the host's are half idle."""
+    return cpu_jiffies(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None)

@@ -165,6 +165,7 @@ class ShardStream(IterableDataset):
         self.unread = mp.Value("q", 0)  # the samples those shards list that were not read
         self.drawn = mp.Value("q", 0)  # the samples listed by every shard piece a worker set out to read
         self.cropped = mp.Value("q", 0)  # training samples the workers cropped themselves (cpu_share.py)
+        self.starved = mp.Value("d", 1.0)  # the training step's recent share of time waiting for batches (feed.py)
         self._failing = 0  # (per worker) shard reads that failed in a row, nothing read from them
         self.problems: mp.Queue = mp.Queue()  # "where: what" lines, for the training process to name
         self._told: set[str] = set()  # (per worker) shards already reported
@@ -172,7 +173,7 @@ class ShardStream(IterableDataset):
         # resampled streams fresh ones); set before the workers start, so even persistent
         # workers see it
         self.resumed: tuple[int, Done, str] = (-1, {}, "")
-        self.share = CpuShare(spec.cpu_share)  # (per worker, kept from epoch to epoch)
+        self.share = CpuShare(spec.cpu_share, starved=self.starved)  # (per worker, kept from epoch to epoch)
 
     def _done(self) -> tuple[Done, str]:
         """What a resumed epoch leaves out, and how its resampled streams are told apart."""

@@ -5,6 +5,7 @@ follows the time a worker waits for requests."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +16,11 @@ from test_dali_crops import broken_jpeg
 from test_handover import off_the_main_thread
 from test_transforms import jpeg, photo, pixels
 
-from imagenet_ais.cpu_share import AUTO, GAIN, HOST_BUSY, IDLE, LIMIT, CpuShare, checked, offload
+from imagenet_ais.cpu_share import AUTO, GAIN, HOST_BUSY, IDLE, LIMIT, STARVED, CpuShare, checked, offload
 from imagenet_ais.data import Feeding, TrainLoader
 from imagenet_ais.errors import ConfigError
 from imagenet_ais.manifest import SplitInfo
+from imagenet_ais.metrics import cpu_jiffies, own_cpu_jiffies
 from imagenet_ais.stream import LoaderSpec
 from imagenet_ais.transforms import Encoded, encode_for_device
 
@@ -153,6 +155,28 @@ def test_auto_gives_back_while_the_hosts_cores_are_taken_even_if_it_waits() -> N
     share.observe(0.0, 1.0)
     assert share.share == LIMIT
     assert CpuShare(AUTO, lambda: None).host_busy() == 0  # no /proc/stat: the workers' wait decides alone
+
+
+def test_auto_gives_back_while_the_training_step_does_not_wait_for_batches() -> None:
+    starved = mp.Value("d", 0.5)  # as the training process sets it (feed.DeviceFeed.starved)
+    share = CpuShare(AUTO, Cores(busy=0.5), starved)
+    for _ in range(10):
+        share.observe(0.2, 0.8)
+    assert share.share == LIMIT
+    starved.value = STARVED - 0.01  # the feed keeps up: crops here would only take the step's cores
+    share.observe(0.0, 1.0)
+    assert share.share == pytest.approx(LIMIT - GAIN * IDLE)
+    starved.value = STARVED
+    share.observe(0.0, 1.0)
+    assert share.share == LIMIT
+
+
+def test_the_cap_counts_the_cores_this_job_may_run_on() -> None:
+    os_cpus = sorted(os.sched_getaffinity(0))
+    one, every = cpu_jiffies({os_cpus[0]}), cpu_jiffies()
+    assert one and every and one[1] < every[1]  # a core's time, not the host's
+    assert own_cpu_jiffies() == pytest.approx(cpu_jiffies(set(os_cpus)), rel=0.01)
+    assert cpu_jiffies({10_000}) is None  # no such core
 
 
 def test_a_fixed_share_takes_exactly_that_many_and_does_not_move() -> None:

@@ -47,6 +47,22 @@ def test_stages_overlap_in_threads_of_their_own_and_say_how_busy_they_were() -> 
     assert feed.busy() == {"host": 0.0, "first": 0.0, "second": 0.0}  # reset once read
 
 
+def slowly(item: int) -> tuple[torch.Tensor, int]:
+    time.sleep(0.03)
+    return as_tensor(item)
+
+
+def test_starved_says_how_much_of_its_time_the_consumer_waits() -> None:
+    # (cpu_share.py's workers crop only while the training step waits for batches)
+    waiting = DeviceFeed(iter(range(40)), [("prepare", slowly)], CPU, ahead=2)
+    for _ in waiting:
+        pass  # the producer is the limit
+    fed = DeviceFeed(iter(range(40)), [("prepare", as_tensor)], CPU, ahead=2)
+    for _ in fed:
+        time.sleep(0.03)  # the consumer is
+    assert waiting.starved > 0.7 and fed.starved < 0.3, (waiting.starved, fed.starved)
+
+
 def test_an_error_while_pulling_items_reaches_the_consumer() -> None:
     def items() -> Iterator[int]:
         yield 1
