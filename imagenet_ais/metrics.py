@@ -164,7 +164,7 @@ def cpu_jiffies(cpus: Collection[int] | None = None) -> tuple[int, int] | None:
     try:
         lines = Path("/proc/stat").read_text().splitlines()
         # user … steal: the guest columns after them are counted in user and nice already
-        rows = [[int(v) for v in line.split()[1:9]] for line in lines if _counted(line.split(maxsplit=1)[0], cpus)]
+        rows = [[int(v) for v in line.split()[1:9]] for line in lines if _counted(line.partition(" ")[0], cpus)]
     except (OSError, ValueError, IndexError):
         return None
     if not rows:
