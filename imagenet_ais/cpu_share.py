@@ -12,10 +12,11 @@ the resampling, as between decode "cpu" and "gpu").
 waited for the training process to ask for more with IDLE, and moves its share by GAIN times
 the difference, between 0 and LIMIT. A worker that waits takes more; one that is late gives
 some back to the GPU. Every worker gives back, as if it had not waited at all, while the
-training step waits for batches less than STARVED of its time (the feed keeps up: crops here
-cannot make the step faster, only take cores from it), and while the cores this job may run on
-are over HOST_BUSY busy (a training process short of CPU makes its workers wait too). A fixed
-share (``--cpu-share 0.2``) does none of this.
+training step waits for batches less than STARVED of its time (the training loop's time blocked
+for its next batch, feed.DeviceFeed.starved: the feed keeps up, and crops here cannot make the
+step faster, only take cores from it), and while the cores this job may run on are over
+HOST_BUSY busy (a training process short of CPU makes its workers wait too). A fixed share
+(``--cpu-share 0.2``) does none of this.
 
 Measured on one H200 with 16 cores (bench/RESULTS.md run AL), ResNet-18 bs512: "auto" settled at
 0.08-0.09 of the samples, 0.706-0.719 of the ceiling against 0.658-0.694 without; workers kept
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from ctypes import c_double
 from multiprocessing.sharedctypes import Synchronized
 
 from PIL import Image
@@ -71,13 +73,13 @@ class CpuShare:
         self,
         share: float | str,
         cores: Callable[[], tuple[int, int] | None] = own_cpu_jiffies,
-        starved: Synchronized[float] | None = None,
+        starved: c_double | None = None,
     ):
         self.adaptive, self.cores, self.starved = share == AUTO, cores, starved
         self.share = 0.0 if self.adaptive else float(share)
         self.credit = 0.0  # shares of a sample owed: one is taken whenever it reaches 1
         self.busy = self.idle = 0.0
-        self.host = cores() if self.adaptive else None  # the host's cores' (busy, all) time when the window began
+        self.host = cores() if self.adaptive else None  # the job's cores' (busy, all) time when the window began
 
     def take(self) -> bool:
         """Whether to decode the next sample here."""

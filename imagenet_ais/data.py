@@ -269,7 +269,8 @@ class _ShardLoader:
         return host_batch.pinned(batch) if self.pin else batch
 
     def _on_device(self, batches: Iterator[HostBatch], ahead: int) -> Iterator[tuple[Batch, torch.Tensor]]:
-        feed = self.feed = DeviceFeed(batches, self.to_device.stages(), self.device, ahead, self.interrupted)
+        starved = self.dataset.starved.value  # (the last epoch's: a new feed's first item waits for the workers)
+        feed = self.feed = DeviceFeed(batches, self.to_device.stages(), self.device, ahead, self.interrupted, starved)
         try:
             for item in feed:
                 self.dataset.starved.value = feed.starved  # (for the workers' crops: cpu_share.py)

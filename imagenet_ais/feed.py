@@ -9,7 +9,8 @@ end-to-end limit. On CUDA the device work goes on a high-priority side stream.
 
 ``busy()`` tells how long each thread spent working (the pulling thread: getting a batch,
 waiting on the workers included): the stage near 100% of the wall time is the limit.
-``starved`` is the share of its time the consumer recently spent waiting for items.
+``starved`` is the share of its time the consumer recently spent blocked waiting for items (for
+a training loop: its time in ``next``, not the GPU's idle time).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class DeviceFeed:
         device: torch.device,
         ahead: int = 2,
         interrupted: Callable[[float], bool] | None = None,
+        starved: float = 1.0,
     ):
         self.items, self.device, self.interrupted = items, device, interrupted
         # high priority: a batch's few small kernels need not queue behind the step's
@@ -74,10 +76,12 @@ class DeviceFeed:
         self.queues: list[queue.Queue] = [queue.Queue(maxsize=2) for _ in stages] + [queue.Queue(maxsize=ahead)]
         self.stopping = threading.Event()
         self.seconds = {"host": 0.0, **{name: 0.0 for name, _ in stages}}
-        # the consumer's share of time waiting for items: its mean so far, over the last
-        # STARVED_SECONDS or so once it has run that long (1 until an item is handed over)
-        self.starved, self._began = 1.0, time.monotonic()
-        self._handed = self._began
+        # the consumer's share of time waiting for items: ``starved`` as given until the second
+        # item (the first one's wait is the producer starting up), then its mean since the first,
+        # over the last STARVED_SECONDS or so once it has run that long
+        self.starved = starved
+        self._began: float | None = None  # when the first item was handed over
+        self._handed = 0.0  # when the last one was
         self.threads = [threading.Thread(target=self._pull, name="host-batches", daemon=True)]
         self.threads += [
             threading.Thread(target=self._stage, args=(i, name, fn), name=f"feed-{name}", daemon=True)
@@ -156,7 +160,8 @@ class DeviceFeed:
             except queue.Empty:
                 if self.interrupted and self.interrupted(time.monotonic() - start):
                     raise Interrupted from None
-        self._waited(time.monotonic() - start)
+        now = time.monotonic()
+        self._waited(now - start, now)
         if item is _END:
             self.close()
             raise StopIteration
@@ -172,11 +177,12 @@ class DeviceFeed:
                 t.record_stream(current)
         return item
 
-    def _waited(self, seconds: float) -> None:
-        """The consumer waited ``seconds`` for this item: fold it into ``starved``."""
-        now = time.monotonic()
+    def _waited(self, seconds: float, now: float) -> None:
+        """The consumer waited ``seconds`` for the item handed over at ``now``: fold it into ``starved``."""
         span, self._handed = now - self._handed, now  # since it had the last one: its own work, then the wait
-        if span > 0:
+        if self._began is None:
+            self._began = now
+        elif span > 0:
             weight = span / min(STARVED_SECONDS, now - self._began)
             self.starved += min(1.0, weight) * (min(1.0, seconds / span) - self.starved)
 

@@ -290,7 +290,7 @@ def few_queues() -> str | None:
     """Why the GPU decode would run slowly beside training in this process, if it would: CUDA's
     default 8 work queues (or fewer) make its kernels wait behind the step's, which halved it
     (bench/RESULTS.md runs L, AM). train.py asks for 32; a library leaves your process alone."""
-    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8").strip()
     if value.isdigit() and int(value) >= int(WORK_QUEUES):
         return None
     return (

@@ -167,8 +167,8 @@ def cpu_jiffies(cpus: Collection[int] | None = None) -> tuple[int, int] | None:
         rows = [[int(v) for v in line.split()[1:9]] for line in lines if _counted(line.partition(" ")[0], cpus)]
     except (OSError, ValueError, IndexError):
         return None
-    if not rows:
-        return None
+    if not rows:  # (a container whose /proc/stat numbers its own cores from 0: all of them, then)
+        return cpu_jiffies() if cpus is not None else None
     busy = sum(sum(r) - r[3] - r[4] for r in rows)  # less idle and iowait
     return busy, sum(map(sum, rows))
 

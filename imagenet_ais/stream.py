@@ -165,7 +165,9 @@ class ShardStream(IterableDataset):
         self.unread = mp.Value("q", 0)  # the samples those shards list that were not read
         self.drawn = mp.Value("q", 0)  # the samples listed by every shard piece a worker set out to read
         self.cropped = mp.Value("q", 0)  # training samples the workers cropped themselves (cpu_share.py)
-        self.starved = mp.Value("d", 1.0)  # the training step's recent share of time waiting for batches (feed.py)
+        # the training step's recent share of time waiting for batches (feed.py); no lock: one
+        # writer, and a worker killed while holding one would stop the training loop's next write
+        self.starved = mp.Value("d", 1.0, lock=False)
         self._failing = 0  # (per worker) shard reads that failed in a row, nothing read from them
         self.problems: mp.Queue = mp.Queue()  # "where: what" lines, for the training process to name
         self._told: set[str] = set()  # (per worker) shards already reported

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -115,7 +116,7 @@ def test_in_a_loader_such_a_sample_is_named_with_its_shard_and_counted_as_skippe
 
 
 class Cores:
-    """The host's cores' (busy, all) time, advanced by each reading: ``busy`` of it busy."""
+    """The job's cores' (busy, all) time, advanced by each reading: ``busy`` of it busy."""
 
     def __init__(self, busy: float) -> None:
         self.busy, self.now = busy, (0, 0)
@@ -158,7 +159,7 @@ def test_auto_gives_back_while_the_hosts_cores_are_taken_even_if_it_waits() -> N
 
 
 def test_auto_gives_back_while_the_training_step_does_not_wait_for_batches() -> None:
-    starved = mp.Value("d", 0.5)  # as the training process sets it (feed.DeviceFeed.starved)
+    starved = mp.Value("d", 0.5, lock=False)  # as the training process sets it (feed.DeviceFeed.starved)
     share = CpuShare(AUTO, Cores(busy=0.5), starved)
     for _ in range(10):
         share.observe(0.2, 0.8)
@@ -171,12 +172,25 @@ def test_auto_gives_back_while_the_training_step_does_not_wait_for_batches() -> 
     assert share.share == LIMIT
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: its time is the host's")
 def test_the_cap_counts_the_cores_this_job_may_run_on() -> None:
     os_cpus = sorted(os.sched_getaffinity(0))
     one, every = cpu_jiffies({os_cpus[0]}), cpu_jiffies()
     assert one and every and one[1] < every[1]  # a core's time, not the host's
     assert own_cpu_jiffies() == pytest.approx(cpu_jiffies(set(os_cpus)), rel=0.01)
-    assert cpu_jiffies({10_000}) is None  # no such core
+    # no such core in /proc/stat (a container numbering its own from 0): all of them
+    assert cpu_jiffies({10_000}) == pytest.approx(cpu_jiffies(), rel=0.01)
+
+
+def test_the_training_steps_wait_reaches_the_workers(tmp_path: Path) -> None:
+    spec = LoaderSpec(1, 0, 5, seed=7, image_size=32, decode="gpu")
+    loader = TrainLoader(shards(tmp_path), str(tmp_path), "exact", spec, Feeding(2, cpu_share=0.5), 16)
+    assert loader.dataset.share.starved is loader.dataset.starved  # what the workers read (a copy of it each)
+    loader.set_epoch(0)
+    for _ in loader:
+        time.sleep(0.05)  # a step slower than the feed: the loop hardly waits for its batches
+    assert loader.dataset.starved.value < 0.5
+    loader.shut_down()
 
 
 def test_a_fixed_share_takes_exactly_that_many_and_does_not_move() -> None:
