@@ -163,14 +163,20 @@ def cpu_jiffies(cpus: Collection[int] | None = None) -> tuple[int, int] | None:
     gives them) or of every core together (Linux's /proc/stat); None elsewhere."""
     try:
         lines = Path("/proc/stat").read_text().splitlines()
-        # user … steal: the guest columns after them are counted in user and nice already
-        rows = [[int(v) for v in line.split()[1:9]] for line in lines if _counted(line.partition(" ")[0], cpus)]
+        # (a container whose /proc/stat numbers its own cores from 0 has none of ``cpus``: all of them, then)
+        rows = _rows(lines, cpus) or _rows(lines, None)
     except (OSError, ValueError, IndexError):
         return None
-    if not rows:  # (a container whose /proc/stat numbers its own cores from 0: all of them, then)
-        return cpu_jiffies() if cpus is not None else None
+    if not rows:
+        return None
     busy = sum(sum(r) - r[3] - r[4] for r in rows)  # less idle and iowait
     return busy, sum(map(sum, rows))
+
+
+def _rows(lines: list[str], cpus: Collection[int] | None) -> list[list[int]]:
+    """The time columns of ``cpus``' lines of /proc/stat, or of its every-core line (None)."""
+    # user … steal: the guest columns after them are counted in user and nice already
+    return [[int(v) for v in line.split()[1:9]] for line in lines if _counted(line.partition(" ")[0], cpus)]
 
 
 def _counted(name: str, cpus: Collection[int] | None) -> bool:
