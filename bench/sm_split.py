@@ -133,7 +133,7 @@ def feed(batches: list[Encoded]) -> DeviceFeed:
 
 
 def feed_alone(batches: list[Encoded], seconds: float) -> float:
-    """The feed's images a second with nothing beside it, after a second's warm-up."""
+    """The feed's images a second (beside whatever else runs), after a second's warm-up."""
     source = feed(batches)
     try:
         for warm in (True, False):
@@ -242,23 +242,18 @@ def loaded(kind: str, sms: int, batches: list[Encoded], seconds: float) -> Itera
 
     thread = threading.Thread(target=work, daemon=True)
     thread.start()
-    source = feed(batches)
     try:
-        for warm in (True, False):
-            start, n, before = time.perf_counter(), 0, done[0]
-            while time.perf_counter() - start < (1.0 if warm else seconds):
-                next(source)
-                n += 1
-        took = time.perf_counter() - start
+        start, before = time.perf_counter(), done[0]
+        fed = feed_alone(batches, seconds)
+        took, ops = time.perf_counter() - start, done[0] - before  # (the load's rate over the feed's run)
         state = gpu_state()
     finally:
         stop.set()
         thread.join()
-        source.close()
     unit = 2 * 8192**3 / 1e12 if kind == "matmul" else 2 * 2**30 / 1e9  # TFLOP, or GB read + written
     yield (
-        f"feed beside {kind} on {sms or 'all'} SMs: {n * len(batches[0].sizes) / took:,.0f} img/s; "
-        f"{kind} {(done[0] - before) * unit / took:,.0f} {'TFLOP/s' if kind == 'matmul' else 'GB/s'}"
+        f"feed beside {kind} on {sms or 'all'} SMs: {fed:,.0f} img/s; "
+        f"{kind} {ops * unit / took:,.0f} {'TFLOP/s' if kind == 'matmul' else 'GB/s'}"
     )
     yield f"  gpu: {state}"
     del green
