@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Make, check, describe and copy ImageNet WebDataset shards (imagenet_ais/shards_cli.py)."""
+"""Make, check, describe and copy ImageNet WebDataset shards (imagenet_ais/cli/shards.py)."""
 
-from imagenet_ais.shards_cli import cli
+from imagenet_ais.cli.shards import cli
 
 if __name__ == "__main__":
     cli()

@@ -9,4 +9,4 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # a Python with the package imagenet-ais installed: the checkout's venv (./run venv), or the image's
 python=python3
 [ -x "$here/.venv/bin/python" ] && python=$here/.venv/bin/python
-exec "$python" -m imagenet_ais.upload "$@"
+exec "$python" -m imagenet_ais.cli.upload "$@"

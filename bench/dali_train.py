@@ -258,7 +258,7 @@ def setup_distributed(cuda: bool) -> tuple[int, int, torch.device]:
 def build_step(
     args: SimpleNamespace, classes: int, world: int, device: torch.device
 ) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """train.py's fast path (imagenet_ais/training.py, mirrored rather than imported)."""
+    """train.py's fast path (imagenet_ais/train/loop.py, mirrored rather than imported)."""
     cuda = device.type == "cuda"
     # channels_last as the batches (on the CPU too: DDP's buckets then match the gradients' strides)
     raw_model = torchvision.models.get_model(args.arch, weights=None, num_classes=classes)

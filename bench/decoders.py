@@ -25,8 +25,8 @@ import torchvision
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import RandomResizedCrop
 
-from imagenet_ais.synth import draw_picture
-from imagenet_ais.transforms import RATIO, SCALE
+from imagenet_ais.loader.transforms import RATIO, SCALE
+from imagenet_ais.shards.synth import draw_picture
 
 
 def jpegs(n: int) -> list[bytes]:

@@ -36,7 +36,8 @@ import click
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from imagenet_ais import train_cli, training
+from imagenet_ais.cli import train as train_cli
+from imagenet_ais.train import loop
 
 Intervals = list[tuple[float, float]]
 
@@ -179,7 +180,7 @@ def main(at: int, steps: int, keep: str, out: Path, train_args: tuple[str, ...])
     out.mkdir(parents=True, exist_ok=True)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     tracer = Tracer(at, steps, rank, {int(r) for r in keep.split(",") if r}, out)
-    training.train(train_cli.parse(list(train_args)), report=tracer.on_record)
+    loop.train(train_cli.parse(list(train_args)), report=tracer.on_record)
     if rank == 0:
         deadline = time.monotonic() + 120  # every rank wrote its summary before its next collective
         while not all((out / f"rank-{r}.json").exists() for r in range(world)) and time.monotonic() < deadline:

@@ -10,7 +10,8 @@ import threading
 import time
 from typing import Any
 
-from imagenet_ais.metrics import SLOWDOWNS, cpu_jiffies, throttle_names
+from imagenet_ais.loader.cpu_time import cpu_jiffies
+from imagenet_ais.train.metrics import SLOWDOWNS, throttle_names
 
 WARMUP_STEPS = 50  # compile, CUDA graph capture, cuDNN's autotuning and the allocator's growth
 

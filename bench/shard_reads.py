@@ -35,11 +35,11 @@ import requests
 import webdataset as wds
 from throughput import loader_rate
 
-from imagenet_ais.cache import ShardCache
-from imagenet_ais.manifest import Manifest, ShardInfo, SplitInfo
-from imagenet_ais.shards import file_sha256
+from imagenet_ais.shards.cache import ShardCache
+from imagenet_ais.shards.convert import file_sha256
+from imagenet_ais.shards.manifest import Manifest, ShardInfo, SplitInfo
+from imagenet_ais.shards.synth import draw_picture
 from imagenet_ais.storage import open_store
-from imagenet_ais.synth import draw_picture
 
 ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "bench-shard-reads"

@@ -1,7 +1,7 @@
 """What does the GPU decode compete with beside the training step, and does keeping the step
 off some of the GPU's SMs leave the feed room? (bench/RESULTS.md, run AM)
 
-Our device feed runs unchanged (feed.DeviceFeed: nvJPEG decode, then crop + resize + flip +
+Our device feed runs unchanged (device_feed.DeviceFeed: nvJPEG decode, then crop + resize + flip +
 normalise, `transforms.decode_encoded` / `crop_decoded`) from prepared page-locked host batches
 of 500×375 q95 JPEGs (no DataLoader: the GPU side alone), beside either
 
@@ -42,17 +42,10 @@ import torchvision
 from PIL import Image
 
 from imagenet_ais.distributed import WORK_QUEUES
-from imagenet_ais.feed import DeviceFeed
-from imagenet_ais.transforms import (
-    Box,
-    Encoded,
-    Raw,
-    crop_decoded,
-    decode_encoded,
-    encode_batch,
-    encode_for_device,
-    pin_encoded,
-)
+from imagenet_ais.loader.device_decode import crop_decoded, decode_encoded
+from imagenet_ais.loader.device_feed import DeviceFeed
+from imagenet_ais.loader.transforms import Box, encode_for_device
+from imagenet_ais.loader.wire import Encoded, Raw, encode_batch, pin_encoded
 
 DEVICE = torch.device("cuda")
 

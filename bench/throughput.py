@@ -49,21 +49,15 @@ import click
 import torch
 from records import HostCpu, describe_ranks, epoch_starts, invalid_because, rank_figures, steady_windows
 
-from imagenet_ais import dali_crops
-from imagenet_ais.augment import NO_AUGMENT, POLICIES, Augment
-from imagenet_ais.data import Feeding, TrainLoader
-from imagenet_ais.manifest import load_manifest
+from imagenet_ais.loader import dali_decode
+from imagenet_ais.loader.augment import NO_AUGMENT, POLICIES, Augment
+from imagenet_ais.loader.device_decode import crop_decoded, decode_encoded, decode_on_device
+from imagenet_ais.loader.engine import Feeding, TrainLoader
+from imagenet_ais.loader.transforms import decode_on_cpu, encode_for_device
+from imagenet_ais.loader.wire import encode_batch, pin_encoded
+from imagenet_ais.loader.worker import LoaderSpec
+from imagenet_ais.shards.manifest import load_manifest
 from imagenet_ais.storage import open_store
-from imagenet_ais.stream import LoaderSpec
-from imagenet_ais.transforms import (
-    crop_decoded,
-    decode_encoded,
-    decode_on_cpu,
-    decode_on_device,
-    encode_batch,
-    encode_for_device,
-    pin_encoded,
-)
 
 ROOT = Path(__file__).resolve().parent.parent
 DECODES = ("cpu", "gpu")
@@ -238,7 +232,7 @@ def measure(
         e2e = [*common, "--data", location, "--workers", workers, "--decode", decode, *options]
         e2e += ["--max-steps", str(model.e2e_steps)]
         yield variant, train(e2e, model.batch, work / variant.split()[0].strip(":/"), log, gpus)
-    if dali_loop and torch.cuda.is_available() and dali_crops.available():
+    if dali_loop and torch.cuda.is_available() and dali_decode.available():
         yield "DALI ceiling", dali(model, data, log, gpus, synthetic=True)
         yield "DALI", dali(model, data, log, gpus, synthetic=False)
 

@@ -1,13 +1,28 @@
-"""Train ImageNet-class models from WebDataset shards (local, AIStore, GCS).
+"""Train ImageNet-class models from WebDataset shards (local, AIStore, GCS, S3, HTTP).
 
-``from imagenet_ais import ShardLoader``: the data path for any training loop (loader.py).
+Four parts, each a subpackage: ``shards`` (the shard format and its tools), ``loader`` (the
+data path as a library: ``ShardLoader``), ``train`` (the training run) and ``cli`` (the
+command lines), over ``storage`` (where shards and runs live). A dependency runs one way:
+cli → train → loader → shards → storage.
+
+``from imagenet_ais import ShardLoader``: the data path for any training loop (loader/).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ShardLoader", "StateMismatch"]
+__all__ = [
+    "ConfigError",
+    "DataError",
+    "Interrupted",
+    "Refused",
+    "ShardLoader",
+    "StateMismatch",
+    "StorageError",
+    "UnreadableData",
+    "WorkerDied",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import click
 
-from imagenet_ais.shards_cli import cli as shards
-from imagenet_ais.train_cli import main as train
+from imagenet_ais.cli.shards import cli as shards
+from imagenet_ais.cli.train import main as train
 
 
 @click.group()

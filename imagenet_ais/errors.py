@@ -7,11 +7,6 @@ Each is also the built-in exception it used to be, so ``except ValueError`` stil
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
-import click
-
 
 class Refused(Exception):
     """Something given or found cannot work; the message names it and what to do."""
@@ -44,14 +39,3 @@ class AlreadyThere(StorageError, FileExistsError):
 def expected(e: BaseException) -> bool:
     """Whether ``e`` is told in one line: ours, or the operating system's (it carries an errno)."""
     return isinstance(e, Refused) or (isinstance(e, OSError) and e.errno is not None)
-
-
-@contextlib.contextmanager
-def one_line() -> Iterator[None]:
-    """For a CLI: an expected failure as click's one-line error (exit 1); anything else as it is."""
-    try:
-        yield
-    except (Refused, OSError) as e:
-        if not expected(e):
-            raise
-        raise click.ClickException(str(e)) from e

@@ -25,11 +25,13 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from imagenet_ais import shards_cli, synth, train_cli
-from imagenet_ais.ais_playground import Playground
-from imagenet_ais.manifest import Manifest, ShardInfo, SplitInfo, load_manifest
-from imagenet_ais.shards import file_sha256
+from imagenet_ais.cli import shards as shards_cli
+from imagenet_ais.cli import train as train_cli
+from imagenet_ais.shards import synth
+from imagenet_ais.shards.convert import file_sha256
+from imagenet_ais.shards.manifest import Manifest, ShardInfo, SplitInfo, load_manifest
 from imagenet_ais.storage import open_store
+from imagenet_ais.storage.ais_playground import Playground
 
 ROOT = Path(__file__).resolve().parent.parent
 # A few seconds of CPU training: a model of 3 MB (ResNet-18's checkpoint is 90 MB, and steps 3× slower)

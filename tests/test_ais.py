@@ -21,8 +21,8 @@ import pytest
 import torch
 from conftest import ROOT, TINY, free_port, shards_here, train_here, wait_until
 
-from imagenet_ais import shards
-from imagenet_ais.manifest import is_demo_at
+from imagenet_ais.shards import convert
+from imagenet_ais.shards.manifest import is_demo_at
 from imagenet_ais.storage import AISStore
 from imagenet_ais.storage import ais as ais_storage
 
@@ -368,13 +368,13 @@ def test_read_back_finds_a_stored_shard_that_its_checksum_vouched_for(
 
     monkeypatch.setattr(AISStore, "put_file", corrupt_then_put)
     blind = bucket_url()
-    shards.convert(tree, blind, ["train"], 10, int(1e9), 1, 0)
+    convert.convert(tree, blind, ["train"], 10, int(1e9), 1, 0)
     assert [o for o in objects(blind) if o.endswith(".tar")], "the checksum alone lets the bad copies through"
     checked = bucket_url()
     with pytest.raises(
         OSError, match=r"/imagenet-train-\d+\.tar: read back, it differs from the shard written; deleted"
     ):
-        shards.convert(tree, checked, ["train"], 10, int(1e9), 1, 0, read_back=True)
+        convert.convert(tree, checked, ["train"], 10, int(1e9), 1, 0, read_back=True)
     assert not [o for o in objects(checked) if o.endswith(".tar")]
 
 

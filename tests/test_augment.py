@@ -11,7 +11,7 @@ import torch
 from test_transforms import DEVICES, jpeg, photo, pixels
 from torchvision.transforms.v2 import functional as TF
 
-from imagenet_ais.augment import (
+from imagenet_ais.loader.augment import (
     AUGMIX_OPS,
     GEOMETRIC,
     IMAGENET_POLICY,
@@ -23,7 +23,9 @@ from imagenet_ais.augment import (
     apply_step,
     magnitude,
 )
-from imagenet_ais.transforms import augment_on_cpu, decode_on_cpu, decode_on_device, encode_batch, encode_for_device
+from imagenet_ais.loader.device_decode import decode_on_device
+from imagenet_ais.loader.transforms import augment_on_cpu, decode_on_cpu, encode_for_device
+from imagenet_ais.loader.wire import encode_batch
 
 
 def affine(u8: torch.Tensor, **kw: object) -> torch.Tensor:

@@ -23,7 +23,7 @@ from conftest import (
     write_shards,
 )
 
-from imagenet_ais.cache import usage
+from imagenet_ais.shards.cache import usage
 
 
 @pytest.mark.slow

@@ -13,17 +13,18 @@ import numpy as np
 import pytest
 import torch
 from conftest import write_shards
-from test_dali_crops import broken_jpeg
-from test_handover import off_the_main_thread
+from test_dali_decode import broken_jpeg
 from test_transforms import jpeg, photo, pixels
+from test_wire import off_the_main_thread
 
-from imagenet_ais.cpu_share import AUTO, GAIN, HOST_BUSY, IDLE, LIMIT, STARVED, CpuShare, checked, offload
-from imagenet_ais.data import Feeding, TrainLoader
 from imagenet_ais.errors import ConfigError
-from imagenet_ais.manifest import SplitInfo
-from imagenet_ais.metrics import cpu_jiffies, own_cpu_jiffies
-from imagenet_ais.stream import LoaderSpec
-from imagenet_ais.transforms import Encoded, encode_for_device
+from imagenet_ais.loader.cpu_share import AUTO, GAIN, HOST_BUSY, IDLE, LIMIT, STARVED, CpuShare, checked, offload
+from imagenet_ais.loader.cpu_time import cpu_jiffies, own_cpu_jiffies
+from imagenet_ais.loader.engine import Feeding, TrainLoader
+from imagenet_ais.loader.transforms import encode_for_device
+from imagenet_ais.loader.wire import Encoded
+from imagenet_ais.loader.worker import LoaderSpec
+from imagenet_ais.shards.manifest import SplitInfo
 
 COUNTS = [22, 21, 19]  # 62 samples: 12 batches of 5, the workers' short last ones pooled
 
@@ -61,11 +62,11 @@ def assert_same_training(got: dict, expected: dict) -> None:
 
 
 @off_the_main_thread
-@pytest.mark.parametrize("handover", [True, False], ids=["in-the-workers-buffers", "in-blocks-of-their-own"])
-def test_half_the_samples_cropped_in_the_workers_train_as_the_gpu_path_would(tmp_path: Path, handover: bool) -> None:
+@pytest.mark.parametrize("shared", [True, False], ids=["in-the-workers-buffers", "in-blocks-of-their-own"])
+def test_half_the_samples_cropped_in_the_workers_train_as_the_gpu_path_would(tmp_path: Path, shared: bool) -> None:
     split = shards(tmp_path)
-    expected, none = epoch(split, str(tmp_path), Feeding(2, handover=handover, cpu_share=0.0))
-    got, cropped = epoch(split, str(tmp_path), Feeding(2, handover=handover, cpu_share=0.5))
+    expected, none = epoch(split, str(tmp_path), Feeding(2, shared_buffers=shared, cpu_share=0.0))
+    got, cropped = epoch(split, str(tmp_path), Feeding(2, shared_buffers=shared, cpu_share=0.5))
     assert sum(none) == 0
     assert 25 <= sum(cropped) <= 31 and any(0 < c < 5 for c in cropped), cropped  # each worker's every other
     assert_same_training(got, expected)
@@ -85,7 +86,7 @@ def test_an_epoch_all_cropped_in_the_workers_trains_the_same(tmp_path: Path) -> 
 def test_dali_decodes_the_jpegs_and_the_workers_crops_follow_them(tmp_path: Path) -> None:
     split = shards(tmp_path)
     expected, _ = epoch(split, str(tmp_path), Feeding(2, cpu_share=0.0))
-    got, cropped = epoch(split, str(tmp_path), Feeding(2, handover=True, cpu_share=0.5), decode="dali")
+    got, cropped = epoch(split, str(tmp_path), Feeding(2, shared_buffers=True, cpu_share=0.5), decode="dali")
     assert 25 <= sum(cropped) <= 31
     assert_same_training(got, expected)
 
@@ -159,7 +160,7 @@ def test_auto_gives_back_while_the_hosts_cores_are_taken_even_if_it_waits() -> N
 
 
 def test_auto_gives_back_while_the_training_step_does_not_wait_for_batches() -> None:
-    starved = mp.Value("d", 0.5, lock=False)  # as the training process sets it (feed.DeviceFeed.starved)
+    starved = mp.Value("d", 0.5, lock=False)  # as the training process sets it (device_feed.DeviceFeed.starved)
     share = CpuShare(AUTO, Cores(busy=0.5), starved)
     for _ in range(10):
         share.observe(0.2, 0.8)

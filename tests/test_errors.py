@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import TINY, UNSIZED, shards_here, train_here
 
-from imagenet_ais import errors, shards, training
+from imagenet_ais import errors
+from imagenet_ais.shards import verify
+from imagenet_ais.train import loop
 
 
 def test_a_bad_option_and_a_missing_data_location_are_one_line(tmp_path: Path) -> None:
@@ -31,10 +33,10 @@ def test_an_unexpected_error_keeps_its_traceback(bug: Exception, tmp_path: Path,
     def broken(*args: object) -> None:
         raise bug
 
-    monkeypatch.setattr(training, "_train", broken)
+    monkeypatch.setattr(loop, "_train", broken)
     with pytest.raises(type(bug)):
         train_here("--synthetic", "--output", tmp_path / "run", *TINY)
-    monkeypatch.setattr(shards, "verify", broken)
+    monkeypatch.setattr(verify, "verify", broken)
     with pytest.raises(type(bug)):
         shards_here("verify", tmp_path)
 
@@ -52,7 +54,7 @@ def test_an_expected_failure_is_one_line_with_exit_1(failure: Exception, tmp_pat
     def failing(*args: object) -> None:
         raise failure
 
-    monkeypatch.setattr(shards, "verify", failing)
+    monkeypatch.setattr(verify, "verify", failing)
     proc = shards_here("verify", tmp_path, check=False)
     assert proc.returncode == 1 and proc.stderr == f"Error: {failure}\n"
 

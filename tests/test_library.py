@@ -56,11 +56,11 @@ import imagenet_ais
 for module in pkgutil.walk_packages(imagenet_ais.__path__, "imagenet_ais."):
     importlib.import_module(module.name)
 assert state() == before, ("import", before, state())
-from imagenet_ais import training
-from imagenet_ais.config import TrainConfig
+from imagenet_ais.train import loop
+from imagenet_ais.train.config import TrainConfig
 cfg = TrainConfig(output={str(tmp_path / "run")!r}, synthetic=True, arch={TINY_ARCH!r}, image_size=32, batch_size=2,
                   epochs=1, epoch_size=4, warmup_epochs=0)
-assert training.train(cfg)["exit_code"] == 0
+assert loop.train(cfg)["exit_code"] == 0
 assert state() == before, ("run", before, state())
 """
     )
@@ -79,10 +79,10 @@ def theirs(path):
 if __name__ == "__main__":
     child = mp.get_context("fork").Process(target=theirs, args=({str(tmp_path / "theirs")!r},), daemon=True)
     child.start()
-    from imagenet_ais.data import Feeding, TrainLoader
-    from imagenet_ais.manifest import load_manifest
+    from imagenet_ais.loader.engine import Feeding, TrainLoader
+    from imagenet_ais.shards.manifest import load_manifest
     from imagenet_ais.storage import open_store
-    from imagenet_ais.stream import LoaderSpec
+    from imagenet_ais.loader.worker import LoaderSpec
     split = load_manifest(open_store({str(tmp_path / "data")!r})).split("train")
     spec = LoaderSpec(world=1, rank=0, batch=2, seed=0, image_size=32)
     batches = iter(TrainLoader(split, {str(tmp_path / "data")!r}, "resampled", spec, Feeding(2), 4))

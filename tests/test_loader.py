@@ -14,7 +14,7 @@ from torch import nn
 
 from imagenet_ais import ShardLoader, StateMismatch
 from imagenet_ais.errors import ConfigError
-from imagenet_ais.loader import few_queues
+from imagenet_ais.loader.shard_loader import few_queues
 
 SHARDS = [20, 13, 7, 24]  # 64 samples: 8 steps of 8 on one rank, 4 on two
 ALL = {f"train-{s}-{i}" for s, n in enumerate(SHARDS) for i in range(n)}
@@ -169,8 +169,8 @@ def test_lightning_resumes_mid_epoch_with_each_sample_of_the_epoch_once(data: st
 
 
 def test_a_closed_loader_and_a_finished_run_leave_no_worker_behind(data: str, tmp_path: Path) -> None:
-    from imagenet_ais import training
-    from imagenet_ais.config import TrainConfig
+    from imagenet_ais.train import loop
+    from imagenet_ais.train.config import TrainConfig
 
     before = set(mp.active_children())
     loader = ShardLoader(data, "train", 8, **OPTIONS)
@@ -182,5 +182,5 @@ def test_a_closed_loader_and_a_finished_run_leave_no_worker_behind(data: str, tm
         data=data, output=str(tmp_path / "run"), arch=TINY_ARCH, image_size=32, batch_size=8, epochs=1, workers=2,
         warmup_epochs=0, epoch_mode="exact",
     )  # fmt: skip
-    assert training.train(cfg)["exit_code"] == 0, "the killed workers are no crash to torch's SIGCHLD handler"
+    assert loop.train(cfg)["exit_code"] == 0, "the killed workers are no crash to torch's SIGCHLD handler"
     assert set(mp.active_children()) <= before, "a run in someone else's program ends its loaders' workers"

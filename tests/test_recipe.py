@@ -13,10 +13,11 @@ import torch.nn.functional as F
 import torchvision
 from conftest import TINY, TINY_ARCH, torchrun, train_here, write_shards
 
-from imagenet_ais import training
-from imagenet_ais.config import TrainConfig, differences, with_recipe
-from imagenet_ais.recipe import ModelEma, batch_mixer, ema_decay
-from imagenet_ais.train_cli import parse
+from imagenet_ais.cli.train import parse
+from imagenet_ais.train import loop
+from imagenet_ais.train.config import TrainConfig, differences, with_recipe
+from imagenet_ais.train.ema import ModelEma, ema_decay
+from imagenet_ais.train.mixup import batch_mixer
 
 # the trained run the tests share (a module fixture): made once, in one of ./run test's processes
 pytestmark = pytest.mark.xdist_group("recipe")
@@ -182,7 +183,7 @@ def test_a_run_says_its_settings_once_and_keeps_them_beside_its_metrics(
         output=str(output), synthetic=True, arch=TINY_ARCH, batch_size=2, recipe="fast", epochs=1, warmup_epochs=0,
         max_steps=1, sources={"epochs": "option"},
     )  # fmt: skip
-    training.train(cfg)
+    loop.train(cfg)
     said = capsys.readouterr().out.splitlines()
     assert said[:3] == [
         f"set: recipe=fast, output={output}, arch={TINY_ARCH}, batch_size=2, warmup_epochs=0, max_steps=1, "

@@ -47,7 +47,7 @@ def _quiet_retries() -> None:  # storage/ais.py: the SDK's network retries witho
     assert "retry_config" in inspect.signature(Client).parameters
 
 
-def _group_by_keys() -> None:  # stream.py: samples from a tar's members, errors to a handler
+def _group_by_keys() -> None:  # worker.py: samples from a tar's members, errors to a handler
     errors: list[Exception] = []
     files = [{"fname": "k0.jpg", "data": b"j", "__url__": "u"}, {"fname": "k0.cls", "data": b"1", "__url__": "u"}]
     assert list(group_by_keys(iter(files), handler=errors.append)) == [
@@ -56,7 +56,7 @@ def _group_by_keys() -> None:  # stream.py: samples from a tar's members, errors
     assert not errors
 
 
-def _shuffle() -> None:  # stream.py: a seeded buffer shuffle as a pipeline stage
+def _shuffle() -> None:  # worker.py: a seeded buffer shuffle as a pipeline stage
     stage = shuffle(4, 4, seed=1)
     assert sorted(stage(iter(range(10)))) == list(range(10))
 

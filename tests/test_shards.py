@@ -37,11 +37,12 @@ from conftest import (
 )
 from PIL import Image
 
-from imagenet_ais import shards, shards_cli, synth
-from imagenet_ais.manifest import Manifest
-from imagenet_ais.shards import file_sha256
+from imagenet_ais.cli import shards as shards_cli
+from imagenet_ais.shards import convert, synth
+from imagenet_ais.shards.convert import file_sha256
+from imagenet_ais.shards.manifest import Manifest
+from imagenet_ais.shards.synth import wnid
 from imagenet_ais.storage import LocalStore
-from imagenet_ais.synth import wnid
 
 
 def test_convert_accepts_quirks_rejects_bad_and_shuffles(tree: Path, tmp_path: Path) -> None:
@@ -281,7 +282,7 @@ def test_a_shard_goes_up_while_the_worker_builds_the_next(
         put_file(self, src, name, **kw)
 
     monkeypatch.setattr(LocalStore, "put_file", slow_put_file)
-    manifest = shards.convert(tree, str(dest), ["train"], 10, int(1e9), 1, 0)
+    manifest = convert.convert(tree, str(dest), ["train"], 10, int(1e9), 1, 0)
     assert waited.exists() and len(manifest.splits["train"].shards) >= 7
     assert not list(dest.glob(".*.partial")), "no scratch file left"
     assert all(file_sha256(dest / s.name) == s.sha256 for s in manifest.splits["train"].shards)
@@ -300,7 +301,7 @@ def test_an_upload_process_killed_outright_leaves_no_scratch_file(
 
     monkeypatch.setattr(LocalStore, "put_file", killed)
     with pytest.raises(BrokenProcessPool):
-        shards.convert(tree, str(dest), ["train"], 10, int(1e9), 2, 0)
+        convert.convert(tree, str(dest), ["train"], 10, int(1e9), 2, 0)
     assert not list(dest.glob(".*.partial")), "built shards never put up are removed"
     assert not list(dest.glob("imagenet-*.tar"))
 
@@ -433,8 +434,7 @@ def test_an_object_lock_is_refreshed_by_a_heartbeat_and_knows_when_it_is_lost(
 ) -> None:
     from google.api_core.exceptions import NotFound
 
-    from imagenet_ais import locks
-    from imagenet_ais.storage import GCSStore
+    from imagenet_ais.storage import GCSStore, locks
 
     store = GCSStore(f"gs://{gcs.make_bucket()}/shards")
 
@@ -480,14 +480,14 @@ def test_a_run_that_lost_its_lock_publishes_and_deletes_nothing(
 ) -> None:
     """The lock is taken from under the run after its last shard: no manifest goes up, and the
     shards of the manifest it started from (which it would tidy away) stay."""
-    from imagenet_ais import shards
+    from imagenet_ais.shards import convert
     from imagenet_ais.storage import open_store
 
     dest = str(tmp_path / "shards") if where == "local" else f"gs://{request.getfixturevalue('gcs').make_bucket()}/s"
-    shards.convert(tree, dest, ["train", "val"], 20, int(1e9), 1, 0)
+    convert.convert(tree, dest, ["train", "val"], 20, int(1e9), 1, 0)
     store = open_store(dest)
     before = store.list()
-    checked = shards._check_published
+    checked = convert._check_published
 
     theirs = {"pid": 1, "host": "elsewhere", "time": 0, "token": "x"}
 
@@ -496,10 +496,10 @@ def test_a_run_that_lost_its_lock_publishes_and_deletes_nothing(
         store.delete("_convert.lock")  # another run, seeing it stale, takes it over
         store.write_bytes("_convert.lock", json.dumps(theirs).encode())
 
-    monkeypatch.setattr(shards, "_check_published", and_lock_lost)
+    monkeypatch.setattr(convert, "_check_published", and_lock_lost)
     lost = r"_convert.lock is no longer this run's \((PID 1 on elsewhere|another process)"
     with pytest.raises(ValueError, match=lost):
-        shards.convert(tree, dest, ["train", "val"], 10, int(1e9), 1, 0)  # other shards: the old ones go
+        convert.convert(tree, dest, ["train", "val"], 10, int(1e9), 1, 0)  # other shards: the old ones go
     assert not store.exists("manifest.json")
     assert set(before) - {"manifest.json"} <= set(store.list()), "shards deleted"
 

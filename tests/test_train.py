@@ -46,9 +46,13 @@ from conftest import (
 )
 from torch.utils.tensorboard import SummaryWriter
 
-from imagenet_ais import checkpoint, config, distributed, locks, model, run_setup, synth, train_cli, training
-from imagenet_ais.data_health import DataHealth
+from imagenet_ais import distributed
+from imagenet_ais.cli import train as train_cli
 from imagenet_ais.errors import DataError
+from imagenet_ais.shards import synth
+from imagenet_ais.storage import locks
+from imagenet_ais.train import checkpoint, config, loop, model, setup
+from imagenet_ais.train.data_health import DataHealth
 
 UNEVEN = [3, 11, 7, 19, 8]  # 48 training samples in 5 unequal shards: 6 steps at 2 ranks × 4
 
@@ -127,7 +131,7 @@ def _batchnorm_rank(rank: int, store: Path, out: Path) -> None:
 
 def test_each_rank_keeps_its_own_batchnorm_statistics_until_rank_0s_are_broadcast(tmp_path: Path) -> None:
     # A broadcast of rank 0's buffers before every forward (DDP's default) made each step wait for
-    # the latest rank's host; they are broadcast before validation instead (training.evaluate).
+    # the latest rank's host; they are broadcast before validation instead (loop.evaluate).
     # spawned: a forked child of a process that has run OpenMP work can hang in its first one
     spawn = multiprocessing.get_context("spawn")
     ranks = [spawn.Process(target=_batchnorm_rank, args=(r, tmp_path / "store", tmp_path)) for r in (0, 1)]
@@ -218,14 +222,14 @@ def test_epoch_size_sets_the_epochs_that_the_schedule_checkpoints_and_resume_cou
 ) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": UNEVEN, "val": [6]})
-    cfg = training.TrainConfig(
+    cfg = loop.TrainConfig(
         data=str(data), output=str(output), arch=TINY_ARCH, image_size=32, batch_size=4, warmup_epochs=0,
         epochs=3, workers=0, epoch_size=20, log_every=1, resume="auto",
     )  # fmt: skip
-    training.train(dataclasses.replace(cfg, max_steps=7))  # 5 steps an epoch (the manifest's 48 would make 12)
+    loop.train(dataclasses.replace(cfg, max_steps=7))  # 5 steps an epoch (the manifest's 48 would make 12)
     state = torch.load(output / "last.pt", weights_only=True)
     assert (state["epoch"], state["step_in_epoch"], state["steps_per_epoch"]) == (1, 2, 5)
-    assert training.train(cfg)["complete"]
+    assert loop.train(cfg)["complete"]
     train = [r for r in metrics(output) if r["kind"] == "train"]
     assert [(r["epoch"], r["step"]) for r in train] == [(k // 5 + 1, k + 1) for k in range(15)]
     cosine = [0.1 * 4 / 256 * 0.5 * (1 + math.cos(math.pi * k / 15)) for k in range(15)]
@@ -233,7 +237,7 @@ def test_epoch_size_sets_the_epochs_that_the_schedule_checkpoints_and_resume_cou
     assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [1, 2, 3]
 
     capsys.readouterr()
-    training.train(dataclasses.replace(cfg, epochs=4, epoch_size=40))
+    loop.train(dataclasses.replace(cfg, epochs=4, epoch_size=40))
     said = capsys.readouterr().out
     assert "trained epochs of 20 samples, this run's are 40 samples (--epoch-size)" in said
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 15 + 10
@@ -294,21 +298,21 @@ def test_a_checkpoint_made_on_other_shards_goes_on_only_where_resume_names_it(
     write_shards(shards, {"train": [8], "val": [4]})
     write_shards(other, {"train": [12], "val": [4]})  # the same classes, other shards
     shutil.copytree(shards, moved)
-    training.train(tiny_run(shards, output, workers=0))
+    loop.train(tiny_run(shards, output, workers=0))
     capsys.readouterr()
-    training.train(tiny_run(moved, output, workers=0, resume="auto", epochs=2))  # a copy, a preload: goes on
+    loop.train(tiny_run(moved, output, workers=0, resume="auto", epochs=2))  # a copy, a preload: goes on
     assert (
         f"was trained on the same shards (names, SHA-256s) at {shards}; going on from {moved}"
         in capsys.readouterr().out
     )
     with pytest.raises(DataError, match=re.escape(f"was trained on other shards ({moved}) than --data {other}")) as e:
-        training.train(tiny_run(other, output, workers=0, resume="auto", epochs=3))
+        loop.train(tiny_run(other, output, workers=0, resume="auto", epochs=3))
     assert "\n" not in str(e.value) and f"--resume {output / 'last.pt'}" in str(e.value)
     assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [1, 2], "nothing trained on refusal"
-    training.train(tiny_run(other, output, workers=0, resume=str(output / "last.pt"), epochs=3))
+    loop.train(tiny_run(other, output, workers=0, resume=str(output / "last.pt"), epochs=3))
     assert "going on from it, as --resume names it" in capsys.readouterr().err
     write_shards(other, {"train": [12, 4], "val": [4]})  # a shard added where the run's data is
-    training.train(tiny_run(other, output, workers=0, resume="auto", epochs=4))
+    loop.train(tiny_run(other, output, workers=0, resume="auto", epochs=4))
     assert (
         f"warning: the shards at {other} changed since {output / 'last.pt'} was trained on them"
         in capsys.readouterr().err
@@ -515,17 +519,17 @@ def test_a_run_shows_in_tensorboard_and_plots_to_a_png(tmp_path: Path) -> None:
     logged = [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
     assert [(e.step, round(e.value, 4)) for e in board.Scalars("train/loss")] == [(s, round(v, 4)) for s, v in logged]
 
-    out = run_cli(sys.executable, "-m", "imagenet_ais.plot", output).stdout.strip()
+    out = run_cli(sys.executable, "-m", "imagenet_ais.cli.plot", output).stdout.strip()
     assert out == str(output / "metrics.png")
     with Image.open(output / "metrics.png") as png:
         assert png.format == "PNG" and png.size == (1500, 680)  # 2 rows of 3 panels (no GPU panel on CPU)
         assert len(png.convert("RGB").getcolors(1 << 16) or []) > 50  # drawn, not blank
     assert not list(output.glob(".*.tmp"))
 
-    proc = run_cli(sys.executable, "-m", "imagenet_ais.plot", tmp_path, check=False)
+    proc = run_cli(sys.executable, "-m", "imagenet_ais.cli.plot", tmp_path, check=False)
     assert proc.returncode == 1 and f"no metrics.jsonl in {tmp_path}" in proc.stderr
     dry = run_cli(ROOT / "run", "-n", "plot", output, env={"VENV": ".venv"}).stdout.splitlines()[-1]
-    assert dry == f".venv/bin/python -m imagenet_ais.plot {output}"
+    assert dry == f".venv/bin/python -m imagenet_ais.cli.plot {output}"
 
 
 @pytest.mark.parametrize(("cpus", "local_world", "workers"), [("0", "1", 1), ("0,1", "1", 2), ("0,1", "2", 1)])
@@ -656,12 +660,12 @@ def test_resampled_epochs_count_the_samples_of_shards_that_failed_to_read(
     data = tmp_path / "shards"
     manifest = write_shards(data, {"train": [16, 16, 16], "val": [4]})
     (data / manifest.splits["train"].shards[1].name).unlink()
-    outcome = training.train(tiny_run(data, tmp_path / "strict"))
+    outcome = loop.train(tiny_run(data, tmp_path / "strict"))
     said = capsys.readouterr().err
-    assert outcome["exit_code"] == training.EXIT_BAD_DATA
+    assert outcome["exit_code"] == loop.EXIT_BAD_DATA
     found = re.search(r"ERROR: epoch 1: (\d+) of its 48 samples could not be read .* leaving (\d+) of the (\d+)", said)
     assert found and 8 <= int(found[1]) <= 24 and int(found[1]) == round(48 * int(found[2]) / int(found[3]))
-    assert training.train(tiny_run(data, tmp_path / "tolerant", max_bad=1.0))["exit_code"] == 0
+    assert loop.train(tiny_run(data, tmp_path / "tolerant", max_bad=1.0))["exit_code"] == 0
 
 
 @pytest.mark.parametrize("mode", ["resampled", "exact"])
@@ -673,8 +677,8 @@ def test_a_dataset_with_no_readable_shard_ends_the_run_with_exit_4_not_a_hang(
     manifest = write_shards(data, {"train": UNEVEN})
     for shard in manifest.splits["train"].shards:
         (data / shard.name).unlink()
-    outcome = training.train(tiny_run(data, tmp_path / "run", epoch_mode=mode, max_bad=1.0))
-    assert outcome["exit_code"] == training.EXIT_BAD_DATA
+    outcome = loop.train(tiny_run(data, tmp_path / "run", epoch_mode=mode, max_bad=1.0))
+    assert outcome["exit_code"] == loop.EXIT_BAD_DATA
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ERROR")]
     says = "the last 50 shard reads of a loader worker failed" if mode == "resampled" else "no training sample of"
     assert len(errors) == 1 and errors[0].startswith(f"ERROR: {data}: {says}"), errors
@@ -687,16 +691,16 @@ def test_a_dataset_with_no_readable_shard_ends_the_run_with_exit_4_not_a_hang(
 def test_numbers_no_run_can_train_with_are_refused_in_one_line(option: str, value: float, tmp_path: Path) -> None:
     cfg = config.TrainConfig(output=str(tmp_path / "run"), synthetic=True, **{option: value})
     with pytest.raises(ValueError, match=rf"^--{option.replace('_', '-')} {value}: give a finite number, 0 or more$"):
-        training.train(cfg)
+        loop.train(cfg)
     assert not (tmp_path / "run").exists()
 
 
 def test_a_warmup_as_long_as_the_run_is_said(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # the default 5 warmup epochs with --epochs 1: the peak learning rate never came, without a word
     cfg = config.TrainConfig(output=str(tmp_path / "run"), synthetic=True, arch=TINY_ARCH, image_size=32, batch_size=2)
-    training.train(dataclasses.replace(cfg, epochs=1, max_steps=1))
+    loop.train(dataclasses.replace(cfg, epochs=1, max_steps=1))
     assert "warning: --warmup-epochs 5 covers all 1 epochs" in capsys.readouterr().err
-    training.train(dataclasses.replace(cfg, output=str(tmp_path / "short"), epochs=2, warmup_epochs=1, max_steps=1))
+    loop.train(dataclasses.replace(cfg, output=str(tmp_path / "short"), epochs=2, warmup_epochs=1, max_steps=1))
     assert "--warmup-epochs" not in capsys.readouterr().err
 
 
@@ -758,7 +762,7 @@ def test_torchvisions_weights_by_name_come_from_torch_hubs_cache(tmp_path: Path,
 
 def test_an_output_weights_or_arch_that_cannot_be_used_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^--output '': name a folder"):  # it wrote into the current directory
-        training.train(config.TrainConfig(output="", synthetic=True))
+        loop.train(config.TrainConfig(output="", synthetic=True))
     for path, says in ((tmp_path, "a folder"), (tmp_path / "none.pt", "no such file")):  # a folder exited 2
         with pytest.raises(ValueError, match=rf"^--weights {re.escape(str(path))}: {says}, not a state dict$"):
             model.load_weights(torch.nn.Linear(1, 1), str(path))
@@ -783,11 +787,11 @@ def test_a_start_that_fails_leaves_no_output_folder(tmp_path: Path) -> None:
         ({"data": str(tmp_path / "nowhere")}, "no manifest.json in"),
     ):
         with pytest.raises((ValueError, OSError), match=re.escape(says)):
-            training.train(dataclasses.replace(cfg, **changes))
+            loop.train(dataclasses.replace(cfg, **changes))
         assert not output.exists(), changes
     output.mkdir()  # a folder the user made stays
     with pytest.raises(OSError, match=r"no manifest\.json in"):
-        training.train(dataclasses.replace(cfg, data=str(tmp_path / "nowhere")))
+        loop.train(dataclasses.replace(cfg, data=str(tmp_path / "nowhere")))
     assert output.is_dir()
 
 
@@ -809,14 +813,14 @@ def test_a_checkpoint_with_a_valid_digest_that_cannot_continue_this_run_is_one_l
     cfg = config.TrainConfig(
         output=str(tmp_path / "run"), synthetic=True, arch="resnet18", image_size=32, batch_size=2, max_steps=1,
     )  # fmt: skip
-    training.train(cfg)
+    loop.train(cfg)
     path = tmp_path / "run" / "last.pt"
     state = checkpoint.load(path)
     edit(state)
     path.unlink()
     torch.save({**state, checkpoint.DIGEST: checkpoint.digest(state)}, path)
     with pytest.raises(ValueError, match=re.escape(says)) as e:
-        training.train(dataclasses.replace(cfg, resume="auto", max_steps=2))
+        loop.train(dataclasses.replace(cfg, resume="auto", max_steps=2))
     assert "\n" not in str(e.value) and len(str(e.value)) < 500
 
 
@@ -836,8 +840,8 @@ def test_a_loss_that_stays_nan_stops_the_run_with_exit_5_and_saves_nothing_past_
         output=str(tmp_path / "run"), synthetic=True, arch=TINY_ARCH, image_size=32, batch_size=2, epochs=1,
         log_every=4, weights=nan_weights(tmp_path),
     )  # fmt: skip
-    outcome = training.train(cfg)
-    assert outcome["exit_code"] == training.EXIT_DIVERGED and outcome["step"] == 12  # 3 windows of 4 steps
+    outcome = loop.train(cfg)
+    assert outcome["exit_code"] == loop.EXIT_DIVERGED and outcome["step"] == 12  # 3 windows of 4 steps
     assert "ERROR: the loss was NaN or infinite for the last 12 steps, up to step 12" in capsys.readouterr().err
     assert not list((tmp_path / "run").glob("*.pt")), "no checkpoint of NaN weights"
 
@@ -852,7 +856,7 @@ def test_a_fresh_start_clears_what_an_attempt_that_died_before_its_first_checkpo
     with SummaryWriter(str(output)) as old:
         old.add_scalar("train/loss", 9.0, 2)
     for resume in (None, "auto"):  # afresh, or --resume auto finding no checkpoint
-        training.train(tiny_run(data, output, resume=resume, workers=0, log_keys=True, max_steps=3))
+        loop.train(tiny_run(data, output, resume=resume, workers=0, log_keys=True, max_steps=3))
         assert len((output / "keys" / "epoch001-rank0.txt").read_text().split()) == 3 * 4
         assert [r["step"] for r in metrics(output)] == [2, 3] and all(r["loss"] < 9 for r in metrics(output))
         assert len(list(output.glob("events.out.tfevents.*"))) == 1
@@ -875,7 +879,7 @@ def test_weights_gone_nan_before_the_loss_could_stop_the_run_are_never_saved(
         output=str(tmp_path / "run"), synthetic=True, arch=TINY_ARCH, image_size=32, batch_size=2, epochs=2,
         epoch_size=8, log_every=20, weights=nan_weights(tmp_path),
     )  # fmt: skip
-    assert training.train(cfg)["exit_code"] == training.EXIT_DIVERGED
+    assert loop.train(cfg)["exit_code"] == loop.EXIT_DIVERGED
     assert "ERROR: the weights hold NaN or infinity at step 4, up to step 4" in capsys.readouterr().err
     assert not list((tmp_path / "run").glob("*.pt"))
 
@@ -888,14 +892,14 @@ def test_a_validation_that_reads_nothing_still_saves_its_epoch_then_stops(
     manifest = write_shards(data, {"train": [8], "val": [1] * 55})
     for shard in manifest.splits["val"].shards:
         (data / shard.name).unlink()
-    outcome = training.train(tiny_run(data, tmp_path / "run"))
-    assert outcome["exit_code"] == training.EXIT_BAD_DATA
+    outcome = loop.train(tiny_run(data, tmp_path / "run"))
+    assert outcome["exit_code"] == loop.EXIT_BAD_DATA
     assert "validation could not read 55 of the 55 images" in capsys.readouterr().err
     assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["epoch"] == 1
 
 
 def test_with_several_ranks_only_a_long_wait_for_data_ends_after_a_signal() -> None:
-    alone, several = run_setup.StopSignal(world=1), run_setup.StopSignal(world=2)
+    alone, several = setup.StopSignal(world=1), setup.StopSignal(world=2)
     try:
         assert not alone.stop_waiting(100) and not several.stop_waiting(100)
         alone.received = several.received = signal.SIGTERM
@@ -927,7 +931,7 @@ def test_sigterm_stops_a_run_whose_data_never_comes(tmp_path: Path) -> None:
     time.sleep(1)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == training.EXIT_PREEMPTED, err
+    assert proc.returncode == loop.EXIT_PREEMPTED, err
     assert "stopped by a signal at step 0, checkpoint saved" in out
 
 
@@ -946,7 +950,7 @@ def test_sigterm_before_the_run_can_save_still_ends_it_as_stopped(tmp_path: Path
         with silent.accept()[0]:  # its request for manifest.json, left waiting for an answer
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=60)
-    assert proc.returncode == training.EXIT_PREEMPTED and "Traceback" not in err, err
+    assert proc.returncode == loop.EXIT_PREEMPTED and "Traceback" not in err, err
     assert not (tmp_path / "run").exists(), "nothing of a start that did not get going"
 
 
@@ -1057,7 +1061,7 @@ def test_a_validation_that_cannot_read_all_of_its_split_says_so(tmp_path: Path) 
     write_shards(data, {"train": [16], "val": [5, 5, 5]})
     (data / "imagenet-val-000000.tar").unlink()
     out = train_here("--data", data, "--output", output, *TINY, "--workers", "1", "--epochs", "1", check=False)
-    assert out.returncode == training.EXIT_BAD_DATA, "a third of the split unread is over --max-bad"
+    assert out.returncode == loop.EXIT_BAD_DATA, "a third of the split unread is over --max-bad"
     assert "ERROR: epoch 1: validation could not read 5 of the 15 images the manifest lists" in out.stderr
     assert f"{data}/imagenet-val-000000.tar: could not be read" in out.stderr
     assert "validation covered 10 of the 15 images the manifest lists (5 could not be read, named above)" in out.stderr
@@ -1130,11 +1134,11 @@ def test_each_records_img_per_s_accounts_for_all_the_time_since_the_last_record(
     # queued) belongs to the next window: a rate without it reads high (by 11% on one H100).
     monkeypatch.setattr(DataHealth, "poll", lambda self, totals: time.sleep(0.3))
     seen: list[tuple[float, dict]] = []
-    cfg = training.TrainConfig(
+    cfg = loop.TrainConfig(
         data=None, output=str(tmp_path), synthetic=True, arch=TINY_ARCH, image_size=32, batch_size=4,
         warmup_epochs=0, epochs=1, max_steps=8, log_every=2,
     )  # fmt: skip
-    training.train(cfg, report=lambda record: seen.append((time.perf_counter(), record)))
+    loop.train(cfg, report=lambda record: seen.append((time.perf_counter(), record)))
     windows = [(t, r) for t, r in seen if r["kind"] == "train"]
     assert len(windows) == 4
     for (before, _), (at, record) in itertools.pairwise(windows):
@@ -1145,7 +1149,7 @@ def test_each_records_img_per_s_accounts_for_all_the_time_since_the_last_record(
 
 def test_compiled_training_uses_cuda_graphs_on_a_gpu_unless_told_otherwise() -> None:
     # Without CUDA graphs, 2 H100s ran at 0.77 of their ceiling instead of 0.92 (bench/RESULTS.md, run P)
-    cfg = training.TrainConfig(data=None, output="unused")
+    cfg = loop.TrainConfig(data=None, output="unused")
     assert model.compile_mode(cfg, cuda=True) == "reduce-overhead"
     assert model.compile_mode(cfg, cuda=False) == "default"
     cfg.compile_mode = "max-autotune-no-cudagraphs"

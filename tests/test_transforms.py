@@ -16,19 +16,9 @@ import torch
 from PIL import Image
 from torchvision.transforms import RandomResizedCrop
 
-from imagenet_ais.transforms import (
-    MEAN,
-    PAD_LIMIT,
-    RATIO,
-    SCALE,
-    STD,
-    Box,
-    _crop_resize,
-    decode_on_cpu,
-    decode_on_device,
-    encode_batch,
-    encode_for_device,
-)
+from imagenet_ais.loader.device_decode import PAD_LIMIT, decode_on_device
+from imagenet_ais.loader.transforms import MEAN, RATIO, SCALE, STD, Box, _crop_resize, decode_on_cpu, encode_for_device
+from imagenet_ais.loader.wire import encode_batch
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 

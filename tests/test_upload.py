@@ -19,9 +19,9 @@ import pytest
 import torch
 from conftest import ROOT, TINY, TINY_ARCH, GCSEmulator, free_port, run_cli, train_here, wait_until, write_shards
 
-from imagenet_ais import training, upload
-from imagenet_ais.config import TrainConfig
 from imagenet_ais.storage import GCSStore, LocalStore, file_crc32c
+from imagenet_ais.train import loop, upload
+from imagenet_ais.train.config import TrainConfig
 
 UNEVEN = [3, 11, 7, 19, 8]  # 48 samples: 12 steps per epoch at batch 4
 LOGGED = [*TINY, "--log-every", "1"]  # (the image size: each test's own)
@@ -368,18 +368,18 @@ def test_a_latest_json_naming_no_checkpoint_of_its_location_is_one_line(
     (uploads / "latest.json").write_text(pointer)
     (uploads / "train.lock").write_text("another run's lock\n")
     with pytest.raises(upload.BadPointer, match=r"latest\.json.*" + re.escape(says)) as e:
-        training.train(tiny_synthetic(output, uploads, max_steps=1))
+        loop.train(tiny_synthetic(output, uploads, max_steps=1))
     assert "\n" not in str(e.value) and "fix or remove it" in str(e.value)
     assert not output.exists(), "nothing fetched into it: the start failed, and leaves no folder it made"
     if "not there" not in says:  # a fresh run there is refused by the same check
         with pytest.raises(ValueError, match=re.escape(says)):
-            training.train(tiny_synthetic(tmp_path / "fresh", uploads, max_steps=1, resume=None))
+            loop.train(tiny_synthetic(tmp_path / "fresh", uploads, max_steps=1, resume=None))
 
 
 def test_files_fetched_for_a_resume_get_the_runs_usual_mode(tmp_path: Path) -> None:
     uploads = tmp_path / "up"
-    training.train(tiny_synthetic(tmp_path / "first", uploads, max_steps=2))
-    training.train(tiny_synthetic(tmp_path / "second", uploads, max_steps=3))  # a fresh node: fetched
+    loop.train(tiny_synthetic(tmp_path / "first", uploads, max_steps=2))
+    loop.train(tiny_synthetic(tmp_path / "second", uploads, max_steps=3))  # a fresh node: fetched
     for name in ("ckpt-00000002.pt", "metrics.jsonl"):
         assert (tmp_path / "second" / name).stat().st_mode & 0o777 == 0o644, name
     # the same run, continued on another node: it keeps its id, and its location
@@ -400,14 +400,14 @@ def test_two_runs_given_one_upload_location_never_mix_their_files(
     (first / "run.json").write_text('{"run": "0123abcd"}')  # the first run started, uploaded nothing yet
     upload.claim(LocalStore(uploads), "0123abcd")
     with pytest.raises(upload.Claimed) as e:
-        training.train(tiny_synthetic(second, uploads, max_steps=2, resume=None))
+        loop.train(tiny_synthetic(second, uploads, max_steps=2, resume=None))
     assert str(e.value).startswith(f"{uploads}/run.json: the location is another run's (run 0123abcd, started ")
     assert "\n" not in str(e.value) and str(e.value).endswith(
         "continue that run with --resume auto, or use another --upload"
     )
     assert sorted(p.name for p in uploads.iterdir()) == ["run.json"]  # nothing of the second run's went up
     # the first run, restarted into its --output (it died before its first checkpoint), is that run
-    training.train(tiny_synthetic(first, uploads, max_steps=2, resume=None))
+    loop.train(tiny_synthetic(first, uploads, max_steps=2, resume=None))
     assert {"ckpt-00000002.pt", "latest.json", "metrics.jsonl"} <= {p.name for p in uploads.iterdir()}
     assert run_of(uploads) == "0123abcd" and json.loads((uploads / "latest.json").read_text())["run"] == "0123abcd"
     assert not second.exists(), "the refused start left no folder of its own behind"
@@ -430,12 +430,12 @@ def test_a_nodes_stale_last_pt_alone_does_not_beat_a_newer_upload(
 ) -> None:
     # A node holding last.pt (no ckpt-*.pt) retrained steps the upload had, then failed for ever on FileExistsError
     uploads, first, stale = tmp_path / "up", tmp_path / "first", tmp_path / "stale"
-    training.train(tiny_synthetic(first, uploads, max_steps=4))
+    loop.train(tiny_synthetic(first, uploads, max_steps=4))
     stale.mkdir()
     shutil.copy(first / "last.pt", stale / "last.pt")  # step 4, alone
-    training.train(tiny_synthetic(first, uploads, max_steps=8))  # the run goes on elsewhere: the upload is at 8
+    loop.train(tiny_synthetic(first, uploads, max_steps=8))  # the run goes on elsewhere: the upload is at 8
     capsys.readouterr()
-    outcome = training.train(tiny_synthetic(stale, uploads, max_steps=10))
+    outcome = loop.train(tiny_synthetic(stale, uploads, max_steps=10))
     said = capsys.readouterr().out
     assert f"{uploads} holds a newer checkpoint than {stale / 'last.pt'}: continuing from ckpt-00000008.pt" in said
     assert "epoch 1, step 8" in said and outcome == {**outcome, "step": 10, "exit_code": 0}
@@ -463,11 +463,11 @@ def test_a_full_upload_location_never_stops_training_and_a_rerun_uploads_what_is
     left = proc.stdout.strip().splitlines()[-1].split()[1:]
     assert not [name for name in left if name.endswith(".partial")], left  # snapshots stay beside --output
     # the same run again, the location writable now: its missing uploads go up, then it is done
-    outcome = training.train(tiny_synthetic(output, uploads, epochs=2, epoch_size=4))
+    outcome = loop.train(tiny_synthetic(output, uploads, epochs=2, epoch_size=4))
     said = capsys.readouterr().out
     assert "already trained 2 epochs" in said and outcome["exit_code"] == 0
     assert f"uploaded to {uploads} what was missing or behind there: ckpt-00000004.pt, metrics.jsonl" in said
     assert json.loads((uploads / "latest.json").read_text())["checkpoint"] == "ckpt-00000004.pt"
     assert (uploads / "metrics.jsonl").read_bytes() == (output / "metrics.jsonl").read_bytes()
-    again = training.train(tiny_synthetic(output, uploads, epochs=2, epoch_size=4))
+    again = loop.train(tiny_synthetic(output, uploads, epochs=2, epoch_size=4))
     assert again["exit_code"] == 0 and "behind there: train.log\n" in capsys.readouterr().out  # its new line only

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The local AIStore playground's command line (./run ais-up / ais-down): imagenet_ais/ais_playground.py."""
+"""The local AIStore playground's command line (./run ais-up / ais-down): imagenet_ais/storage/ais_playground.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from imagenet_ais.ais_playground import Playground
+from imagenet_ais.storage.ais_playground import Playground
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_AISNODE = ROOT / ".cache" / "bin" / "aisnode"  # where ./run ais-install builds it

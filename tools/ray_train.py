@@ -25,7 +25,8 @@ from pathlib import Path
 import click
 
 import imagenet_ais
-from imagenet_ais import run_setup, train_cli
+from imagenet_ais.cli import train as train_cli
+from imagenet_ais.train import setup
 
 
 def token_available() -> bool:
@@ -62,8 +63,8 @@ def connect_refused(address: str) -> click.ClickException:
 def worker(config: dict) -> None:
     import ray.train
 
-    from imagenet_ais.config import TrainConfig
-    from imagenet_ais.training import train
+    from imagenet_ais.train.config import TrainConfig
+    from imagenet_ais.train.loop import train
 
     cfg = TrainConfig(**config)
     outcome = train(cfg, report=ray.train.report)
@@ -99,7 +100,7 @@ def main(
     if max_failures and cfg.resume is None:
         # a restarted group must continue, not start over: that needs --resume auto, which is a
         # fresh start only where neither --output nor --upload holds a run yet
-        if held := run_setup.held_run(Path(cfg.output), cfg):
+        if held := setup.held_run(Path(cfg.output), cfg):
             raise click.ClickException(held)
         cfg.resume = "auto"
     if address and "RAY_AUTH_MODE" not in os.environ and token_available():

@@ -12,6 +12,7 @@ The remote backends load their SDKs with their modules, which are imported only 
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ __all__ = [
     "file_crc32c",
     "is_local",
     "open_store",
+    "process_store",
     "stream_sha256",
 ]
 
@@ -84,3 +86,10 @@ def open_store(url: str, retry_seconds: float = 120) -> Store:
     raise ConfigError(
         f"unsupported storage URL {url!r}: use a local directory, file://, ais://, gs://, s3:// or http(s)://"
     )
+
+
+@functools.cache
+def process_store(url: str) -> Store:
+    """One store for ``url`` per process, kept for its next reads (its connections too): each
+    DataLoader or convert worker opens its own."""
+    return open_store(url)

@@ -1,0 +1,172 @@
+"""Make, check, describe and copy ImageNet WebDataset shards: synth, convert, verify, summary, preload."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from imagenet_ais.cli.failures import one_line
+from imagenet_ais.shards import cache, convert, synth, verify
+from imagenet_ais.shards.manifest import brace_pattern, load_manifest
+from imagenet_ais.storage import open_store
+
+
+def _human(nbytes: int) -> str:
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{nbytes} B"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _shards(listed: list) -> str:
+    return f"{len(listed)} shard{'' if len(listed) == 1 else 's'}"  # ("1 shards" before)
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def workers_option(auto: Callable[[], int], what: str) -> Callable[[Callable], Callable]:
+    """``--workers``: a count, or ``auto`` (the default, as train.py's), which ``auto()`` sizes."""
+
+    def parse(ctx: click.Context, param: click.Parameter, value: str) -> int:
+        if value == "auto":
+            return auto()
+        if value.isdigit() and int(value) >= 1:
+            return int(value)
+        raise click.BadParameter(f"{value!r} is neither 'auto' nor a count of 1 or more")
+
+    return click.option("--workers", default="auto", show_default=True, callback=parse, help=what)
+
+
+CPU_WORKERS = workers_option(_cpus, "processes; auto: this machine's CPUs")
+
+
+@click.group()
+def cli() -> None:
+    """ImageNet ⇄ WebDataset shards."""
+
+
+@cli.command("synth")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--classes", default=10, show_default=True, type=click.IntRange(min=1), help="number of classes")
+@click.option("--train-per-class", default=100, show_default=True, type=click.IntRange(min=0))
+@click.option("--val-per-class", default=20, show_default=True, type=click.IntRange(min=0))
+@click.option("--seed", default=0, show_default=True)
+@click.option("--with-bad", is_flag=True, help="also write a truncated, an empty and a non-image file to train/")
+@click.option(
+    "--size",
+    type=(click.IntRange(min=1), click.IntRange(min=1)),
+    help="fix every picture's WIDTH HEIGHT (ImageNet-like: 500 375)",
+)
+@click.option("--quality", type=click.IntRange(1, 100), help="JPEG quality (ImageNet-like: 95) [default: 75-95]")
+@CPU_WORKERS
+def synth_cmd(
+    out: Path,
+    classes: int,
+    train_per_class: int,
+    val_per_class: int,
+    seed: int,
+    with_bad: bool,
+    size: tuple[int, int] | None,
+    quality: int | None,
+    workers: int,
+) -> None:
+    """Write a learnable synthetic tree in the ImageNet layout to OUT."""
+    counts = synth.make_tree(out, classes, train_per_class, val_per_class, seed, with_bad, size, quality, workers)
+    click.echo(f"{out}: {counts['train']} train and {counts['val']} val files in {classes} classes")
+
+
+@cli.command("convert")
+@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("dest")
+@click.option("--splits", default="train,val", show_default=True, help="comma-separated split folders of SRC")
+@click.option("--maxcount", default=1000, show_default=True, type=click.IntRange(min=1), help="samples per shard")
+@click.option("--maxsize", default=int(1e9), show_default=True, type=click.IntRange(min=1), help="bytes per shard")
+@CPU_WORKERS
+@click.option("--seed", default=0, show_default=True, help="seed of the cross-shard shuffle")
+@click.option("--allow-empty", is_flag=True, help="convert even when a split or a class of it ends up with no samples")
+@click.option(
+    "--read-back",
+    is_flag=True,
+    help="read each uploaded shard back in full and compare its SHA-256 (by default a checksum the storage "
+    "computed of what it stored is compared: AIStore's xxhash, GCS's crc32c)",
+)
+def convert_cmd(
+    src: Path,
+    dest: str,
+    splits: str,
+    maxcount: int,
+    maxsize: int,
+    workers: int,
+    seed: int,
+    allow_empty: bool,
+    read_back: bool,
+) -> None:
+    """Convert the ImageFolder tree SRC into shuffled shards and a manifest at DEST.
+
+    Re-running resumes: shards already complete and verified at DEST are kept.
+    """
+    with one_line():
+        split_list = [s for s in splits.split(",") if s]
+        manifest = convert.convert(src, dest, split_list, maxcount, maxsize, workers, seed, allow_empty, read_back)
+    for name, split in manifest.splits.items():
+        click.echo(f"{name}: {split.samples} samples in {_shards(split.shards)}, {len(split.rejected)} rejected")
+        for r in split.rejected:
+            click.echo(f"  rejected {r['path']}: {r['reason']}")
+
+
+@cli.command("verify")
+@click.argument("dest")
+@CPU_WORKERS
+def verify_cmd(dest: str, workers: int) -> None:
+    """Re-read every shard at DEST against its manifest; exit 1 naming each bad shard."""
+    with one_line():
+        problems = verify.verify(dest, workers)
+    for name, problem in sorted(problems.items()):
+        click.echo(f"BAD {dest}/{name}: {problem}", err=True)
+    if problems:
+        sys.exit(1)
+    click.echo(f"{dest}: all shards match the manifest and decode")
+
+
+@cli.command("preload")
+@click.argument("url")
+@click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--splits", help="comma-separated splits to copy [default: all in the manifest]")
+@workers_option(lambda: 8, "parallel downloads; auto: 8")
+def preload_cmd(url: str, dest: Path, splits: str | None, workers: int) -> None:
+    """Copy the shards at URL to the local directory DEST (e.g. a node's SSD), then train with --data DEST.
+
+    Every shard is checked against the manifest; re-running after an interruption keeps what
+    is already there and intact. The manifest is written last: DEST is usable once it is there.
+    """
+    with one_line():
+        manifest = cache.preload(url, dest, [s for s in splits.split(",") if s] if splits else None, workers)
+    for name, split in manifest.splits.items():
+        click.echo(f"{dest}: {name}: {_shards(split.shards)}, {split.samples} samples, {_human(split.bytes)}")
+
+
+@cli.command("summary")
+@click.argument("dest")
+def summary_cmd(dest: str) -> None:
+    """Print each split of DEST as a brace pattern with counts and sizes."""
+    with one_line():
+        manifest = load_manifest(open_store(dest))
+    click.echo(f"{dest}: {len(manifest.classes)} classes")
+    for name, split in manifest.splits.items():
+        pattern = brace_pattern([s.name for s in split.shards])
+        click.echo(
+            f"{name}: {pattern}  shards={len(split.shards)} samples={split.samples} "
+            f"size={_human(split.bytes)} rejected={len(split.rejected)}"
+        )
+
+
+if __name__ == "__main__":  # python -m imagenet_ais.cli.shards
+    cli()

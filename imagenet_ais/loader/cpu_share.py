@@ -1,0 +1,137 @@
+"""Some training crops decoded in the DataLoader workers, while they would otherwise wait.
+
+With decode "gpu" or "dali" a worker only reads each JPEG's header, and the GPU's decoder can be
+the limit: ResNet-18 on one H200 had its decode thread busy 0.99 while the workers left most of
+16 cores idle (bench/RESULTS.md run AK). So a worker crops a share of its training samples
+itself (PIL, as decode "cpu" does, without the flip) and hands them over as pixels after the
+batch's JPEGs; the device flips, augments and normalises them with the others. The crop and
+flip are drawn as before, so a sample's crop is the same on either side (its pixels differ by
+the resampling, as between decode "cpu" and "gpu").
+
+"auto" adapts the share to the time a worker has: every WINDOW seconds it compares the time it
+waited for the training process to ask for more with IDLE, and moves its share by GAIN times
+the difference, between 0 and LIMIT. A worker that waits takes more; one that is late gives
+some back to the GPU. Every worker gives back, as if it had not waited at all, while the
+training step waits for batches less than STARVED of its time (the training loop's time blocked
+for its next batch, device_feed.DeviceFeed.starved: the feed keeps up, and crops here cannot make the
+step faster, only take cores from it), and while the cores this job may run on are over
+HOST_BUSY busy (a training process short of CPU makes its workers wait too). A fixed share
+(``--cpu-share 0.2``) does none of this.
+
+Measured on one H200 with 16 cores (bench/RESULTS.md run AL), ResNet-18 bs512: "auto" settled at
+0.08-0.09 of the samples, 0.706-0.719 of the ceiling against 0.658-0.694 without; workers kept
+10% idle took 0.17 and fell to 0.647 (the host's cores 0.91 busy, the feed's host thread waiting
+on the workers), and a fixed 0.2 to 0.556. ResNet-50 bs256: 0.32 of the samples, 0.946 against 0.937.
+With 8 cores (taskset, run AN) ResNet-50 lost by it: 0.911 against 0.935, the step waiting 6-8%
+of its time instead of 4%, and the host's 16 cores, all the cap saw then, 0.41 busy. Hence the
+training step's wait (STARVED) and the job's own cores for the cap (not yet measured on a GPU).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from ctypes import c_double
+from multiprocessing.sharedctypes import Synchronized
+
+from PIL import Image
+
+from imagenet_ais.errors import ConfigError
+from imagenet_ais.loader.cpu_time import own_cpu_jiffies
+from imagenet_ais.loader.transforms import crop_on_cpu
+
+AUTO = "auto"
+LIMIT = 0.5  # the most "auto" takes: engine.py sizes the workers' buffers for it
+IDLE = 0.25  # the part of its time an "auto" worker keeps waiting: cores left to the training process
+HOST_BUSY = 0.85  # the job's cores busier than this: every "auto" worker gives some back
+STARVED = 0.10  # the training step waiting for batches less than this share of its time: likewise
+GAIN = 0.25
+WINDOW = 1.0  # seconds of a worker's time between changes of its share
+FAILED = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)  # what PIL raises on a broken picture
+
+
+def checked(share: float | str) -> float | str:
+    """``share`` as a number between 0 and 1, or "auto"; else a one-line ConfigError."""
+    if share == AUTO:
+        return AUTO
+    try:
+        value = float(share)
+    except (TypeError, ValueError):
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise ConfigError(f"--cpu-share {share}: give 'auto' or a share of the samples between 0 and 1 (e.g. 0.2)")
+    return value
+
+
+class CpuShare:
+    """(In a worker) which of its training samples it decodes itself: ``share`` of them, or with
+    "auto" a share that follows the time it waits for requests (``observe``), the share of its
+    time the training step waits for batches (``starved``, set by the training process; None:
+    unknown, taken as waiting), and how busy the job's ``cores`` are ((busy, all) time so far)."""
+
+    def __init__(
+        self,
+        share: float | str,
+        cores: Callable[[], tuple[int, int] | None] = own_cpu_jiffies,
+        starved: c_double | None = None,
+    ):
+        self.adaptive, self.cores, self.starved = share == AUTO, cores, starved
+        self.share = 0.0 if self.adaptive else float(share)
+        self.credit = 0.0  # shares of a sample owed: one is taken whenever it reaches 1
+        self.busy = self.idle = 0.0
+        self.host = cores() if self.adaptive else None  # the job's cores' (busy, all) time when the window began
+
+    def take(self) -> bool:
+        """Whether to decode the next sample here."""
+        self.credit += self.share
+        if self.credit < 1:
+            return False
+        self.credit -= 1
+        return True
+
+    def observe(self, busy: float, idle: float) -> None:
+        """Seconds spent making a sample, and waiting until the next one was asked for."""
+        self.busy, self.idle = self.busy + busy, self.idle + idle
+        total = self.busy + self.idle
+        if self.adaptive and total >= WINDOW:
+            needed = self.host_busy() <= HOST_BUSY and (self.starved is None or self.starved.value >= STARVED)
+            waited = self.idle / total if needed else 0.0
+            self.share = min(LIMIT, max(0.0, self.share + GAIN * (waited - IDLE)))
+            self.busy = self.idle = 0.0
+
+    def host_busy(self) -> float:
+        """The share of the job's cores' time spent busy since the last call (0 where unknown).
+        Its affinity's cores: under a cgroup's CPU quota (docker --cpus) they may be idle while
+        the quota is spent."""
+        before, self.host = self.host, self.cores()
+        if before is None or self.host is None or self.host[1] <= before[1]:
+            return 0.0
+        return (self.host[0] - before[0]) / (self.host[1] - before[1])
+
+
+def offload(
+    samples: Iterator[tuple],
+    share: CpuShare,
+    size: int,
+    cropped: Synchronized[int],
+    failed: Callable[[tuple, str], None],
+) -> Iterator[tuple]:
+    """``samples`` (JPEG bytes, box, plan; then the rest), a share of them cropped to size ×
+    size pixels here and counted in ``cropped``; one PIL cannot decode goes to ``failed`` with
+    what went wrong instead, skipped as decode "cpu" skips it."""
+    mark = time.perf_counter()
+    for sample in samples:
+        (raw, box, plan), *rest = sample
+        if share.take():
+            try:
+                sample = ((crop_on_cpu(raw, box, size), box, plan), *rest)
+            except FAILED as e:
+                failed(sample, f"{type(e).__name__}: {e}")
+                continue
+            with cropped.get_lock():
+                cropped.value += 1
+        made = time.perf_counter()
+        yield sample
+        asked = time.perf_counter()  # (the wait includes collating the batch: a few ms of ~0.5 s here)
+        share.observe(made - mark, asked - made)
+        mark = asked

@@ -1,0 +1,193 @@
+"""Batches made ready on the device ahead of the step that needs them.
+
+A pipeline of threads works while the training step runs: one pulls host batches (receiving
+from the DataLoader workers: Python, holding the GIL), and each stage after it
+(e.g. nvJPEG decode, then crop + resize + normalise) has a thread of its own, so that the
+stages' times overlap instead of adding up. Measured on the H100 (bench/RESULTS.md), one
+thread doing the work in turn spent the sum of the stages per batch, and the sum was the
+end-to-end limit. On CUDA the device work goes on a high-priority side stream.
+
+``busy()`` tells how long each thread spent working (the pulling thread: getting a batch,
+waiting on the workers included): the stage near 100% of the wall time is the limit.
+``starved`` is the share of its time the consumer recently spent blocked waiting for items (for
+a training loop: its time in ``next``, not the GPU's idle time).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from imagenet_ais.loader.failures import Interrupted
+
+_END = object()
+STARVED_SECONDS = 5.0  # what ``starved`` averages over
+_live: weakref.WeakSet[DeviceFeed] = weakref.WeakSet()
+
+Stage = tuple[str, Callable[[Any], Any]]
+
+
+def tensors_in(obj: object) -> Iterator[torch.Tensor]:
+    """The tensors in ``obj`` and in the tuples and lists nested in it."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, tuple | list):
+        for item in obj:
+            yield from tensors_in(item)
+
+
+def close_all(timeout: float = 10) -> None:
+    """Stop every feed's threads (at exit: one left inside torch while the interpreter shuts down aborts it)."""
+    for feed in list(_live):
+        feed.close(timeout)
+
+
+class DeviceFeed:
+    """Iterate each item of ``items`` passed through ``stages`` in turn, up to ``ahead`` items early.
+
+    Each stage is a (name, function) pair with a thread of its own. The last stage returns a
+    tuple whose tensors (also in nested tuples and lists) live on ``device``; anything else in
+    it passes through. Call ``close`` (or exhaust it) so the threads end. While the consumer
+    waits for an item, ``interrupted`` (if given) is asked every 0.2 s with the seconds waited; once it is true, the
+    wait ends in ``Interrupted`` (a signal must stop a run whose data never comes).
+    """
+
+    def __init__(
+        self,
+        items: Iterator[Any],
+        stages: Sequence[Stage],
+        device: torch.device,
+        ahead: int = 2,
+        interrupted: Callable[[float], bool] | None = None,
+        starved: float = 1.0,
+    ):
+        self.items, self.device, self.interrupted = items, device, interrupted
+        # high priority: a batch's few small kernels need not queue behind the step's
+        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        self.queues: list[queue.Queue] = [queue.Queue(maxsize=2) for _ in stages] + [queue.Queue(maxsize=ahead)]
+        self.stopping = threading.Event()
+        self.seconds = {"host": 0.0, **{name: 0.0 for name, _ in stages}}
+        # the consumer's share of time waiting for items: ``starved`` as given until the second
+        # item (the first one's wait is the producer starting up), then its mean since the first,
+        # over the last STARVED_SECONDS or so once it has run that long
+        self.starved = starved
+        self._began: float | None = None  # when the first item was handed over
+        self._handed = 0.0  # when the last one was
+        self.threads = [threading.Thread(target=self._pull, name="host-batches", daemon=True)]
+        self.threads += [
+            threading.Thread(target=self._stage, args=(i, name, fn), name=f"feed-{name}", daemon=True)
+            for i, (name, fn) in enumerate(stages)
+        ]
+        for thread in self.threads:
+            thread.start()
+        _live.add(self)
+
+    def busy(self) -> dict[str, float]:
+        """Seconds each thread worked since the last call."""
+        taken, self.seconds = self.seconds, dict.fromkeys(self.seconds, 0.0)
+        return taken
+
+    def _put(self, q: queue.Queue, item: object) -> bool:
+        while not self.stopping.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _get(self, q: queue.Queue) -> object:
+        while not self.stopping.is_set():
+            try:
+                return q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return _END
+
+    def _pull(self) -> None:
+        items = iter(self.items)
+        try:
+            while True:
+                start = time.perf_counter()
+                item = next(items, _END)
+                self.seconds["host"] += time.perf_counter() - start
+                if not self._put(self.queues[0], item) or item is _END:
+                    return
+        except BaseException as e:  # passed on by the stages, raised by the consumer
+            self._put(self.queues[0], e)
+
+    def _stage(self, index: int, name: str, fn: Callable[[Any], Any]) -> None:
+        source, sink = self.queues[index], self.queues[index + 1]
+        try:
+            with torch.cuda.stream(self.stream) if self.stream else nullcontext():
+                while True:
+                    item = self._get(source)
+                    if item is _END or isinstance(item, BaseException):
+                        self._put(sink, item)
+                        return
+                    start = time.perf_counter()
+                    out = fn(item)
+                    if self.stream:
+                        # Done on the device before the input is dropped: its memory would
+                        # otherwise go to the next allocation at once (nvJPEG writes from a
+                        # stream of its own) while this stage's kernels may still read it.
+                        self.stream.synchronize()
+                    self.seconds[name] += time.perf_counter() - start
+                    del item
+                    if not self._put(sink, out):
+                        return
+        except BaseException as e:
+            self._put(sink, e)
+
+    def __iter__(self) -> Iterator[tuple]:
+        return self
+
+    def __next__(self) -> tuple:
+        start = time.monotonic()
+        while True:
+            try:
+                item = self.queues[-1].get(timeout=0.2)
+                break
+            except queue.Empty:
+                if self.interrupted and self.interrupted(time.monotonic() - start):
+                    raise Interrupted from None
+        now = time.monotonic()
+        self._waited(now - start, now)
+        if item is _END:
+            self.close()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if self.stream:
+            current = torch.cuda.current_stream(self.device)
+            for t in (t for t in tensors_in(item) if t.is_cuda):
+                # made on the side stream: without this, their memory would go back to that
+                # stream's pool as soon as the step drops them, and the next batch would be
+                # written into it while the step's kernels may still read it
+                t.record_stream(current)
+        return item
+
+    def _waited(self, seconds: float, now: float) -> None:
+        """The consumer waited ``seconds`` for the item handed over at ``now``: fold it into ``starved``."""
+        span, self._handed = now - self._handed, now  # since it had the last one: its own work, then the wait
+        if self._began is None:
+            self._began = now
+        elif span > 0:
+            weight = span / min(STARVED_SECONDS, now - self._began)
+            self.starved += min(1.0, weight) * (min(1.0, seconds / span) - self.starved)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the threads (each finishes the item in hand first); give up after ``timeout`` seconds."""
+        self.stopping.set()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        _live.discard(self)

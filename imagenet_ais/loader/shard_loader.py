@@ -1,0 +1,315 @@
+"""The data path as a library: ``ShardLoader``, one rank's batches of a split, on its device.
+
+train.py builds its loaders here too: one data path. In a plain loop::
+
+    loader = ShardLoader("ais://imagenet/shards", "train", 256, epoch_mode="exact")
+    for epoch in range(epochs):
+        for images, labels, keys in loader:  # each pass over the loader is the next epoch
+            ...
+            torch.save({"model": ..., "data": loader.state_dict()}, path)  # mid-epoch too
+    ...
+    loader.load_state_dict(torch.load(path)["data"])  # goes on with the batches not yet handed out
+
+A state names the samples an exact epoch has trained (not ranks or steps), so another number
+of ranks, batch size or workers can continue it: every sample of the epoch still once. Under
+``torch.distributed`` with several ranks, ``state_dict()`` gathers every rank's part: all ranks
+call it, as they do a model's checkpoint. PyTorch Lightning finds ``state_dict``/``load_state_dict``
+on a training loader and keeps the state in its checkpoints (mid-epoch resume included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Generator, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from imagenet_ais.distributed import WORK_QUEUES, auto_workers, gather_objects
+from imagenet_ais.errors import ConfigError
+from imagenet_ais.loader.augment import NO_AUGMENT, Augment
+from imagenet_ais.loader.cpu_share import AUTO, checked
+from imagenet_ais.loader.dali_decode import available as dali_available
+from imagenet_ais.loader.engine import Batch, Feeding, TrainLoader, ValLoader
+from imagenet_ais.loader.failures import StateMismatch
+from imagenet_ais.loader.sampling import merge_positions
+from imagenet_ais.loader.transforms import VAL_CROP
+from imagenet_ais.loader.worker import CacheSpec, LoaderSpec
+from imagenet_ais.shards.manifest import Manifest, load_manifest
+from imagenet_ais.storage import open_store
+
+STATE_VERSION = 1
+
+DECODES = ("auto", "cpu", "gpu", "dali")
+
+
+# exact: every sample at most once an epoch; resampled: shards drawn with replacement (engine.py)
+EPOCH_MODES = ("resampled", "exact")
+
+
+class ShardLoader:
+    """One rank's batches of ``split`` of the shards at ``location`` (a directory, ``ais://``,
+    ``gs://``, ``http(s)://``: wherever ``manifest.json`` is), ready on ``device``.
+
+    Iterating gives ``Batch(images, labels, keys)``: normalised float images N × 3 × H × W
+    and int64 labels on the device, and the samples' keys. The training split gives ``len(self)``
+    batches of exactly ``batch_size`` every epoch, on every rank; validation ("val") every
+    sample once across ranks (batches may be short).
+
+    - ``rank``/``world_size``: by default torch.distributed's (1 rank when not initialised).
+    - ``epoch_mode``: "exact" (every sample at most once an epoch, the same steps on each rank)
+      or "resampled" (shards drawn with replacement; ``epoch_size`` samples an epoch, by
+      default the split's count).
+    - ``decode``: "cpu" (in the workers), "gpu" (nvJPEG), "dali" (the JPEG engines; the
+      ``dali`` extra), or "auto": "gpu" on a CUDA device, else "cpu".
+    - ``device``: by default the current CUDA device, else the CPU. ``workers``: DataLoader
+      processes, by default this rank's CPUs (less two beside a GPU).
+    - ``cpu_share``: with "gpu"/"dali", the share of training samples the workers crop themselves
+      (cpu_share.py); "auto": on a GPU, as much as their spare time allows.
+    - ``cache_dir``/``cache_size``: remote shards kept on the node's disk, read from there next epoch.
+    - ``augment``: RandAugment-style policies and random erasing (augment.Augment), training only.
+      ``val_resize_size``: validation resizes the short side to it, then takes the centre crop.
+    """
+
+    def __init__(
+        self,
+        location: str,
+        split: str = "train",
+        batch_size: int = 256,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        epoch_mode: str = "resampled",
+        epoch_size: int | None = None,
+        image_size: int = 224,
+        decode: str = "auto",
+        device: torch.device | str | None = None,
+        workers: int | None = None,
+        cache_dir: str | None = None,
+        cache_size: int | None = None,
+        seed: int = 0,
+        shuffle_buffer: int = 2000,
+        augment: Augment = NO_AUGMENT,
+        val_resize_size: float | None = None,
+        channels_last: bool = False,
+        cpu_share: float | str = AUTO,
+        manifest: Manifest | None = None,
+    ):
+        rank, world_size = _topology(rank, world_size)
+        device = torch.device(device) if device is not None else _default_device()
+        if epoch_mode not in EPOCH_MODES:
+            raise ConfigError(f"epoch mode {epoch_mode!r}: use one of {', '.join(EPOCH_MODES)}")
+        self.decode = _decode(decode, device)
+        if device.type == "cuda" and self.decode != "cpu" and (warning := few_queues()):
+            warnings.warn(warning, stacklevel=2)
+        if cache_size is not None and not cache_dir:
+            raise ConfigError("--cache-size bounds --cache-dir: give --cache-dir too")
+        manifest = manifest or load_manifest(open_store(location))
+        self.location, self.split, self.classes = location, split, manifest.classes
+        self.rank, self.world_size, self.batch_size, self.device = rank, world_size, batch_size, device
+        self.workers = workers if workers is not None else auto_workers(device)
+        spec = LoaderSpec(
+            world_size, rank, batch_size, seed, image_size, self.decode, len(manifest.classes),
+            CacheSpec(cache_dir, cache_size) if cache_dir else None, augment=augment,
+        )  # fmt: skip
+        feeding = Feeding(self.workers, device, channels_last, cpu_share=checked(cpu_share))
+        data = manifest.split(split)
+        self._loader: TrainLoader | ValLoader
+        if split == "train":
+            self._loader = TrainLoader(data, location, epoch_mode, spec, feeding, shuffle_buffer, epoch_size)
+        else:
+            resize = val_resize_size or image_size / VAL_CROP
+            if resize < image_size:
+                raise ConfigError(f"--val-resize-size {resize:g} is smaller than the validation crop ({image_size})")
+            spec = dataclasses.replace(spec, val_crop=image_size / resize, augment=NO_AUGMENT)
+            self._loader = ValLoader(data, location, spec, feeding)
+        self.samples = data.samples  # the manifest's count
+        self.epoch = 0  # the epoch the next (or current) pass trains
+        self._pending = True  # the next pass trains ``epoch`` (set, restored or first): not the one after
+        self._step = 0  # steps of ``epoch`` handed out (with those before a restore)
+        self._active: Generator[Batch] | None = None
+
+    @property
+    def cpu_share(self) -> float | str:
+        """The share of training samples the workers crop themselves (cpu_share.py): a number, "auto" or 0."""
+        return self._loader.spec.cpu_share
+
+    @property
+    def step(self) -> int:
+        """The step of its epoch the next pass starts at: 0, or where a restored state left off
+        (``enumerate(loader, start=loader.step)`` counts the epoch's steps)."""
+        whole = isinstance(self._loader, TrainLoader) and self._step >= len(self._loader)
+        return 0 if whole and not self._pending else self._step
+
+    @property
+    def problems(self) -> Any:
+        """The queue the workers name unreadable shards and samples in (data_health.DataHealth reads it)."""
+        return self._loader.dataset.problems
+
+    def __len__(self) -> int:
+        """Batches an epoch, the same on every rank (training only: validation's workers each end
+        with a short batch, so its count is not known ahead; TypeError, as for any iterable)."""
+        if not isinstance(self._loader, TrainLoader):
+            raise TypeError("a validation ShardLoader has no length: its workers' last batches are short")
+        return len(self._loader)
+
+    def set_epoch(self, epoch: int, image_size: int | None = None) -> None:
+        """Make the next pass ``epoch`` (from its start, unless a restored state is partway
+        through it), optionally at another image size (progressive resizing)."""
+        if isinstance(self._loader, TrainLoader):
+            # a restored state is kept only for the pass it was loaded for
+            self._loader.set_epoch(epoch, image_size, keep_restored=self._pending and epoch == self.epoch)
+            self._step = self._loader.resumed_step
+        elif image_size:
+            self._loader.dataset.size.value = image_size
+        self.epoch, self._pending = epoch, True
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self._active is not None:
+            self._active.close()  # a pass left partway: its feed threads stop before the next's start
+        self._active = self._pass()
+        return self._active
+
+    def _pass(self) -> Generator[Batch]:
+        if not self._pending:
+            self.set_epoch(self.epoch + 1)
+        self._pending = False
+        for batch in self._loader:
+            self._step += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where training stands in its epochs, for ``load_state_dict`` (validation keeps none).
+        With several ranks under torch.distributed, a collective: every rank calls it."""
+        loader = self._loader
+        if not isinstance(loader, TrainLoader):
+            return {}
+        epoch, step = self.epoch, self._step
+        if step >= len(loader):  # handed out whole: what comes next is the next epoch
+            epoch, step = epoch + 1, 0
+        position = None
+        if step and loader.dataset.mode == "exact":  # every rank's samples of the epoch so far
+            mine = loader.position()
+            theirs = gather_objects(mine) if self.world_size > 1 else [mine]
+            position = merge_positions(epoch, [loader.restored, *theirs])
+        return {
+            "version": STATE_VERSION, "epoch": epoch, "step": step, "steps": len(loader),
+            "mode": loader.dataset.mode, "plan": loader.plan(), "position": position,
+            "world_size": self.world_size, "batch_size": self.batch_size,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from ``state`` (``state_dict()``'s, maybe of another number of ranks, batch size
+        or workers): the next pass continues its epoch. Exact epochs continue without the samples
+        trained before; resampled ones as far through the epoch, from fresh streams. A state this
+        loader cannot continue exactly raises ``StateMismatch`` (its epoch may start over instead)."""
+        loader = self._loader
+        if not isinstance(loader, TrainLoader) or not state:
+            return
+        if self._active is not None:
+            self._active.close()  # a pass in progress ends: the next one goes on from the state
+            self._active = None
+        epoch, step = state["epoch"], state["step"]
+        self._pending = False  # (the epoch is set afresh, whatever was restored before)
+        self.set_epoch(epoch)
+        if not step:
+            return
+        on = f"{state['world_size']} × {state['batch_size']}"
+        at = f"epoch {epoch + 1} stopped at step {step} of {state['steps']} on {on}"
+        if state["plan"] != loader.plan():
+            raise StateMismatch(f"{at} over other shards or another --seed")
+        restart = f"{epoch}:{step}"  # names the streams a resampled epoch draws from here on
+        if loader.dataset.mode == "exact":
+            if not state["position"]:
+                raise StateMismatch(f"{at} in {state['mode']} mode, which keeps no record of its samples")
+            self._step = loader.restore(epoch, restart, state["position"])
+        else:
+            self._step = loader.restore(
+                epoch, restart, step=min(len(loader), round(step * len(loader) / state["steps"]))
+            )
+
+    def counters(self) -> dict[str, int]:
+        """Samples that failed to decode, shards that failed to read and the samples they listed
+        unread, samples of the shards set out to read, samples repeated to pad (all this process's)."""
+        return self._loader.counters()
+
+    def busy(self) -> dict[str, float]:
+        """Seconds each of the feed's threads worked since the last call (the limit is near 100%)."""
+        return self._loader.busy()
+
+    def plan(self) -> str | None:
+        """A digest of what the epochs' sample order follows from (shards, counts, seed)."""
+        return self._loader.plan() if isinstance(self._loader, TrainLoader) else None
+
+    def identity(self) -> str | None:
+        """A digest of the training shards (names, SHA-256s), wherever they are read from."""
+        return self._loader.identity() if isinstance(self._loader, TrainLoader) else None
+
+    def stop_waiting_when(self, interrupted: Any) -> None:
+        """While the step waits for a batch, ``interrupted(seconds waited)`` true ends the wait in
+        ``Interrupted`` (a signal must stop a run whose data never comes)."""
+        self._loader.interrupted = interrupted
+
+    def close(self) -> None:
+        """Stop the feed's threads and the DataLoader workers (they also end with the process)."""
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+        self._loader.shut_down()
+
+    def __enter__(self) -> ShardLoader:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def _topology(rank: int | None, world: int | None) -> tuple[int, int]:
+    """This loader's rank and world size: the caller's, else torch.distributed's."""
+    if rank is not None and world is not None:
+        if not 0 <= rank < world:
+            raise ConfigError(f"rank {rank} of world size {world}: a rank is 0 to {world - 1}")
+        return rank, world
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's, before its process group: each would read all
+        raise ConfigError(
+            f"WORLD_SIZE is {os.environ['WORLD_SIZE']} but torch.distributed is not initialised: "
+            "call init_process_group first, or give rank= and world_size="
+        )
+    return 0, 1
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def few_queues() -> str | None:
+    """Why the GPU decode would run slowly beside training in this process, if it would: CUDA's
+    default 8 work queues (or fewer) make its kernels wait behind the step's, which halved it
+    (bench/RESULTS.md runs L, AM). train.py asks for 32; a library leaves your process alone."""
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8").strip()
+    if value.isdigit() and int(value) >= int(WORK_QUEUES):
+        return None
+    return (
+        f"CUDA_DEVICE_MAX_CONNECTIONS is {value}: the GPU decode beside training runs at half speed or less; "
+        f"set it to {WORK_QUEUES} before CUDA starts (train.py does)"
+    )
+
+
+def _decode(decode: str, device: torch.device) -> str:
+    if decode not in DECODES:
+        raise ConfigError(f"decode {decode!r}: use one of {', '.join(DECODES)}")
+    if decode == "dali" and not dali_available():
+        raise ConfigError(
+            "--decode dali needs DALI: pip install .[dali] (NGC's PyTorch images have it) or --decode gpu"
+        )
+    if decode == "auto":
+        return "gpu" if device.type == "cuda" else "cpu"
+    return decode
+
+
+# auto: gpu where CUDA is; cpu: PIL in the workers; gpu: nvJPEG; dali: DALI's JPEG-engine crops

@@ -1,0 +1,300 @@
+"""What each DataLoader worker does: read its samples of the epoch and make batches of them.
+
+A worker's share of the epoch comes from sampling.py (exact or resampled plans); it reads those
+samples from their shards (through the node's cache for remote ones), mixes them in a shuffle
+buffer and decodes them: to uint8 pixels (decode "cpu"), or to JPEG bytes plus the crop to
+take (decode "gpu": the device decodes; a share of training's samples cropped here all the same,
+cpu_share.py). Whole batches cross to the training process (engine.py).
+Only image and ``.cls`` members are read: nothing in a shard is unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import multiprocessing as mp
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.sharedctypes import Synchronized
+from typing import BinaryIO, cast
+
+import torch
+from PIL import Image
+from torch.utils.data import IterableDataset, get_worker_info
+from webdataset.filters import shuffle
+from webdataset.tariterators import group_by_keys
+
+from imagenet_ais.children import exit_with_parent
+from imagenet_ais.errors import ConfigError, DataError, StorageError
+from imagenet_ais.loader.augment import NO_AUGMENT, Augment
+from imagenet_ais.loader.cpu_share import CpuShare, offload
+from imagenet_ais.loader.failures import UnreadableData
+from imagenet_ais.loader.sampling import (
+    Done,
+    Piece,
+    contiguous_assignment,
+    exact_assignment,
+    resampled_pieces,
+    split_among_workers,
+)
+from imagenet_ais.loader.transforms import VAL_CROP, augment_on_cpu, augment_rng, decode_on_cpu, encode_for_device
+from imagenet_ais.shards.cache import ShardCache
+from imagenet_ais.shards.members import members
+from imagenet_ais.storage import process_store
+
+IMAGE_EXTS = ("jpg", "jpeg", "png")
+DECODERS = ("cpu", "gpu", "dali")  # "gpu" and "dali" hand over JPEG bytes and crops
+FAILED_IN_A_ROW = 50  # shard reads of a worker that may fail one after another before it gives up
+
+
+def _wanted_member(name: str) -> bool:
+    return name.rpartition("/")[2].partition(".")[2].lower() in (*IMAGE_EXTS, "cls")
+
+
+class _Hashing:
+    """A shard stream that counts and hashes (SHA-256) every byte read through it."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw, self.sha, self.count = raw, hashlib.sha256(), 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.sha.update(data)
+        self.count += len(data)
+        return data
+
+    def read_to_end(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+
+def _files(stream: BinaryIO | _Hashing, where: str, errors: list[Exception]) -> Iterator[dict]:
+    """The wanted members of a shard as webdataset's grouping takes them; a member that cannot be
+    read (or must not be: members.py) ends them, its error in ``errors``."""
+    try:
+        for name, data in members(cast(BinaryIO, stream), _wanted_member):  # (tarfile only reads it)
+            yield {"fname": name, "data": data, "__url__": where}
+    except Exception as e:  # each storage SDK raises its own errors mid-read (GCS: GoogleAPICallError)
+        errors.append(e)
+
+
+@dataclass
+class CacheSpec:
+    """Where the node's shard cache lives and how large it may grow (``--cache-dir/--cache-size``)."""
+
+    root: str
+    max_bytes: int | None = None
+
+
+@dataclass
+class LoaderSpec:
+    """What one rank's loader reads and makes of it (its train and val loaders differ in size only)."""
+
+    world: int
+    rank: int
+    batch: int
+    seed: int
+    image_size: int
+    decode: str = "cpu"  # or "gpu"/"dali": workers hand over JPEG bytes, the device decodes
+    classes: int = 0  # labels must be below this (0: not checked)
+    cache: CacheSpec | None = None  # keep remote shards on the node's disk
+    val_crop: float = VAL_CROP  # validation's centre square, of the short side (--val-resize-size)
+    augment: Augment = NO_AUGMENT  # training only: --auto-augment, --random-erase
+
+
+@dataclass(kw_only=True)
+class StreamSpec(LoaderSpec):
+    """What a worker needs to find its samples; picklable for spawned workers."""
+
+    location: str  # the shard location (a storage URL); names are relative to it
+    names: list[str]
+    counts: list[int]
+    listed: list[tuple[int, str]]  # each shard's bytes and SHA-256 in the manifest: checked as it streams
+    shard_cache: ShardCache | None = None  # the node's cache, for remote shards
+    shuffle: int = 0  # samples each worker mixes before batching (0: stored order)
+    cpu_share: float | str = 0.0  # of training's samples, cropped in the workers (cpu_share.py): a share or "auto"
+
+
+class ShardStream(IterableDataset):
+    """The samples of this rank for the current epoch, split among DataLoader workers.
+
+    ``epoch`` and the skip counters live in shared memory so that persistent workers see
+    the epoch the main process set and the main process sees what workers skipped; what was
+    wrong goes to the main process through ``problems``, once per shard and worker.
+    """
+
+    def __init__(self, spec: StreamSpec, mode: str):
+        if mode not in ("resampled", "exact", "val"):
+            raise ConfigError(f"unknown epoch mode {mode!r}")
+        if spec.decode not in DECODERS:
+            raise ConfigError(f"unknown decode {spec.decode!r}: one of {', '.join(DECODERS)}")
+        self.spec, self.mode = spec, mode
+        self.epoch = mp.Value("q", 0)
+        self.size = mp.Value("q", spec.image_size)  # output side; changes between epochs (--progressive)
+        self.skipped = mp.Value("q", 0)  # samples that failed to decode
+        self.read_errors = mp.Value("q", 0)  # shards that failed part-way or held fewer samples than listed
+        self.unread = mp.Value("q", 0)  # the samples those shards list that were not read
+        self.drawn = mp.Value("q", 0)  # the samples listed by every shard piece a worker set out to read
+        self.cropped = mp.Value("q", 0)  # training samples the workers cropped themselves (cpu_share.py)
+        # the training step's recent share of time waiting for batches (device_feed.py); no lock: one
+        # writer, and a worker killed while holding one would stop the training loop's next write
+        self.starved = mp.Value("d", 1.0, lock=False)
+        self._failing = 0  # (per worker) shard reads that failed in a row, nothing read from them
+        self.problems: mp.Queue = mp.Queue()  # "where: what" lines, for the training process to name
+        self._told: set[str] = set()  # (per worker) shards already reported
+        # a resumed epoch: (epoch, samples trained before the restart, the name that makes its
+        # resampled streams fresh ones); set before the workers start, so even persistent
+        # workers see it
+        self.resumed: tuple[int, Done, str] = (-1, {}, "")
+        self.share = CpuShare(spec.cpu_share, starved=self.starved)  # (per worker, kept from epoch to epoch)
+
+    def _done(self) -> tuple[Done, str]:
+        """What a resumed epoch leaves out, and how its resampled streams are told apart."""
+        epoch, done, restart = self.resumed
+        return (done, restart) if epoch == self.epoch.value else ({}, "")
+
+    def _pieces(self, worker: int, workers: int) -> Iterator[Piece]:
+        s, epoch = self.spec, self.epoch.value
+        done, restart = self._done()
+        if self.mode == "resampled":
+            yield from resampled_pieces(s.counts, f"{s.seed}:{epoch}:{restart}:{s.rank}:{worker}")
+        if self.mode == "exact":
+            mine = exact_assignment(s.counts, s.world, s.batch, s.seed, epoch, done)[0][s.rank]
+        else:
+            mine = contiguous_assignment(s.counts, s.world)[s.rank]
+        yield from split_among_workers(mine, workers)[worker]
+
+    def _count(self, counter: Synchronized[int], n: int = 1) -> None:
+        with counter.get_lock():
+            counter.value += n
+
+    def report(self, where: str, problem: str, counter: Synchronized[int] | None) -> None:
+        """Name ``where``'s problem once, and count it in ``counter`` (if any) every time."""
+        # the line goes first, so that the training process has it once it sees the count
+        if where not in self._told:
+            self._told.add(where)
+            self.problems.put(f"{where}: {problem}")
+        if counter is not None:
+            self._count(counter)
+
+    def _read_failed(self, where: str, problem: str, unread: int, read_any: bool) -> None:
+        """A shard read that failed: reported, its unread samples counted; too many in a row
+        with nothing read (the data is gone: a deleted bucket or folder) end the worker."""
+        self.report(where, problem, self.read_errors)
+        self._count(self.unread, unread)
+        self._failing = 0 if read_any else self._failing + 1
+        # validation's pieces end: what it misses counts against --max-bad after the epoch is saved
+        if self._failing >= FAILED_IN_A_ROW and self.mode != "val":
+            raise UnreadableData(
+                f"{self.spec.location}: the last {self._failing} shard reads of a loader worker failed, the last "
+                f"{where}: {problem}; is the data there? Restore it and continue with --resume auto"
+            )
+
+    def _samples(self, piece: Piece) -> Iterator[tuple[int, dict]]:
+        name = self.spec.names[piece.shard]
+        where = f"{self.spec.location}/{name}"
+        errors: list[Exception] = []
+        done = self._done()[0].get(piece.shard, set())
+        drawn = sum(i not in done for i in range(piece.start, piece.stop))
+        self._count(self.drawn, drawn)
+        size, sha256 = self.spec.listed[piece.shard]
+        try:
+            stream = self._open(name, size)
+        except Exception as e:  # after the storage client's own retries
+            self._read_failed(where, f"could not be read, skipped ({e})", drawn, read_any=False)
+            return
+        end = piece.start  # one past the last sample seen
+        with stream:
+            hashed = _Hashing(stream)
+            # past a broken member nothing is trusted: the rest of the shard is skipped
+            files = _files(hashed, where, errors)
+            samples = itertools.islice(enumerate(group_by_keys(files, handler=errors.append)), piece.start, piece.stop)
+            for i, sample in samples:
+                end = i + 1
+                if i not in done:
+                    yield i, sample
+            if not errors and end == piece.stop:
+                hashed.read_to_end()  # the bytes past this piece, for the shard's checksum
+        unread, read_any = sum(i not in done for i in range(end, piece.stop)), end > piece.start
+        if errors:
+            self._read_failed(where, f"read failed at sample {end}, the rest skipped ({errors[0]})", unread, read_any)
+        elif end < piece.stop:
+            listed = self.spec.counts[piece.shard]
+            self._read_failed(where, f"ends after {end} samples, the manifest lists {listed}", unread, read_any)
+        elif (hashed.count, hashed.sha.hexdigest()) != (size, sha256):
+            problem = (
+                f"its bytes are not the manifest's ({hashed.count:,} bytes, SHA-256 {hashed.sha.hexdigest()[:12]}…): "
+                f"replaced or damaged since it was converted; its {drawn} samples read before the end, where "
+                "this can be told, were trained on"
+            )
+            self._read_failed(where, problem, drawn, read_any)
+        else:
+            self._failing = 0
+
+    def _open(self, name: str, size: int) -> BinaryIO:
+        """The shard ``name``, once its size is the manifest's (a copy in the node's cache was
+        checked when it was made)."""
+        if self.spec.shard_cache:
+            return self.spec.shard_cache.open(name)
+        store = process_store(self.spec.location)
+        if (stored := store.size(name)) != size:
+            raise StorageError(
+                f"it is {stored:,} bytes, the manifest lists {size:,}: replaced or damaged since it was converted"
+            )
+        return store.open(name)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        self._failing = 0  # (a persistent worker's count starts again each epoch)
+        samples = self._decoded(self._pieces(worker, workers))
+        if self.spec.shuffle > 1 and self.mode != "val":
+            seed = f"buffer:{self.spec.seed}:{self.epoch.value}:{self.spec.rank}:{worker}"
+            samples = shuffle(self.spec.shuffle, self.spec.shuffle, seed=seed)(samples)
+        if self.mode != "val" and self.spec.decode != "cpu" and self.spec.cpu_share:
+            samples = offload(samples, self.share, self.size.value, self.cropped, self._crop_failed)
+        return samples
+
+    def _decoded(self, pieces: Iterator[Piece]) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
+        train, size = self.mode != "val", self.size.value
+        for piece in pieces:
+            for index, sample in self._samples(piece):
+                try:
+                    image, label = self._decode(sample, train, size)
+                except (StopIteration, KeyError, ValueError, OSError, SyntaxError, Image.DecompressionBombError) as e:
+                    what = "no image member" if isinstance(e, StopIteration) else f"{type(e).__name__}: {e}"
+                    self._skip(piece.shard, sample["__key__"], what)
+                    continue
+                yield image, label, sample["__key__"], piece.shard, index
+
+    def _skip(self, shard: int, key: str, what: str) -> None:
+        """A sample that cannot be decoded: named once, counted, not trained on."""
+        self.report(f"{self.spec.location}/{self.spec.names[shard]}", f"sample {key!r} skipped ({what})", self.skipped)
+
+    def _crop_failed(self, sample: tuple, what: str) -> None:
+        self._skip(sample[3], sample[2], what)  # (image, label, key, shard, index)
+
+    def _decode(self, sample: dict, train: bool, size: int) -> tuple[torch.Tensor | tuple, int]:
+        data = next(sample[e] for e in IMAGE_EXTS if e in sample)
+        label = int(sample["cls"])
+        if self.spec.classes and not 0 <= label < self.spec.classes:
+            raise DataError(f"label {label} is not among the manifest's {self.spec.classes} classes")
+        rng = augment_rng(self.spec.seed, self.epoch.value, sample["__key__"]) if train else None
+        augment = self.spec.augment  # drawn and applied only with rng, i.e. in training
+        if self.spec.decode != "cpu":
+            raw, box = encode_for_device(data, rng, self.spec.val_crop)
+            # drawn after the crop, from the same generator, as on the CPU path
+            return (raw, box, augment.draw(rng, size) if rng and augment else []), label
+        pixels = decode_on_cpu(data, size, rng, self.spec.val_crop)
+        if rng and augment:
+            pixels = augment_on_cpu(pixels, augment, augment.draw(rng, size))
+        return pixels, label
+
+
+def worker_init(_: int) -> None:
+    # Preemption signals are the training process's to handle (checkpoint, then exit); a worker
+    # dying of one first would only turn that into a DataLoader error.
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    exit_with_parent()  # ignoring SIGTERM, a worker must still end with a training killed outright

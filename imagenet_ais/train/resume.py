@@ -1,0 +1,196 @@
+"""Where a run continues from: the checkpoint's weights, optimizer and RNG restored (checkpoint.py
+finds and loads it), and the interrupted epoch continued as it would have gone on, on whatever
+topology this run has."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
+
+from imagenet_ais import distributed
+from imagenet_ais.errors import DataError
+from imagenet_ais.loader.sampling import merge_positions
+from imagenet_ais.loader.shard_loader import ShardLoader, StateMismatch
+from imagenet_ais.loader.synthetic import SyntheticLoader
+from imagenet_ais.train import checkpoint, keys_log
+from imagenet_ais.train.config import TrainConfig
+from imagenet_ais.train.metrics import LOG, METRICS
+from imagenet_ais.train.model import mismatches
+
+
+@dataclass
+class Standing:
+    """Where a run stands: what a checkpoint carries over besides the weights."""
+
+    epoch: int = 0  # the epoch being trained
+    step: int = 0  # optimizer steps taken, over all epochs
+    first_step: int = 0  # the step of ``epoch`` the next pass starts at (> 0 after a mid-epoch resume)
+    best_top1: float = 0.0
+    last_val: dict[str, float] | None = None
+    averaged_at: int | None = None  # --dp decent: the step of the last global average
+    run_id: str = ""  # the run's id (upload.run_id), carried from checkpoint to checkpoint
+    trackers: dict[str, str] = field(default_factory=dict)  # --tracker's runs (MLflow's, W&B's ids) to continue
+
+
+def resume(
+    cfg: TrainConfig,
+    d: distributed.Dist,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scaler: torch.amp.GradScaler,
+    classes: list[str],
+    loader: ShardLoader | SyntheticLoader,
+    say: Callable[..., None],
+    ema: AveragedModel | None = None,
+) -> Standing:
+    """Where the run starts: afresh, or from the checkpoint --resume finds, whose weights,
+    optimizer, scaler, RNG (and --model-ema average) are loaded, with ``loader`` set to continue
+    its epoch."""
+    found = checkpoint.resume(cfg.resume, Path(cfg.output), cfg.upload, (METRICS, LOG), d.local_rank == 0, say)
+    if not found:
+        return Standing()
+    path, state = found
+    state = checkpoint.resumable(state, path)
+    check_fits(state, path, cfg.arch, cfg.opt, classes)
+    check_same_data(state, path, cfg, loader.identity(), say)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:  # torch lists every mismatch: thousands of characters
+        raise DataError(f"{path}: its weights do not fit {cfg.arch} ({mismatches(e)})") from None
+    if state["optimizer"] and optimizer:
+        optimizer.load_state_dict(state["optimizer"])
+    else:
+        say("note: the optimizer's momentum starts afresh (--dp decent keeps one per rank, not checkpointed)")
+    scaler.load_state_dict(state["scaler"])
+    if ema is not None:
+        if state.get("model_ema"):
+            ema.load_state_dict(state["model_ema"])
+        else:
+            ema.module.load_state_dict(model.state_dict())
+            say("note: the checkpoint keeps no --model-ema average: it starts from the resumed weights")
+    if len(state["rng"]) == d.world:
+        checkpoint.set_rng_state(state["rng"][d.rank])
+    if cfg.log_keys and d.main and "keys_logged" in state:  # (older checkpoints recorded none)
+        keys_log.cut_back(Path(cfg.output), state["epoch"], state["keys_logged"])
+    where = (
+        f"epoch {state['epoch'] + 1}" if state["epoch"] < cfg.epochs else f"complete ({state['epoch']}/{cfg.epochs})"
+    )
+    say(f"resumed from {path}: {where}, step {state['step']}")  # (epochs count from 1 on the console)
+    if (before := state["config"].get("epoch_size")) != cfg.epoch_size and not cfg.synthetic:
+        size: dict[int | None, str] = {None: "the manifest's train samples"}
+        say(
+            f"note: {path} trained epochs of {size.get(before, f'{before} samples')}, this run's are "
+            f"{size.get(cfg.epoch_size, f'{cfg.epoch_size} samples')} (--epoch-size): it goes on from epoch "
+            f"{state['epoch'] + 1}, as far through it as it was, and the schedule follows the new epochs"
+        )
+    standing = Standing(
+        state["epoch"],
+        state["step"],
+        0,
+        state["best_top1"],
+        state["last_val"],
+        run_id=state.get("run_id", ""),
+        trackers=state.get("trackers", {}),
+    )
+    if standing.epoch < cfg.epochs:
+        standing.first_step = continue_epoch(state, cfg, loader, d, say)
+    return standing
+
+
+def check_fits(state: dict[str, Any], path: Path, arch: str, opt: str, classes: list[str]) -> None:
+    """One line where a checkpoint was trained as another model, with another optimizer or on other classes."""
+    if state["arch"] != arch or len(state["classes"]) != len(classes):
+        raise DataError(
+            f"{path} was trained as {state['arch']} on {len(state['classes'])} classes, "
+            f"not {arch} on {len(classes)}: use another --output or --resume"
+        )
+    if (theirs := state["config"].get("opt", "sgd")) != opt and state["optimizer"]:
+        raise DataError(
+            f"{path} was trained with --opt {theirs}, not {opt}: its optimizer state cannot carry over; give "
+            f"--opt {theirs}, or start from its weights with --weights {path} and another --output"
+        )
+    if differ := [(a, b) for a, b in zip(state["classes"], classes, strict=True) if a != b]:
+        (theirs, ours), more = differ[0], f" and {len(differ) - 1} more" if len(differ) > 1 else ""
+        raise DataError(
+            f"{path} was trained on other classes ({theirs!r} where the data has {ours!r}{more}): "
+            "use another --output or --resume"
+        )
+
+
+def check_same_data(
+    state: dict[str, Any], path: Path, cfg: TrainConfig, identity: str | None, say: Callable[..., None]
+) -> None:
+    """A checkpoint trained on other shards elsewhere (same classes) continues only where
+    ``--resume`` names it; the same shards read from another location (a copy, a preload) go on
+    with a note, and so do shards changed in place (a data set that grew), with a warning."""
+    theirs, where = state.get("data_identity"), state["config"].get("data")
+    if theirs is None or identity is None:  # (--synthetic, or a checkpoint older than the check)
+        return
+    if theirs == identity:
+        if where != cfg.data:
+            say(f"note: {path} was trained on the same shards (names, SHA-256s) at {where}; going on from {cfg.data}")
+        return
+    if where == cfg.data:
+        say(f"warning: the shards at {where} changed since {path} was trained on them: going on with them", err=True)
+        return
+    other = f"{path} was trained on other shards ({where}) than --data {cfg.data} (their names or SHA-256s differ)"
+    if cfg.resume == "auto":
+        raise DataError(f"{other}: use another --output, or --resume {path} to go on from it with this data")
+    say(f"warning: {other}: going on from it, as --resume names it", err=True)
+
+
+def continue_epoch(
+    state: dict[str, Any], cfg: TrainConfig, loader: ShardLoader | SyntheticLoader, d: distributed.Dist, say: Callable
+) -> int:
+    """The step at which this run continues the epoch the checkpoint ``state`` stopped in (0:
+    from its start), with ``loader`` set to train what that epoch has not. The world size,
+    per-rank batch and workers may differ from the interrupted run's; where the epoch cannot
+    be continued as it would have gone on, says so in one line and what it does instead."""
+    step, steps = state["step_in_epoch"], len(loader)
+    if not step or isinstance(loader, SyntheticLoader):  # (--synthetic: every step is alike)
+        return min(step, steps)
+    data = loader_state(state, loader.plan())
+    world, batch = data["world_size"], data["batch_size"]
+    try:
+        loader.load_state_dict(data)
+    except StateMismatch as e:
+        say(f"warning: {e}: it starts over", err=True)
+        return 0
+    # stopped on its epoch's last step: the state is the next epoch's start, and this one's end is still to validate
+    first = loader.step if data["epoch"] == state["epoch"] else steps
+    if (world, batch) != (d.world, cfg.batch_size):
+        stopped = f"epoch {data['epoch'] + 1} stopped at step {step} of {data['steps']} on {world} × {batch}"
+        if cfg.epoch_mode == "exact":
+            trained = sum(len(v) for v in data["position"]["delivered"].values())
+            say(
+                f"{stopped}: its {trained} samples trained are left out and the rest shared among "
+                f"{d.world} × {cfg.batch_size}, {steps - first} steps (each sample of the epoch once)"
+            )
+        else:
+            say(
+                f"{stopped}: resampled mode continues at step {first} of {steps} on {d.world} × {cfg.batch_size}, "
+                "every worker drawing a fresh stream (none of the interrupted run's is replayed)"
+            )
+    return first
+
+
+def loader_state(state: dict[str, Any], plan: str | None) -> dict[str, Any]:
+    """The ShardLoader state a checkpoint keeps; one written before it kept that state whole
+    holds its parts (an exact position then maybe one per rank; no plan: taken as this one)."""
+    if state.get("data"):
+        return state["data"]
+    position = state.get("data_position")
+    if isinstance(position, list):  # written before positions were topology-free: one per rank
+        position = merge_positions(state["epoch"], position) if any(position) else None
+    config = state["config"]
+    return {
+        "epoch": state["epoch"], "step": state["step_in_epoch"], "steps": state["steps_per_epoch"],
+        "mode": config["epoch_mode"], "plan": state.get("plan", plan), "position": position,
+        "world_size": len(state["rng"]), "batch_size": config["batch_size"],
+    }  # fmt: skip

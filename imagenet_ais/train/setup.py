@@ -1,0 +1,293 @@
+"""What one training run works with, built once before its first step: the output directory,
+the loaders, the model and its optimizer (``Parts``), then, once the run knows where it resumes,
+the schedule, the stepping model, logs, uploads and signal handling (``Run``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from imagenet_ais import distributed
+from imagenet_ais.errors import ConfigError
+from imagenet_ais.loader.augment import Augment
+from imagenet_ais.loader.cpu_share import AUTO
+from imagenet_ais.loader.engine import nominal_steps
+from imagenet_ais.loader.shard_loader import ShardLoader
+from imagenet_ais.loader.synthetic import SYNTHETIC_CLASSES, SYNTHETIC_STEPS, SyntheticLoader
+from imagenet_ais.shards.manifest import load_manifest
+from imagenet_ais.storage import open_store
+from imagenet_ais.train import checkpoint, keys_log, model, upload
+from imagenet_ais.train.config import TrainConfig
+from imagenet_ais.train.data_health import DataHealth
+from imagenet_ais.train.ema import ModelEma, ema_decay
+from imagenet_ais.train.metrics import MetricsLog
+from imagenet_ais.train.mixup import Mixer, batch_mixer
+from imagenet_ais.train.resume import Standing
+from imagenet_ais.train.trackers import open_trackers
+
+
+class StopSignal:
+    """SIGTERM / SIGUSR1 (preemption, Slurm's warning): finish the step, save, upload, exit.
+
+    Only a main thread can take signals; where training runs in another (a Ray Train worker),
+    stopping is the framework's business and this does nothing.
+    """
+
+    GRACE = 60.0  # seconds one wait for a batch may last after a signal with several ranks (they stop together)
+
+    def __init__(self, world: int = 1) -> None:
+        self.received: int | None = None
+        self.world = world
+        main = threading.current_thread() is threading.main_thread()
+        sigs = (signal.SIGTERM, signal.SIGUSR1) if main else ()
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.received = signum
+
+    def stop_waiting(self, waited: float) -> bool:
+        """Whether a wait for data that has lasted ``waited`` seconds ends now: signalled, and alone,
+        or this wait past the grace (a rank whose data never comes cannot join the others'
+        checkpoint; they would wait for it forever, while a short wait ends at the next agreement)."""
+        if self.received is None:
+            return False
+        return self.world == 1 or waited > self.GRACE
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclass
+class Parts:
+    """What a run is made of before it knows where it resumes."""
+
+    cfg: TrainConfig
+    d: distributed.Dist
+    output: Path
+    say: Callable[..., None]
+    train_loader: ShardLoader | SyntheticLoader
+    val_loader: ShardLoader | None
+    classes: list[str]
+    health: DataHealth
+    raw_model: nn.Module  # the weights, as saved
+    new_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    decent: bool  # --dp decent over several processes
+    compiled: bool
+    ema: ModelEma | None  # --model-ema
+
+    def close(self) -> None:
+        """The loaders' workers and feed threads ended: a run leaves no process of its own behind."""
+        for loader in (self.train_loader, self.val_loader):
+            if isinstance(loader, ShardLoader):
+                loader.close()
+
+
+@dataclass
+class Run(Parts):
+    """A run ready to step."""
+
+    standing: Standing
+    model: nn.Module  # what steps: raw_model wrapped (DDP or --dp decent) and maybe compiled
+    criterion: nn.Module
+    mixer: Mixer | None  # --mixup-alpha, --cutmix-alpha
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    log: MetricsLog
+    uploader: upload.Uploader | None
+    stop: StopSignal
+    nonfinite_steps: int = 0  # the last steps in a row whose loss was NaN or infinite (on any rank)
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.batch_size * self.d.world
+
+
+def prepare(cfg: TrainConfig, d: distributed.Dist) -> Path:
+    """The output directory (rid of what a killed run left mid-write), seeds and cuDNN set."""
+    output = Path(cfg.output)
+    fresh = cfg.resume is None and not cfg.test_only
+    # rank 0's view: with node-local outputs the other ranks' are empty, and all must stop alike
+    if fresh and (held := distributed.broadcast_object(held_run(output, cfg) if d.main else None)):
+        raise ConfigError(held)
+    output.mkdir(parents=True, exist_ok=True)
+    if d.main:
+        checkpoint.sweep_partials(output)
+    random.seed(cfg.seed + d.rank)
+    torch.manual_seed(cfg.seed + d.rank)
+    if d.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    return output
+
+
+def held_run(output: Path, cfg: TrainConfig) -> str | None:
+    """Why a fresh run must not start here, or None: a run is there to continue, whose checkpoints
+    it would overwrite, or whose uploaded metrics, log and ``latest.json`` it would replace."""
+    if found := checkpoint.held(output):
+        return f"{output} holds a run ({found}): continue it with --resume auto, or use another --output"
+    if not cfg.upload:
+        return None
+    try:
+        pointer = upload.latest(open_store(cfg.upload, retry_seconds=cfg.upload_retry_seconds))
+    except upload.BadPointer as e:  # something is there: not to be replaced unseen
+        return str(e)
+    except Exception as e:  # each SDK has its own errors; training need not wait: uploads are retried anyway
+        print(
+            f"warning: {cfg.upload}: not checked for an earlier run's uploads ({type(e).__name__}: {e}): "
+            "if it holds one, this run replaces its latest.json, metrics and log",
+            file=sys.stderr,
+        )
+        return None
+    if pointer:
+        return (
+            f"{cfg.upload} holds a run's uploads ({upload.POINTER} names {pointer.get('checkpoint')}): "
+            "continue it with --resume auto, or use another --upload"
+        )
+    return None
+
+
+def claimed(cfg: TrainConfig, run_id: str) -> str | None:
+    """Why this run must not upload to --upload (another run's location), or None; claimed for
+    this run now where it can be (else by its first upload)."""
+    if not cfg.upload:
+        return None
+    try:
+        upload.claim(open_store(cfg.upload, retry_seconds=cfg.upload_retry_seconds), run_id)
+    except upload.Claimed as e:
+        return str(e)
+    except Exception as e:  # each SDK has its own errors; uploads claim it before they go anyway
+        print(f"warning: {cfg.upload}: not claimed for this run yet ({type(e).__name__}: {e})", file=sys.stderr)
+    return None
+
+
+def loaders(
+    cfg: TrainConfig,
+    d: distributed.Dist,
+    sizes: list[int],
+    val_size: int,
+    channels_last: bool,
+    say: Callable[..., None],
+) -> tuple[ShardLoader | SyntheticLoader, ShardLoader | None, list[str], str]:
+    """The training and validation loaders, the class names, and how the data is fed (for the
+    run's first line)."""
+    if cfg.synthetic:
+        classes = [str(i) for i in range(SYNTHETIC_CLASSES)]
+        steps = nominal_steps(cfg.epoch_size, d.world, cfg.batch_size) if cfg.epoch_size else SYNTHETIC_STEPS
+        synthetic = SyntheticLoader(cfg.batch_size, sizes[0], d.device, channels_last, steps)
+        return synthetic, None, classes, "synthetic data"
+    if not cfg.data:
+        raise ConfigError("no --data given: point it at a shard location holding manifest.json, or use --synthetic")
+    if cfg.decode in ("gpu", "dali") and d.device.type != "cuda":
+        say(f"note: --decode {cfg.decode} without a GPU decodes in the training process, on the CPU", err=True)
+    manifest = load_manifest(open_store(cfg.data))
+    loader = functools.partial(
+        ShardLoader, cfg.data, batch_size=cfg.batch_size, rank=d.rank, world_size=d.world, decode=cfg.decode,
+        device=d.device, workers=cfg.workers, cache_dir=cfg.cache_dir, cache_size=cfg.cache_size, seed=cfg.seed,
+        channels_last=channels_last, manifest=manifest,
+    )  # fmt: skip
+    # each epoch gets its size (--progressive) from set_epoch; the workers' buffers hold the largest's crops
+    train_loader = loader(
+        "train", epoch_mode=cfg.epoch_mode, epoch_size=cfg.epoch_size, image_size=max(sizes),
+        shuffle_buffer=cfg.shuffle_buffer, augment=Augment(cfg.auto_augment, cfg.random_erase),
+        cpu_share=cfg.cpu_share,
+    )  # fmt: skip
+    val_loader = None
+    val_split = manifest.splits.get("val")
+    if not (val_split and val_split.samples):
+        say(f"note: {cfg.data} has no val split: the run validates nothing and keeps no best.pt", err=True)
+    else:
+        val_loader = loader("val", image_size=val_size, val_resize_size=cfg.val_resize_size)
+    workers = train_loader.workers
+    per_process = f"{workers} worker{'' if workers == 1 else 's'} per process"
+    if share := train_loader.cpu_share:  # (cpu_share.py)
+        per_process += f" cropping {'a share of' if share == AUTO else f'{float(share):.0%} of'} the samples"
+    return train_loader, val_loader, manifest.classes, f"{train_loader.decode} decode, {per_process}"
+
+
+def build(
+    cfg: TrainConfig, d: distributed.Dist, output: Path, sizes: list[int], val_size: int, say: Callable[..., None]
+) -> Parts:
+    """The loaders, the model and its optimizer; says what trains on what in the run's first line."""
+    cuda = d.device.type == "cuda"
+    channels_last = cfg.channels_last if cfg.channels_last is not None else cuda
+    train_loader, val_loader, classes, feeding = loaders(cfg, d, sizes, val_size, channels_last, say)
+    problems = [loader.problems for loader in (train_loader, val_loader) if isinstance(loader, ShardLoader)]
+    health = DataHealth(problems, say, cfg.max_bad)
+    raw_model = model.build_model(cfg.arch, len(classes))
+    if cfg.weights:
+        model.load_weights(raw_model, cfg.weights)
+    raw_model = model.sync_batchnorm(raw_model.to(d.device), cfg, d)
+    if channels_last:
+        raw_model = raw_model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # (documented)
+    decent, compiled = model.parallelism(cfg, d, say)
+    if decent and cfg.clip_grad_norm:
+        raise ConfigError("--clip-grad-norm with --dp decent: its wrapper steps inside backward; leave one out")
+    decay = ema_decay(cfg.model_ema_decay, cfg.model_ema_steps, cfg.batch_size * d.world, cfg.epochs)
+    ema = ModelEma(raw_model, decay) if cfg.model_ema else None
+    mode = f", compiled ({model.compile_mode(cfg, cuda)})" if compiled else ", eager"
+    say(f"{cfg.arch} on {d.world} × {d.device.type}, {feeding}{mode}")
+    new_optimizer = functools.partial(model.make_optimizer, cfg=cfg, global_batch=cfg.batch_size * d.world, fused=cuda)
+    optimizer = new_optimizer(list(raw_model.parameters()))  # --dp decent: one per bucket, inside its wrapper
+    scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.amp == "fp16")
+    return Parts(
+        cfg, d, output, say, train_loader, val_loader, classes, health, raw_model,
+        new_optimizer, optimizer, scaler, decent, compiled, ema,
+    )  # fmt: skip
+
+
+def assemble(parts: Parts, standing: Standing, report: Callable[[dict], None] | None) -> Run:
+    """The run, continuing where ``standing`` says: its schedule, stepping model, logs, uploads."""
+    cfg, d = parts.cfg, parts.d
+    if d.main:
+        standing.run_id = upload.run_id(parts.output, standing.run_id)
+    # before the logs are opened: a run refused here changes none of them
+    if refused := distributed.broadcast_object(claimed(cfg, standing.run_id) if d.main else None):
+        raise upload.Claimed(refused)
+    steps_per_epoch = len(parts.train_loader)
+    total_steps = steps_per_epoch * cfg.epochs
+    # the schedule is a function of the epoch's step (so of how far training is, whatever the
+    # topology), so a resumed run picks it up from its epoch and step
+    warmup = min(total_steps, round(cfg.warmup_epochs * steps_per_epoch))
+    if warmup and warmup == total_steps:
+        parts.say(
+            f"warning: --warmup-epochs {cfg.warmup_epochs:g} covers all {cfg.epochs} epochs: the learning rate reaches "
+            f"--lr {cfg.lr:g} only at the last step and never decays; give fewer (e.g. --warmup-epochs "
+            f"{cfg.epochs / 4:g})",
+            err=True,
+        )
+    start = standing.epoch * steps_per_epoch + standing.first_step
+    schedule = model.lr_lambda(cfg, warmup, total_steps, steps_per_epoch, start)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(parts.optimizer, schedule)
+    stepping = model.wrap(
+        parts.raw_model, cfg, d, parts.decent, parts.compiled, parts.new_optimizer, schedule, parts.scaler
+    )
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "sources"}
+    trackers = open_trackers(cfg.trackers, parts.output, settings, standing.step, standing.trackers) if d.main else []
+    log = MetricsLog(parts.output if d.main else None, step=standing.step, report=report, trackers=trackers)
+    if cfg.log_keys and d.main and standing.step == 0:  # an attempt that died before its first checkpoint
+        keys_log.cut_back(parts.output, 0, {})
+    uploader = (
+        upload.Uploader(cfg.upload, standing.run_id, parts.output, cfg.upload_retry_seconds)
+        if cfg.upload and d.main
+        else None
+    )
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    stop = StopSignal(d.world)
+    if isinstance(parts.train_loader, ShardLoader):
+        parts.train_loader.stop_waiting_when(stop.stop_waiting)
+    return Run(
+        **vars(parts), standing=standing, model=stepping, criterion=criterion,
+        mixer=batch_mixer(cfg.mixup_alpha, cfg.cutmix_alpha, len(parts.classes)), scheduler=scheduler,
+        log=log, uploader=uploader, stop=stop,
+    )  # fmt: skip
