@@ -16,7 +16,9 @@ from imagenet_ais.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class Dist:
+class Process:
+    """This process's place in the job: its rank of ``world``, its rank on the node, its device."""
+
     rank: int
     world: int
     local_rank: int
@@ -35,7 +37,7 @@ WORK_QUEUES = "32"
 
 
 @contextlib.contextmanager
-def joined() -> Iterator[Dist]:
+def joined() -> Iterator[Process]:
     """This process set up for a run (rank, device, CPU threads, process group), and set back
     as it was once the run is over: the package may be used from another program."""
     threads, queues = torch.get_num_threads(), os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
@@ -51,7 +53,7 @@ def joined() -> Iterator[Dist]:
             os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
 
 
-def _setup() -> Dist:
+def _setup() -> Process:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -76,7 +78,7 @@ def _setup() -> Dist:
             torch.set_num_threads(local_cpus())
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
-    return Dist(rank, world, local_rank, device)
+    return Process(rank, world, local_rank, device)
 
 
 def local_cpus() -> int:
@@ -107,12 +109,12 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def gather_floats(values: list[float], d: Dist) -> list[list[float]]:
+def gather_floats(values: list[float], process: Process) -> list[list[float]]:
     """Every rank's ``values`` (as many on each), in rank order; float64."""
-    t = torch.tensor(values, dtype=torch.float64, device=d.device)
+    t = torch.tensor(values, dtype=torch.float64, device=process.device)
     if not dist.is_initialized():
         return [t.tolist()]
-    out = [torch.empty_like(t) for _ in range(d.world)]
+    out = [torch.empty_like(t) for _ in range(process.world)]
     dist.all_gather(out, t)
     return [o.tolist() for o in out]
 

@@ -303,7 +303,7 @@ def ais(tmp_path_factory: pytest.TempPathFactory):
         pytest.skip(message)
     playground = Playground(tmp_path_factory.mktemp("ais"), aisnode)
     said: list[str] = []
-    playground.up(targets=1, say=said.append)
+    playground.up(targets=1, echo=said.append)
     (playground.root / "up.log").write_text("".join(f"{line}\n" for line in said))  # (test_ais reads it)
     yield playground
     playground.down()

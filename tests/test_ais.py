@@ -96,7 +96,7 @@ def test_the_playground_says_what_it_starts_as_it_goes(ais) -> None:
     )
     assert said[1].startswith("waiting for the targets to join") and re.fullmatch(r"up in \d+s", said[2]), said
     again: list[str] = []
-    ais.up(targets=1, say=again.append)
+    ais.up(targets=1, echo=again.append)
     assert again == [f"AIStore playground in {ais.root}: already running"]
 
 

@@ -18,7 +18,7 @@ from test_transforms import jpeg, photo, pixels
 from test_wire import off_the_main_thread
 
 from imagenet_ais.errors import ConfigError
-from imagenet_ais.loader.cpu_share import AUTO, GAIN, HOST_BUSY, IDLE, LIMIT, STARVED, CpuShare, checked, offload
+from imagenet_ais.loader.cpu_share import AUTO, GAIN, HOST_BUSY, IDLE, LIMIT, STEP_WAIT, CpuShare, checked, offload
 from imagenet_ais.loader.cpu_time import cpu_jiffies, own_cpu_jiffies
 from imagenet_ais.loader.engine import Feeding, TrainLoader
 from imagenet_ais.loader.transforms import encode_for_device
@@ -110,7 +110,7 @@ def test_in_a_loader_such_a_sample_is_named_with_its_shard_and_counted_as_skippe
     loader.set_epoch(0)
     keys = [k for batch in loader.host_batches() for k in batch.keys]
     assert len(keys) == 60 and "train-1-4" not in keys  # the exact epoch's 12 batches, of the 61 others
-    problem = loader.dataset.problems.get(timeout=5)
+    problem = loader.signals.problems.get(timeout=5)
     assert problem.startswith(f"{tmp_path}/imagenet-train-000001.tar: sample 'train-1-4' skipped (OSError: ")
     assert loader.counters()["skipped"] == 1
     loader.shut_down()
@@ -160,15 +160,15 @@ def test_auto_gives_back_while_the_hosts_cores_are_taken_even_if_it_waits() -> N
 
 
 def test_auto_gives_back_while_the_training_step_does_not_wait_for_batches() -> None:
-    starved = mp.Value("d", 0.5, lock=False)  # as the training process sets it (device_feed.DeviceFeed.starved)
-    share = CpuShare(AUTO, Cores(busy=0.5), starved)
+    step_wait = mp.Value("d", 0.5, lock=False)  # as the training process sets it (device_feed.DeviceFeed.step_wait)
+    share = CpuShare(AUTO, Cores(busy=0.5), step_wait)
     for _ in range(10):
         share.observe(0.2, 0.8)
     assert share.share == LIMIT
-    starved.value = STARVED - 0.01  # the feed keeps up: crops here would only take the step's cores
+    step_wait.value = STEP_WAIT - 0.01  # the feed keeps up: crops here would only take the step's cores
     share.observe(0.0, 1.0)
     assert share.share == pytest.approx(LIMIT - GAIN * IDLE)
-    starved.value = STARVED
+    step_wait.value = STEP_WAIT
     share.observe(0.0, 1.0)
     assert share.share == LIMIT
 
@@ -186,11 +186,11 @@ def test_the_cap_counts_the_cores_this_job_may_run_on() -> None:
 def test_the_training_steps_wait_reaches_the_workers(tmp_path: Path) -> None:
     spec = LoaderSpec(1, 0, 5, seed=7, image_size=32, decode="gpu")
     loader = TrainLoader(shards(tmp_path), str(tmp_path), "exact", spec, Feeding(2, cpu_share=0.5), 16)
-    assert loader.dataset.share.starved is loader.dataset.starved  # what the workers read (a copy of it each)
+    assert loader.dataset.share.step_wait is loader.signals.step_wait  # what the workers read (a copy of it each)
     loader.set_epoch(0)
     for _ in loader:
         time.sleep(0.05)  # a step slower than the feed: the loop hardly waits for its batches
-    assert loader.dataset.starved.value < 0.5
+    assert loader.signals.step_wait.value < 0.5
     loader.shut_down()
 
 

@@ -67,9 +67,9 @@ def test_the_loader_decodes_with_dali_and_hands_an_undecodable_batch_to_nvjpeg(t
     loader.set_epoch(0)
     batches = list(loader)
     assert [b.images.shape for b in batches] == [(3, 3, 32, 32)] * 2
-    problems = [loader.dataset.problems.get(timeout=5) for _ in range(2)]
+    problems = [loader.signals.problems.get(timeout=5) for _ in range(2)]
     assert problems[0].startswith("DALI: could not decode a batch (Failed to decode sample #")
     assert "nvJPEG decodes such batches" in problems[0]
     assert "could not be decoded on cpu, replaced by another of its batch" in problems[1]
-    assert loader.dataset.skipped.value == 1
+    assert loader.signals.skipped.value == 1
     assert loader.to_device.dali is not None and loader.to_device.dali.pipes  # the next batch was DALI's

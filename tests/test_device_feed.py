@@ -60,20 +60,20 @@ def test_starved_says_how_much_of_its_time_the_consumer_waits() -> None:
     fed = DeviceFeed(iter(range(40)), [("prepare", as_tensor)], CPU, ahead=2)
     for _ in fed:
         time.sleep(0.03)  # the consumer is
-    assert waiting.starved > 0.7 and fed.starved < 0.3, (waiting.starved, fed.starved)
+    assert waiting.step_wait > 0.7 and fed.step_wait < 0.3, (waiting.step_wait, fed.step_wait)
 
 
 def test_starved_is_a_mean_at_first_then_follows_the_last_seconds() -> None:
-    feed = DeviceFeed(iter([]), [], CPU, starved=0.4)  # (as a loader carries it from its last epoch)
+    feed = DeviceFeed(iter([]), [], CPU, step_wait=0.4)  # (as a loader carries it from its last epoch)
     feed.close()
     feed._waited(3.0, 10.0)  # the first item: the producer starting up, left out
-    assert feed.starved == 0.4
+    assert feed.step_wait == 0.4
     for now in range(11, 21):  # ten seconds fed: a 1 s step, no wait
         feed._waited(0.0, now)
-    assert feed.starved == 0
-    for now in range(21, 26):  # then five starved: every second waited
+    assert feed.step_wait == 0
+    for now in range(21, 26):  # then five that waited every second
         feed._waited(1.0, now)
-    assert feed.starved == pytest.approx(1 - 0.8**5)  # 1 s of 5 each time, not a mean over the 15
+    assert feed.step_wait == pytest.approx(1 - 0.8**5)  # 1 s of 5 each time, not a mean over the 15
 
 
 def test_an_error_while_pulling_items_reaches_the_consumer() -> None:

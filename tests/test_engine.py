@@ -140,7 +140,7 @@ def test_corrupt_samples_are_skipped_counted_and_steps_kept(tmp_path: Path) -> N
     keys = [k for b in loader for k in b.keys]
     assert len(keys) == 48  # 6 full batches: 3 slots padded with repeats
     assert not bad & set(keys)
-    assert loader.dataset.skipped.value == 3
+    assert loader.signals.skipped.value == 3
     assert loader.padded == 3
 
 
@@ -151,7 +151,7 @@ def test_truncated_shard_is_reported_and_the_epoch_completes(tmp_path: Path) -> 
     (loader,) = loaders(tmp_path, manifest, "exact", world=1, batch=8, workers=1)
     loader.set_epoch(0)
     assert len(list(loader)) == 6
-    assert loader.dataset.read_errors.value == 1
+    assert loader.signals.read_errors.value == 1
     assert loader.padded > 0
 
 
@@ -167,8 +167,8 @@ def test_a_member_that_is_no_regular_file_or_too_large_is_refused_unread(tmp_pat
     (loader,) = loaders(tmp_path, manifest, "exact", world=1, batch=8, workers=1)
     loader.set_epoch(0)
     assert len(list(loader)) == 6
-    assert loader.dataset.read_errors.value == 3 and loader.dataset.skipped.value == 0
-    said = " ".join(loader.dataset.problems.get(timeout=10) for _ in range(3))
+    assert loader.signals.read_errors.value == 3 and loader.signals.skipped.value == 0
+    said = " ".join(loader.signals.problems.get(timeout=10) for _ in range(3))
     assert "member 'big.jpg' is a sparse file, not a regular file" in said
     assert "member 'huge.jpg' declares 68,157,440 bytes, over the 67,108,864 one sample may hold" in said
     assert "member name b'k\\xff.jpg' is not UTF-8, as sample keys must be: rename it" in said
@@ -194,8 +194,8 @@ def test_a_shard_replaced_since_its_manifest_was_written_is_a_read_error_named_o
         loader.set_epoch(epoch)
         keys = [k for b in loader for k in b.keys]
         assert not [k for k in keys if k.startswith("val-")], "nothing of the replacement trained"
-    assert loader.dataset.read_errors.value == 4  # each bad shard at each epoch
-    said = [loader.dataset.problems.get(timeout=10) for _ in range(2)]
+    assert loader.signals.read_errors.value == 4  # each bad shard at each epoch
+    said = [loader.signals.problems.get(timeout=10) for _ in range(2)]
     replaced = [line for line in said if "imagenet-train-000001.tar" in line]
     assert replaced and re.search(r"could not be read, skipped \(it is [\d,]+ bytes, the manifest lists", replaced[0])
     changed = [line for line in said if "imagenet-train-000003.tar" in line]

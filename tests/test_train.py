@@ -112,9 +112,9 @@ def _batchnorm_rank(rank: int, store: Path, out: Path) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     raw = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
-    d = distributed.Dist(rank, 2, rank, torch.device("cpu"))
+    process = distributed.Process(rank, 2, rank, torch.device("cpu"))
     cfg = config.TrainConfig(compile=False)
-    ddp = model.wrap(raw, cfg, d, False, False, None, lambda step: 1.0, None)  # rank 0's weights on both
+    ddp = model.wrap(raw, cfg, process, False, False, None, lambda step: 1.0, None)  # rank 0's weights on both
     alone = copy.deepcopy(raw)  # the same model stepping on this rank's batches by itself
     for step in range(2):
         batch = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(10 * rank + step)) + rank
@@ -131,7 +131,7 @@ def _batchnorm_rank(rank: int, store: Path, out: Path) -> None:
 
 def test_each_rank_keeps_its_own_batchnorm_statistics_until_rank_0s_are_broadcast(tmp_path: Path) -> None:
     # A broadcast of rank 0's buffers before every forward (DDP's default) made each step wait for
-    # the latest rank's host; they are broadcast before validation instead (loop.evaluate).
+    # the latest rank's host; they are broadcast before validation instead (loop.validate_epoch).
     # spawned: a forked child of a process that has run OpenMP work can hang in its first one
     spawn = multiprocessing.get_context("spawn")
     ranks = [spawn.Process(target=_batchnorm_rank, args=(r, tmp_path / "store", tmp_path)) for r in (0, 1)]

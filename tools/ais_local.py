@@ -31,7 +31,7 @@ def cli(ctx: click.Context, root: Path, aisnode: Path) -> None:
 def up(pg: Playground, targets: int, port: int | None) -> None:
     """Start (or find running) the playground; print the endpoint."""
     try:
-        endpoint = pg.up(targets, port, say=lambda message: click.echo(message, err=True))
+        endpoint = pg.up(targets, port, echo=lambda message: click.echo(message, err=True))
     except (FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"AIStore is up: export AIS_ENDPOINT={endpoint}")

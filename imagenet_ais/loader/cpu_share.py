@@ -12,8 +12,8 @@ the resampling, as between decode "cpu" and "gpu").
 waited for the training process to ask for more with IDLE, and moves its share by GAIN times
 the difference, between 0 and LIMIT. A worker that waits takes more; one that is late gives
 some back to the GPU. Every worker gives back, as if it had not waited at all, while the
-training step waits for batches less than STARVED of its time (the training loop's time blocked
-for its next batch, device_feed.DeviceFeed.starved: the feed keeps up, and crops here cannot make the
+training step waits for batches less than STEP_WAIT of its time (the training loop's time blocked
+for its next batch, device_feed.DeviceFeed.step_wait: the feed keeps up, and crops here cannot make the
 step faster, only take cores from it), and while the cores this job may run on are over
 HOST_BUSY busy (a training process short of CPU makes its workers wait too). A fixed share
 (``--cpu-share 0.2``) does none of this.
@@ -24,7 +24,7 @@ Measured on one H200 with 16 cores (bench/RESULTS.md run AL), ResNet-18 bs512: "
 on the workers), and a fixed 0.2 to 0.556. ResNet-50 bs256: 0.32 of the samples, 0.946 against 0.937.
 With 8 cores (taskset, run AN) ResNet-50 lost by it: 0.911 against 0.935, the step waiting 6-8%
 of its time instead of 4%, and the host's 16 cores, all the cap saw then, 0.41 busy. Hence the
-training step's wait (STARVED) and the job's own cores for the cap (not yet measured on a GPU).
+training step's wait (STEP_WAIT) and the job's own cores for the cap (not yet measured on a GPU).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ AUTO = "auto"
 LIMIT = 0.5  # the most "auto" takes: engine.py sizes the workers' buffers for it
 IDLE = 0.25  # the part of its time an "auto" worker keeps waiting: cores left to the training process
 HOST_BUSY = 0.85  # the job's cores busier than this: every "auto" worker gives some back
-STARVED = 0.10  # the training step waiting for batches less than this share of its time: likewise
+STEP_WAIT = 0.10  # the training step waiting for batches less than this share of its time: likewise
 GAIN = 0.25
 WINDOW = 1.0  # seconds of a worker's time between changes of its share
 FAILED = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)  # what PIL raises on a broken picture
@@ -66,16 +66,16 @@ def checked(share: float | str) -> float | str:
 class CpuShare:
     """(In a worker) which of its training samples it decodes itself: ``share`` of them, or with
     "auto" a share that follows the time it waits for requests (``observe``), the share of its
-    time the training step waits for batches (``starved``, set by the training process; None:
+    time the training step waits for batches (``step_wait``, set by the training process; None:
     unknown, taken as waiting), and how busy the job's ``cores`` are ((busy, all) time so far)."""
 
     def __init__(
         self,
         share: float | str,
         cores: Callable[[], tuple[int, int] | None] = own_cpu_jiffies,
-        starved: c_double | None = None,
+        step_wait: c_double | None = None,
     ):
-        self.adaptive, self.cores, self.starved = share == AUTO, cores, starved
+        self.adaptive, self.cores, self.step_wait = share == AUTO, cores, step_wait
         self.share = 0.0 if self.adaptive else float(share)
         self.credit = 0.0  # shares of a sample owed: one is taken whenever it reaches 1
         self.busy = self.idle = 0.0
@@ -94,7 +94,7 @@ class CpuShare:
         self.busy, self.idle = self.busy + busy, self.idle + idle
         total = self.busy + self.idle
         if self.adaptive and total >= WINDOW:
-            needed = self.host_busy() <= HOST_BUSY and (self.starved is None or self.starved.value >= STARVED)
+            needed = self.host_busy() <= HOST_BUSY and (self.step_wait is None or self.step_wait.value >= STEP_WAIT)
             waited = self.idle / total if needed else 0.0
             self.share = min(LIMIT, max(0.0, self.share + GAIN * (waited - IDLE)))
             self.busy = self.idle = 0.0

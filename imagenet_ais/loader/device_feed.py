@@ -9,7 +9,7 @@ end-to-end limit. On CUDA the device work goes on a high-priority side stream.
 
 ``busy()`` tells how long each thread spent working (the pulling thread: getting a batch,
 waiting on the workers included): the stage near 100% of the wall time is the limit.
-``starved`` is the share of its time the consumer recently spent blocked waiting for items (for
+``step_wait`` is the share of its time the consumer recently spent blocked waiting for items (for
 a training loop: its time in ``next``, not the GPU's idle time).
 """
 
@@ -28,7 +28,7 @@ import torch
 from imagenet_ais.loader.failures import Interrupted
 
 _END = object()
-STARVED_SECONDS = 5.0  # what ``starved`` averages over
+STEP_WAIT_SECONDS = 5.0  # what ``step_wait`` averages over
 _live: weakref.WeakSet[DeviceFeed] = weakref.WeakSet()
 
 Stage = tuple[str, Callable[[Any], Any]]
@@ -66,7 +66,7 @@ class DeviceFeed:
         device: torch.device,
         ahead: int = 2,
         interrupted: Callable[[float], bool] | None = None,
-        starved: float = 1.0,
+        step_wait: float = 1.0,
     ):
         self.items, self.device, self.interrupted = items, device, interrupted
         # high priority: a batch's few small kernels need not queue behind the step's
@@ -74,10 +74,10 @@ class DeviceFeed:
         self.queues: list[queue.Queue] = [queue.Queue(maxsize=2) for _ in stages] + [queue.Queue(maxsize=ahead)]
         self.stopping = threading.Event()
         self.seconds = {"host": 0.0, **{name: 0.0 for name, _ in stages}}
-        # the consumer's share of time waiting for items: ``starved`` as given until the second
+        # the consumer's share of time waiting for items: ``step_wait`` as given until the second
         # item (the first one's wait is the producer starting up), then its mean since the first,
-        # over the last STARVED_SECONDS or so once it has run that long
-        self.starved = starved
+        # over the last STEP_WAIT_SECONDS or so once it has run that long
+        self.step_wait = step_wait
         self._began: float | None = None  # when the first item was handed over
         self._handed = 0.0  # when the last one was
         self.threads = [threading.Thread(target=self._pull, name="host-batches", daemon=True)]
@@ -176,13 +176,13 @@ class DeviceFeed:
         return item
 
     def _waited(self, seconds: float, now: float) -> None:
-        """The consumer waited ``seconds`` for the item handed over at ``now``: fold it into ``starved``."""
+        """The consumer waited ``seconds`` for the item handed over at ``now``: fold it into ``step_wait``."""
         span, self._handed = now - self._handed, now  # since it had the last one: its own work, then the wait
         if self._began is None:
             self._began = now
         elif span > 0:
-            weight = span / min(STARVED_SECONDS, now - self._began)
-            self.starved += min(1.0, weight) * (min(1.0, seconds / span) - self.starved)
+            weight = span / min(STEP_WAIT_SECONDS, now - self._began)
+            self.step_wait += min(1.0, weight) * (min(1.0, seconds / span) - self.step_wait)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the threads (each finishes the item in hand first); give up after ``timeout`` seconds."""

@@ -111,6 +111,7 @@ class _OnDevice:
 
     def __init__(self, dataset: ShardStream, device: torch.device, channels_last: bool):
         self.dataset, self.device, self.channels_last = dataset, device, channels_last
+        self.signals = dataset.signals
         self.dali = DaliCrops(device) if dataset.spec.decode == "dali" else None
 
     def stages(self) -> list[Stage]:
@@ -126,7 +127,7 @@ class _OnDevice:
         encoded: Encoded = batch.images  # type: ignore[assignment]
         if self.dali and encoded.sizes:
             try:
-                crops = self.dali(encoded, self.dataset.size.value).permute(0, 3, 1, 2)
+                crops = self.dali(encoded, self.signals.size.value).permute(0, 3, 1, 2)
                 return Decoded(crops, encoded.boxes, encoded.plans, None, encoded.pixels), batch
             except DaliFailed as e:  # nvJPEG's path finds and replaces the samples that failed
                 self.dataset.report("DALI", f"could not decode a batch ({e}): nvJPEG decodes such batches", None)
@@ -134,13 +135,13 @@ class _OnDevice:
         if rows := decoded.rows:  # samples that failed to decode, replaced by others of the batch
             for i in (i for i, r in enumerate(rows) if r != i):
                 problem = f"could not be decoded on {self.device}, replaced by another of its batch"
-                self.dataset.report(f"sample {batch.keys[i]!r}", problem, self.dataset.skipped)
+                self.dataset.report(f"sample {batch.keys[i]!r}", problem, self.signals.skipped)
             batch = batch._replace(labels=batch.labels[rows], keys=[batch.keys[r] for r in rows])
         return decoded, batch
 
     def crop(self, item: tuple[Decoded, HostBatch]) -> tuple[Batch, torch.Tensor]:
         decoded, batch = item
-        x = crop_decoded(decoded, self.dataset.size.value, self.device, self.channels_last, self.dataset.spec.augment)
+        x = crop_decoded(decoded, self.signals.size.value, self.device, self.channels_last, self.dataset.spec.augment)
         return Batch(x, batch.labels.to(self.device, non_blocking=True), batch.keys), batch.ids
 
 
@@ -183,6 +184,7 @@ class _ShardLoader:
             shuffle=shuffle, cpu_share=feeding.share() if encoded else 0.0,
         )  # fmt: skip
         self.dataset = ShardStream(self.spec, mode)
+        self.mode, self.signals = mode, self.dataset.signals  # (what the workers and this process share)
         _exit_hook()
         self.device, self.pin = feeding.device, feeding.device.type == "cuda"
         self.slots = None  # training's JPEG bytes cross in place (validation's the usual way: it is rare)
@@ -232,15 +234,7 @@ class _ShardLoader:
         """Samples that failed to decode, shards that failed to read and the samples they listed
         unread, the samples listed by every shard the workers set out to read, samples repeated to pad,
         samples the workers cropped themselves (cpu_share.py)."""
-        ds = self.dataset
-        return {
-            "skipped": ds.skipped.value,
-            "read_errors": ds.read_errors.value,
-            "unread": ds.unread.value,
-            "drawn": ds.drawn.value,
-            "padded": self.padded,
-            "cropped": ds.cropped.value,
-        }
+        return {**self.signals.counts(), "padded": self.padded}
 
     def shut_down(self) -> None:
         """Stop the feed's threads and end this loader's DataLoader workers at once: they hold
@@ -274,11 +268,11 @@ class _ShardLoader:
         return wire.pinned(batch) if self.pin else batch
 
     def _on_device(self, batches: Iterator[HostBatch], ahead: int) -> Iterator[tuple[Batch, torch.Tensor]]:
-        starved = self.dataset.starved.value  # (the last epoch's: a new feed's first item waits for the workers)
-        feed = self.feed = DeviceFeed(batches, self.to_device.stages(), self.device, ahead, self.interrupted, starved)
+        step_wait = self.signals.step_wait.value  # (the last epoch's: a new feed's first item waits for the workers)
+        feed = self.feed = DeviceFeed(batches, self.to_device.stages(), self.device, ahead, self.interrupted, step_wait)
         try:
             for item in feed:
-                self.dataset.starved.value = feed.starved  # (for the workers' crops: cpu_share.py)
+                self.signals.step_wait.value = feed.step_wait  # (for the workers' crops: cpu_share.py)
                 yield item
         finally:
             # bounded: a pull thread can wait for ever on a worker whose read never returns (a
@@ -348,9 +342,9 @@ class TrainLoader(_ShardLoader):
         if epoch != self.epoch or epoch != self.dataset.resumed[0]:
             self.delivered, self.restored, self.resumed_step = [], None, 0
         self.epoch = epoch
-        self.dataset.epoch.value = epoch
+        self.signals.epoch.value = epoch
         if image_size:
-            self.dataset.size.value = image_size
+            self.signals.size.value = image_size
 
     def position(self) -> dict:
         """The samples this rank trained on this epoch since the loader started (a part of the
@@ -368,9 +362,9 @@ class TrainLoader(_ShardLoader):
         drawing a fresh stream named by ``restart`` (not one the interrupted run drew)."""
         done = trained(position) if position else {}
         self._resume_at((epoch, done, restart))
-        self.epoch, self.dataset.epoch.value = epoch, epoch
+        self.epoch, self.signals.epoch.value = epoch, epoch
         self.delivered, self.restored = [], position
-        if self.dataset.mode == "exact":
+        if self.mode == "exact":
             counts, world, batch = self.spec.counts, self.spec.world, self.spec.batch
             step = self.steps - exact_assignment(counts, world, batch, self.spec.seed, epoch, done)[1]
         self.resumed_step = step

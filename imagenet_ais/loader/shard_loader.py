@@ -23,7 +23,7 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Generator, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,21 @@ DECODES = ("auto", "cpu", "gpu", "dali")
 EPOCH_MODES = ("resampled", "exact")
 
 
+class Continued(NamedTuple):
+    """Where a state that ``load_state_dict`` went on from had stopped, and on which topology."""
+
+    epoch: int
+    step: int
+    steps: int
+    world_size: int
+    batch_size: int
+    trained: int | None  # the epoch's samples trained before it stopped (exact mode), else None
+
+    def __str__(self) -> str:
+        on = f"{self.world_size} × {self.batch_size}"
+        return f"epoch {self.epoch + 1} stopped at step {self.step} of {self.steps} on {on}"
+
+
 class ShardLoader:
     """One rank's batches of ``split`` of the shards at ``location`` (a directory, ``ais://``,
     ``gs://``, ``http(s)://``: wherever ``manifest.json`` is), ready on ``device``.
@@ -72,6 +87,16 @@ class ShardLoader:
     - ``cache_dir``/``cache_size``: remote shards kept on the node's disk, read from there next epoch.
     - ``augment``: RandAugment-style policies and random erasing (augment.Augment), training only.
       ``val_resize_size``: validation resizes the short side to it, then takes the centre crop.
+
+    Its state (``state_dict()``, training only; a plain dict, for ``torch.save``):
+
+    - ``version``: 1. ``epoch``: the epoch the next pass trains. ``step``: the batches of it
+      handed out (0: it starts afresh). ``steps``: the epoch's batches on the topology that wrote it.
+    - ``mode``: "exact" or "resampled". ``plan``: a digest of what the epochs' sample order follows
+      from (shards, their counts, the seed); a state of another plan cannot continue its epoch.
+    - ``position``: in exact mode mid-epoch, the samples the epoch has trained on every rank,
+      ``{"epoch": E, "delivered": {shard: [sample indices]}}``; else None.
+    - ``world_size``, ``batch_size``: the topology that wrote it; any other may continue it.
     """
 
     def __init__(
@@ -131,6 +156,7 @@ class ShardLoader:
         self._pending = True  # the next pass trains ``epoch`` (set, restored or first): not the one after
         self._step = 0  # steps of ``epoch`` handed out (with those before a restore)
         self._active: Generator[Batch] | None = None
+        self.continued: Continued | None = None  # what the last ``load_state_dict`` went on from
 
     @property
     def cpu_share(self) -> float | str:
@@ -146,8 +172,8 @@ class ShardLoader:
 
     @property
     def problems(self) -> Any:
-        """The queue the workers name unreadable shards and samples in (data_health.DataHealth reads it)."""
-        return self._loader.dataset.problems
+        """The queue the workers name unreadable shards and samples in ("where: what" lines)."""
+        return self._loader.signals.problems
 
     def __len__(self) -> int:
         """Batches an epoch, the same on every rank (training only: validation's workers each end
@@ -164,7 +190,7 @@ class ShardLoader:
             self._loader.set_epoch(epoch, image_size, keep_restored=self._pending and epoch == self.epoch)
             self._step = self._loader.resumed_step
         elif image_size:
-            self._loader.dataset.size.value = image_size
+            self._loader.signals.size.value = image_size
         self.epoch, self._pending = epoch, True
 
     def __iter__(self) -> Iterator[Batch]:
@@ -182,8 +208,9 @@ class ShardLoader:
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        """Where training stands in its epochs, for ``load_state_dict`` (validation keeps none).
-        With several ranks under torch.distributed, a collective: every rank calls it."""
+        """Where training stands in its epochs (the class's docstring says what it holds), for
+        ``load_state_dict``; validation keeps none. With several ranks under torch.distributed, a
+        collective: every rank calls it."""
         loader = self._loader
         if not isinstance(loader, TrainLoader):
             return {}
@@ -191,13 +218,13 @@ class ShardLoader:
         if step >= len(loader):  # handed out whole: what comes next is the next epoch
             epoch, step = epoch + 1, 0
         position = None
-        if step and loader.dataset.mode == "exact":  # every rank's samples of the epoch so far
+        if step and loader.mode == "exact":  # every rank's samples of the epoch so far
             mine = loader.position()
             theirs = gather_objects(mine) if self.world_size > 1 else [mine]
             position = merge_positions(epoch, [loader.restored, *theirs])
         return {
             "version": STATE_VERSION, "epoch": epoch, "step": step, "steps": len(loader),
-            "mode": loader.dataset.mode, "plan": loader.plan(), "position": position,
+            "mode": loader.mode, "plan": loader.plan(), "position": position,
             "world_size": self.world_size, "batch_size": self.batch_size,
         }  # fmt: skip
 
@@ -205,27 +232,29 @@ class ShardLoader:
         """Go on from ``state`` (``state_dict()``'s, maybe of another number of ranks, batch size
         or workers): the next pass continues its epoch. Exact epochs continue without the samples
         trained before; resampled ones as far through the epoch, from fresh streams. A state this
-        loader cannot continue exactly raises ``StateMismatch`` (its epoch may start over instead)."""
+        loader cannot continue exactly raises ``StateMismatch`` (its epoch may start over instead).
+        ``continued`` then says where the state had stopped."""
         loader = self._loader
         if not isinstance(loader, TrainLoader) or not state:
             return
         if self._active is not None:
             self._active.close()  # a pass in progress ends: the next one goes on from the state
             self._active = None
-        epoch, step = state["epoch"], state["step"]
+        epoch, step, position = state["epoch"], state["step"], state["position"]
         self._pending = False  # (the epoch is set afresh, whatever was restored before)
         self.set_epoch(epoch)
+        trained = sum(map(len, position["delivered"].values())) if position else None
+        self.continued = Continued(epoch, step, state["steps"], state["world_size"], state["batch_size"], trained)
         if not step:
             return
-        on = f"{state['world_size']} × {state['batch_size']}"
-        at = f"epoch {epoch + 1} stopped at step {step} of {state['steps']} on {on}"
+        at = str(self.continued)
         if state["plan"] != loader.plan():
             raise StateMismatch(f"{at} over other shards or another --seed")
         restart = f"{epoch}:{step}"  # names the streams a resampled epoch draws from here on
-        if loader.dataset.mode == "exact":
-            if not state["position"]:
+        if loader.mode == "exact":
+            if not position:
                 raise StateMismatch(f"{at} in {state['mode']} mode, which keeps no record of its samples")
-            self._step = loader.restore(epoch, restart, state["position"])
+            self._step = loader.restore(epoch, restart, position)
         else:
             self._step = loader.restore(
                 epoch, restart, step=min(len(loader), round(step * len(loader) / state["steps"]))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import multiprocessing as mp
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from imagenet_ais.loader.sampling import (
     resampled_pieces,
     split_among_workers,
 )
+from imagenet_ais.loader.signals import Signals
 from imagenet_ais.loader.transforms import VAL_CROP, augment_on_cpu, augment_rng, decode_on_cpu, encode_for_device
 from imagenet_ais.shards.cache import ShardCache
 from imagenet_ais.shards.members import members
@@ -119,9 +119,8 @@ class StreamSpec(LoaderSpec):
 class ShardStream(IterableDataset):
     """The samples of this rank for the current epoch, split among DataLoader workers.
 
-    ``epoch`` and the skip counters live in shared memory so that persistent workers see
-    the epoch the main process set and the main process sees what workers skipped; what was
-    wrong goes to the main process through ``problems``, once per shard and worker.
+    ``signals`` (signals.py) is what it shares with the training process: the epoch and image
+    size it sets, the counts the workers keep, and what was wrong, named once per shard and worker.
     """
 
     def __init__(self, spec: StreamSpec, mode: str):
@@ -130,32 +129,24 @@ class ShardStream(IterableDataset):
         if spec.decode not in DECODERS:
             raise ConfigError(f"unknown decode {spec.decode!r}: one of {', '.join(DECODERS)}")
         self.spec, self.mode = spec, mode
-        self.epoch = mp.Value("q", 0)
-        self.size = mp.Value("q", spec.image_size)  # output side; changes between epochs (--progressive)
-        self.skipped = mp.Value("q", 0)  # samples that failed to decode
-        self.read_errors = mp.Value("q", 0)  # shards that failed part-way or held fewer samples than listed
-        self.unread = mp.Value("q", 0)  # the samples those shards list that were not read
-        self.drawn = mp.Value("q", 0)  # the samples listed by every shard piece a worker set out to read
-        self.cropped = mp.Value("q", 0)  # training samples the workers cropped themselves (cpu_share.py)
-        # the training step's recent share of time waiting for batches (device_feed.py); no lock: one
-        # writer, and a worker killed while holding one would stop the training loop's next write
-        self.starved = mp.Value("d", 1.0, lock=False)
+        self.signals = Signals(spec.image_size)  # shared with the training process
         self._failing = 0  # (per worker) shard reads that failed in a row, nothing read from them
-        self.problems: mp.Queue = mp.Queue()  # "where: what" lines, for the training process to name
         self._told: set[str] = set()  # (per worker) shards already reported
         # a resumed epoch: (epoch, samples trained before the restart, the name that makes its
         # resampled streams fresh ones); set before the workers start, so even persistent
         # workers see it
         self.resumed: tuple[int, Done, str] = (-1, {}, "")
-        self.share = CpuShare(spec.cpu_share, starved=self.starved)  # (per worker, kept from epoch to epoch)
+        self.share = CpuShare(
+            spec.cpu_share, step_wait=self.signals.step_wait
+        )  # (per worker, kept from epoch to epoch)
 
     def _done(self) -> tuple[Done, str]:
         """What a resumed epoch leaves out, and how its resampled streams are told apart."""
         epoch, done, restart = self.resumed
-        return (done, restart) if epoch == self.epoch.value else ({}, "")
+        return (done, restart) if epoch == self.signals.epoch.value else ({}, "")
 
     def _pieces(self, worker: int, workers: int) -> Iterator[Piece]:
-        s, epoch = self.spec, self.epoch.value
+        s, epoch = self.spec, self.signals.epoch.value
         done, restart = self._done()
         if self.mode == "resampled":
             yield from resampled_pieces(s.counts, f"{s.seed}:{epoch}:{restart}:{s.rank}:{worker}")
@@ -165,24 +156,20 @@ class ShardStream(IterableDataset):
             mine = contiguous_assignment(s.counts, s.world)[s.rank]
         yield from split_among_workers(mine, workers)[worker]
 
-    def _count(self, counter: Synchronized[int], n: int = 1) -> None:
-        with counter.get_lock():
-            counter.value += n
-
     def report(self, where: str, problem: str, counter: Synchronized[int] | None) -> None:
         """Name ``where``'s problem once, and count it in ``counter`` (if any) every time."""
         # the line goes first, so that the training process has it once it sees the count
         if where not in self._told:
             self._told.add(where)
-            self.problems.put(f"{where}: {problem}")
+            self.signals.problems.put(f"{where}: {problem}")
         if counter is not None:
-            self._count(counter)
+            self.signals.add(counter)
 
     def _read_failed(self, where: str, problem: str, unread: int, read_any: bool) -> None:
         """A shard read that failed: reported, its unread samples counted; too many in a row
         with nothing read (the data is gone: a deleted bucket or folder) end the worker."""
-        self.report(where, problem, self.read_errors)
-        self._count(self.unread, unread)
+        self.report(where, problem, self.signals.read_errors)
+        self.signals.add(self.signals.unread, unread)
         self._failing = 0 if read_any else self._failing + 1
         # validation's pieces end: what it misses counts against --max-bad after the epoch is saved
         if self._failing >= FAILED_IN_A_ROW and self.mode != "val":
@@ -197,7 +184,7 @@ class ShardStream(IterableDataset):
         errors: list[Exception] = []
         done = self._done()[0].get(piece.shard, set())
         drawn = sum(i not in done for i in range(piece.start, piece.stop))
-        self._count(self.drawn, drawn)
+        self.signals.add(self.signals.drawn, drawn)
         size, sha256 = self.spec.listed[piece.shard]
         try:
             stream = self._open(name, size)
@@ -250,14 +237,14 @@ class ShardStream(IterableDataset):
         self._failing = 0  # (a persistent worker's count starts again each epoch)
         samples = self._decoded(self._pieces(worker, workers))
         if self.spec.shuffle > 1 and self.mode != "val":
-            seed = f"buffer:{self.spec.seed}:{self.epoch.value}:{self.spec.rank}:{worker}"
+            seed = f"buffer:{self.spec.seed}:{self.signals.epoch.value}:{self.spec.rank}:{worker}"
             samples = shuffle(self.spec.shuffle, self.spec.shuffle, seed=seed)(samples)
         if self.mode != "val" and self.spec.decode != "cpu" and self.spec.cpu_share:
-            samples = offload(samples, self.share, self.size.value, self.cropped, self._crop_failed)
+            samples = offload(samples, self.share, self.signals.size.value, self.signals.cropped, self._crop_failed)
         return samples
 
     def _decoded(self, pieces: Iterator[Piece]) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
-        train, size = self.mode != "val", self.size.value
+        train, size = self.mode != "val", self.signals.size.value
         for piece in pieces:
             for index, sample in self._samples(piece):
                 try:
@@ -270,7 +257,9 @@ class ShardStream(IterableDataset):
 
     def _skip(self, shard: int, key: str, what: str) -> None:
         """A sample that cannot be decoded: named once, counted, not trained on."""
-        self.report(f"{self.spec.location}/{self.spec.names[shard]}", f"sample {key!r} skipped ({what})", self.skipped)
+        self.report(
+            f"{self.spec.location}/{self.spec.names[shard]}", f"sample {key!r} skipped ({what})", self.signals.skipped
+        )
 
     def _crop_failed(self, sample: tuple, what: str) -> None:
         self._skip(sample[3], sample[2], what)  # (image, label, key, shard, index)
@@ -280,7 +269,7 @@ class ShardStream(IterableDataset):
         label = int(sample["cls"])
         if self.spec.classes and not 0 <= label < self.spec.classes:
             raise DataError(f"label {label} is not among the manifest's {self.spec.classes} classes")
-        rng = augment_rng(self.spec.seed, self.epoch.value, sample["__key__"]) if train else None
+        rng = augment_rng(self.spec.seed, self.signals.epoch.value, sample["__key__"]) if train else None
         augment = self.spec.augment  # drawn and applied only with rng, i.e. in training
         if self.spec.decode != "cpu":
             raw, box = encode_for_device(data, rng, self.spec.val_crop)

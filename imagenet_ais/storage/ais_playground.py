@@ -152,11 +152,11 @@ class Playground:
                 )
             time.sleep(0.25)
 
-    def up(self, targets: int = 1, port: int | None = None, say: Callable[[str], None] = lambda _: None) -> str:
+    def up(self, targets: int = 1, port: int | None = None, echo: Callable[[str], None] = lambda _: None) -> str:
         """The endpoint of the running playground, started first where it is not; ``say`` is told
         what it starts, as it goes (a cold start takes 10-20 s)."""
         if self.nodes() and all(self.pid(n) for n in self.nodes()) and self.healthy():
-            say(f"AIStore playground in {self.root}: already running")
+            echo(f"AIStore playground in {self.root}: already running")
             return self.endpoint
         if not self.aisnode.exists():
             raise FileNotFoundError(f"{self.aisnode} not found: build it with `./run ais-install` (needs Go)")
@@ -171,15 +171,15 @@ class Playground:
             port = port or free_port_block(targets + 1)
         self._write_configs(port, targets)
         start = time.monotonic()
-        say(
+        echo(
             f"AIStore playground in {self.root}: starting {self.aisnode.name} as 1 proxy and {targets} target"
             f"{'s' if targets > 1 else ''} on 127.0.0.1:{port}-{port + targets} (logs: {self.root}/*/log)"
         )
         for node in self.nodes():
             self.start_node(node)
-        say("waiting for the targets to join and the cluster to settle (about 10 s)")
+        echo("waiting for the targets to join and the cluster to settle (about 10 s)")
         self.wait_healthy()
-        say(f"up in {time.monotonic() - start:.0f}s")
+        echo(f"up in {time.monotonic() - start:.0f}s")
         return self.endpoint
 
     def down(self) -> None:

@@ -164,8 +164,13 @@ def find(resume: str | None, output: Path) -> Path | None:
     return path
 
 
-def resume(
-    how: str | None, output: Path, uploaded: str | None, extra: tuple[str, ...], fetches: bool, say: Callable[..., None]
+def find_and_load(
+    how: str | None,
+    output: Path,
+    uploaded: str | None,
+    extra: tuple[str, ...],
+    fetches: bool,
+    echo: Callable[..., None],
 ) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint a run continues from, loaded and checked, or None.
 
@@ -176,20 +181,20 @@ def resume(
     path = find(how, output)
     if how == "auto" and uploaded:
         if fetches:
-            _fetch_newer(uploaded, output, path, extra, say)
+            _fetch_newer(uploaded, output, path, extra, echo)
         distributed.barrier()  # every rank, whatever it found: a rank skipping it would hang the others
         path = find("auto", output)
     if path is None:
         return None
     if how != "auto":
         return path, load(path)
-    chosen, state = load_newest_intact(path, say)
+    chosen, state = load_newest_intact(path, echo)
     if chosen == path and path.name != LAST:
-        say(f"warning: {output / LAST} is missing; resuming from {path}, the newest checkpoint there", err=True)
+        echo(f"warning: {output / LAST} is missing; resuming from {path}, the newest checkpoint there", err=True)
     return chosen, state
 
 
-def _fetch_newer(uploaded: str, output: Path, path: Path | None, extra: tuple[str, ...], say: Callable) -> None:
+def _fetch_newer(uploaded: str, output: Path, path: Path | None, extra: tuple[str, ...], echo: Callable) -> None:
     """Download what the run uploaded where ``output`` has no checkpoint (a fresh node) or only
     older ones (this node's copy of a run that went on elsewhere): continuing from those would
     train steps again, and their checkpoints could never be uploaded over the newer ones."""
@@ -205,13 +210,13 @@ def _fetch_newer(uploaded: str, output: Path, path: Path | None, extra: tuple[st
     except Exception as e:  # each SDK has its own errors
         if have is None:
             raise
-        say(f"warning: {uploaded}: not checked for a newer checkpoint ({type(e).__name__}: {e}); "
+        echo(f"warning: {uploaded}: not checked for a newer checkpoint ({type(e).__name__}: {e}); "
             f"continuing from {have}", err=True)  # fmt: skip
         return
     if fetched:
         link(fetched, LAST)
         if have is not None:
-            say(f"{uploaded} holds a newer checkpoint than {have}: continuing from {fetched.name}")
+            echo(f"{uploaded} holds a newer checkpoint than {have}: continuing from {fetched.name}")
 
 
 def _step_of(path: Path | None) -> int:
@@ -262,7 +267,7 @@ def resumable(state: dict[str, Any], path: Path) -> dict[str, Any]:
     return state
 
 
-def load_newest_intact(first: Path, say: Callable[..., None]) -> tuple[Path, dict[str, Any]]:
+def load_newest_intact(first: Path, echo: Callable[..., None]) -> tuple[Path, dict[str, Any]]:
     """``first`` (``last.pt``) if intact, else the newest intact ``ckpt-*.pt`` beside it, said in a line."""
     try:
         return first, load(first)
@@ -275,7 +280,7 @@ def load_newest_intact(first: Path, say: Callable[..., None]) -> tuple[Path, dic
             state = load(path)
         except DamagedCheckpoint:
             continue
-        say(f"warning: {damage}; resuming from {path}, the newest intact checkpoint", err=True)
+        echo(f"warning: {damage}; resuming from {path}, the newest intact checkpoint", err=True)
         return path, state
     raise DamagedCheckpoint(f"{damage}, and no intact ckpt-*.pt is beside it: start another --output") from None
 

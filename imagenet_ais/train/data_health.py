@@ -34,7 +34,7 @@ class DataHealth:
     (both may gather from all ranks); ``say`` is rank 0's voice."""
 
     queues: Iterable[queue.Queue | mp_queues.Queue]  # the loaders' problem queues, filled by their workers
-    say: Callable[..., None]
+    echo: Callable[..., None]
     max_bad: float  # the fraction of an epoch's samples that may be skipped or padded
     totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     named: set[str] = field(default_factory=set)
@@ -55,7 +55,7 @@ class DataHealth:
                 where = line.partition(": ")[0]
                 if where not in self.named:
                     self.named.add(where)
-                    self.say(f"warning: {line}", err=True)
+                    self.echo(f"warning: {line}", err=True)
 
     def end_epoch(self, epoch: int, samples: int) -> str | None:
         """After epoch ``epoch`` of ``samples`` samples: the line to stop with, if it was too damaged."""

@@ -1,7 +1,8 @@
 """The training loop: epochs of steps, validation, checkpoints, and how a run ends.
 
 ``train`` → ``_train``: the run is built (setup.py), resumed (resume.py), then each epoch is
-``train_epoch`` (``train_step`` per batch), ``evaluate`` and ``save``; ``finish`` closes it.
+``train_one_epoch`` (``train_step`` per batch), ``validate_epoch`` (``evaluate`` on the val split)
+and ``save``; ``finish`` closes it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from imagenet_ais.train.ema import ModelEma
 from imagenet_ais.train.metrics import CONFIG, LOG, METRICS, Reporter
 from imagenet_ais.train.model import autocast, check_arch
 from imagenet_ais.train.progress import Progress, Window
-from imagenet_ais.train.resume import Standing
+from imagenet_ais.train.resume import TrainState
 from imagenet_ais.train.setup import Parts, Run
 
 EXIT_WORKER_DIED = 1  # a DataLoader worker was killed (the OOM killer?): continue with --resume auto
@@ -67,27 +68,27 @@ def train(cfg: TrainConfig, report: Callable[[dict], None] | None = None) -> dic
         # the backward pass: faster over NVLink (4 H200s: 25,319 img/s against 24,832, RESULTS run S)
         # Rank 0 writes the output: a second run into it would mix checkpoints and event files.
         with (
-            distributed.joined() as d,
+            distributed.joined() as process,
             torch._dynamo.config.patch(optimize_ddp=False),
             checkpoint.rng_kept(),  # the caller's random state: a run seeds its own
-            locks.lock_output(output) if d.main else nullcontext(),
+            locks.lock_output(output) if process.main else nullcontext(),
         ):
-            return _train(cfg, d, report)
+            return _train(cfg, process, report)
     except BaseException:
         if made and {p.name for p in output.glob("*")} <= {locks.TRAIN_LOCK, LOG, CONFIG, upload.CLAIM}:
             shutil.rmtree(output, ignore_errors=True)  # a start that failed leaves no folder it made
         raise
 
 
-def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None] | None) -> dict[str, Any]:
-    output = setup.prepare(cfg, d)
-    say = Reporter(output / LOG if d.main else None).say
-    if d.main:
+def _train(cfg: TrainConfig, process: distributed.Process, report: Callable[[dict], None] | None) -> dict[str, Any]:
+    output = setup.prepare(cfg, process)
+    echo = Reporter(output / LOG if process.main else None).echo
+    if process.main:
         for source, settings in differences(cfg).items():
-            say(f"{source}: {', '.join(settings)}")
+            echo(f"{source}: {', '.join(settings)}")
         (output / CONFIG).write_text(json.dumps(asdict(cfg), indent=1) + "\n")
     sizes, val_size = image_sizes(cfg)
-    parts = setup.build(cfg, d, output, sizes, val_size, say)
+    parts = setup.build(cfg, process, output, sizes, val_size, echo)
     try:
         return _resume_and_train(parts, sizes, report)
     finally:
@@ -96,21 +97,21 @@ def _train(cfg: TrainConfig, d: distributed.Dist, report: Callable[[dict], None]
 
 def _resume_and_train(parts: Parts, sizes: list[int], report: Callable[[dict], None] | None) -> dict[str, Any]:
     """The run made of ``parts``, from where its checkpoint (if any) stands to its end."""
-    cfg, d, output, say = parts.cfg, parts.d, parts.output, parts.say
+    cfg, process, output, echo = parts.cfg, parts.process, parts.output, parts.echo
     optimizer = None if parts.decent else parts.optimizer
-    standing = resume.resume(
-        cfg, d, parts.raw_model, optimizer, parts.scaler, parts.classes, parts.train_loader, say, parts.ema
+    train_state = resume.from_checkpoint(
+        cfg, process, parts.raw_model, optimizer, parts.scaler, parts.classes, parts.train_loader, echo, parts.ema
     )
-    previous = standing.last_val or {}  # until the next validation
+    previous = train_state.last_val or {}  # until the next validation
     parts.health.val_missing = int(previous.get("missing", 0))
     parts.health.val_listed = int(previous.get("samples", 0)) + parts.health.val_missing
     if cfg.test_only:
-        return test_only(parts, standing)
-    if standing.epoch >= cfg.epochs:
-        say(f"{output}: already trained {cfg.epochs} epochs; use a new --output or more --epochs")
-        exit_code = catch_up(cfg, output, standing, say) if d.main else 0
-        return {"step": standing.step, "val": standing.last_val, "complete": True, "exit_code": exit_code}
-    run = setup.assemble(parts, standing, report)
+        return test_only(parts, train_state)
+    if train_state.epoch >= cfg.epochs:
+        echo(f"{output}: already trained {cfg.epochs} epochs; use a new --output or more --epochs")
+        exit_code = catch_up(cfg, output, train_state, echo) if process.main else 0
+        return {"step": train_state.step, "val": train_state.last_val, "complete": True, "exit_code": exit_code}
+    run = setup.assemble(parts, train_state, report)
     try:
         return epochs(run, sizes)
     finally:
@@ -119,30 +120,30 @@ def _resume_and_train(parts: Parts, sizes: list[int], report: Callable[[dict], N
 
 def epochs(run: Run, sizes: list[int]) -> dict[str, Any]:
     """The run's epochs from where it stands, each validated and saved; its outcome."""
-    cfg, standing, say = run.cfg, run.standing, run.say
+    cfg, train_state, echo = run.cfg, run.train_state, run.echo
     run.model.train()
-    for epoch in range(standing.epoch, cfg.epochs):
-        standing.epoch = epoch
+    for epoch in range(train_state.epoch, cfg.epochs):
+        train_state.epoch = epoch
         run.train_loader.set_epoch(epoch, sizes[epoch])
         try:
-            if stopped := train_epoch(run):
+            if stopped := train_one_epoch(run):
                 return stop(run, stopped)
-            improved = evaluate(run)
-            standing.first_step = 0
+            improved = validate_epoch(run)
+            train_state.first_step = 0
             save(run, epoch + 1, 0, best=improved)
         except UnreadableData as e:  # nothing left to read: waiting would be for ever
-            say(f"ERROR: {e}", err=True)
+            echo(f"ERROR: {e}", err=True)
             return finish(run, complete=False, exit_code=EXIT_BAD_DATA)
         except WorkerDied as e:  # its batches will never come
-            say(f"ERROR: {e}", err=True)
+            echo(f"ERROR: {e}", err=True)
             return finish(run, complete=False, exit_code=EXIT_WORKER_DIED)
         except Diverged:  # a checkpoint was due, of weights gone NaN before the loss could stop the run
-            return diverged(run, f"the weights hold NaN or infinity at step {standing.step}")
+            return diverged(run, f"the weights hold NaN or infinity at step {train_state.step}")
         if damaged := run.health.end_epoch(epoch, len(run.train_loader) * run.global_batch):
-            say(f"ERROR: {damaged}", err=True)
+            echo(f"ERROR: {damaged}", err=True)
             return finish(run, complete=False, exit_code=EXIT_BAD_DATA)
-    if last_val := standing.last_val:
-        say(
+    if last_val := train_state.last_val:
+        echo(
             f"final validation top-1 {last_val['top1']:.2f}% (top-5 {last_val['top5']:.2f}%) "
             f"over {last_val['samples']} images; chance is {100 / len(run.classes):.2f}%"
         )
@@ -151,56 +152,56 @@ def epochs(run: Run, sizes: list[int]) -> dict[str, Any]:
 
 def stop(run: Run, stopped: Stopped) -> dict[str, Any]:
     """Ends a run whose epoch stopped before its end: saved where it stopped, to be continued."""
-    standing = run.standing
+    train_state = run.train_state
     if stopped.diverged:
         return diverged(run, f"the loss was NaN or infinite for the last {run.nonfinite_steps} steps")
     if stopped.unsaved:
-        run.say(
-            f"stopped by a signal at step {standing.step} while waiting for data that never came: no checkpoint "
+        run.echo(
+            f"stopped by a signal at step {train_state.step} while waiting for data that never came: no checkpoint "
             "could be saved with the other ranks; continue with --resume auto from the last one",
             err=True,
         )
         return finish(run, complete=False, exit_code=EXIT_PREEMPTED)
-    save(run, standing.epoch, stopped.step_in_epoch)
+    save(run, train_state.epoch, stopped.step_in_epoch)
     if stopped.signalled:
-        run.say(f"stopped by a signal at step {standing.step}, checkpoint saved; continue with --resume auto")
+        run.echo(f"stopped by a signal at step {train_state.step}, checkpoint saved; continue with --resume auto")
         return finish(run, complete=False, exit_code=EXIT_PREEMPTED)
-    run.say(f"stopped at step {standing.step} (--max-steps); continue with --resume auto")
+    run.echo(f"stopped at step {train_state.step} (--max-steps); continue with --resume auto")
     return finish(run, complete=False)
 
 
 def diverged(run: Run, what: str) -> dict[str, Any]:
     """Ends a run whose training diverged, with nothing saved past its last finite checkpoint."""
-    run.say(
-        f"ERROR: {what}, up to step {run.standing.step}: the run diverged (too high an --lr, or weights that "
+    run.echo(
+        f"ERROR: {what}, up to step {run.train_state.step}: the run diverged (too high an --lr, or weights that "
         "hold NaN); nothing was saved past the last finite checkpoint: continue from it with a lower --lr",
         err=True,
     )
     return finish(run, complete=False, exit_code=EXIT_DIVERGED)
 
 
-def train_epoch(run: Run) -> Stopped | None:
-    """Trains the rest of ``run.standing.epoch``; where it stopped early, if it did."""
-    cfg, d, standing, loader = run.cfg, run.d, run.standing, run.train_loader
-    epoch, steps = standing.epoch, len(loader)
+def train_one_epoch(run: Run) -> Stopped | None:
+    """Trains the rest of ``run.train_state.epoch``; where it stopped early, if it did."""
+    cfg, process, train_state, loader = run.cfg, run.process, run.train_state, run.train_loader
+    epoch, steps = train_state.epoch, len(loader)
     batches = iter(loader)
-    keys_out = keys_log.open_log(run.output, epoch, d.rank) if cfg.log_keys else None
-    progress = Progress(epoch, cfg.epochs, steps, standing.first_step, shown=d.main)
-    window = Window(d.device)
+    keys_out = keys_log.open_log(run.output, epoch, process.rank) if cfg.log_keys else None
+    progress = Progress(epoch, cfg.epochs, steps, train_state.first_step, shown=process.main)
+    window = Window(process.device)
     stopped = None
-    for step_in_epoch in range(standing.first_step, steps):
+    for step_in_epoch in range(train_state.first_step, steps):
         t0 = time.perf_counter()
         try:
             x, y, keys = next(batches)
         except Interrupted:  # signalled while waiting for data (alone, or the others would not wait)
-            stopped = Stopped(step_in_epoch, signalled=True, unsaved=d.world > 1)
+            stopped = Stopped(step_in_epoch, signalled=True, unsaved=process.world > 1)
             break
         window.waited += time.perf_counter() - t0
         window.clock.mark()
         lr = float(run.scheduler.get_last_lr()[0])  # this step's (the scheduler steps after it)
         loss = train_step(run, x, y)
-        standing.step += 1
-        if run.ema and standing.step % cfg.model_ema_steps == 0:
+        train_state.step += 1
+        if run.ema and train_state.step % cfg.model_ema_steps == 0:
             update_ema(run, run.ema)
         window.steps += 1
         window.losses.append(loss.detach())
@@ -210,14 +211,14 @@ def train_epoch(run: Run) -> Stopped | None:
         last_of_epoch = step_in_epoch == steps - 1
         # Ranks agree on the stop step; with several, only at log steps and epoch ends (the
         # agreement is a collective, and per step it would stall the GPU queue).
-        signalled = (d.world == 1 or standing.step % cfg.log_every == 0 or last_of_epoch) and distributed.any_rank(
-            run.stop.received is not None, d.device
-        )
-        if signalled or (cfg.max_steps is not None and standing.step >= cfg.max_steps):
+        signalled = (
+            process.world == 1 or train_state.step % cfg.log_every == 0 or last_of_epoch
+        ) and distributed.any_rank(run.stop.received is not None, process.device)
+        if signalled or (cfg.max_steps is not None and train_state.step >= cfg.max_steps):
             stopped = Stopped(step_in_epoch + 1, signalled)
-        if standing.step % cfg.log_every == 0 or last_of_epoch or stopped:
+        if train_state.step % cfg.log_every == 0 or last_of_epoch or stopped:
             lr = decentralized.lr(run.model) if run.decent else lr  # (decent-dp's: what it steps with next)
-            record, totals = window.record(loader, d, run.global_batch, epoch, standing.step, lr, x.shape[-1])
+            record, totals = window.record(loader, process, run.global_batch, epoch, train_state.step, lr, x.shape[-1])
             tail = record["nonfinite_tail"]
             run.nonfinite_steps = run.nonfinite_steps + tail if tail == window.steps else tail
             if run.nonfinite_steps >= NONFINITE_STEPS:
@@ -225,10 +226,10 @@ def train_epoch(run: Run) -> Stopped | None:
             run.log.write(**record)
             run.health.poll(totals)
             progress.show(record, step_in_epoch + 1)
-            window = Window(d.device, start=window.end)  # windows tile the time: none of it goes unrecorded
+            window = Window(process.device, start=window.end)  # windows tile the time: none of it goes unrecorded
         if stopped:
             break
-        if cfg.checkpoint_every and standing.step % cfg.checkpoint_every == 0 and not last_of_epoch:
+        if cfg.checkpoint_every and train_state.step % cfg.checkpoint_every == 0 and not last_of_epoch:
             save(run, epoch, step_in_epoch + 1)
     progress.close()
     if keys_out:
@@ -240,7 +241,7 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """One optimizer step on a batch; its loss."""
     if run.mixer:
         x, y = run.mixer(x, y)  # y: class probabilities from here on
-    with autocast(run.cfg, run.d.device):
+    with autocast(run.cfg, run.process.device):
         loss = run.criterion(run.model(x), y)
     if run.decent:  # the wrapper's backward hooks step, zero and mix each bucket
         run.scaler.scale(loss).backward()
@@ -260,29 +261,29 @@ def update_ema(run: Run, ema: ModelEma) -> None:
     """--model-ema: the average takes a step towards the weights; during the warmup epochs it
     only follows them (the early weights are not worth remembering), as torchvision's recipe."""
     ema.update_parameters(run.raw_model)
-    if run.standing.epoch < run.cfg.warmup_epochs:
+    if run.train_state.epoch < run.cfg.warmup_epochs:
         ema.n_averaged.fill_(0)
 
 
-def test_only(parts: Parts, standing: Standing) -> dict[str, Any]:
+def test_only(parts: Parts, train_state: TrainState) -> dict[str, Any]:
     """--test-only: validates the model as loaded (and its EMA, if kept), says it, trains nothing."""
-    if not (parts.cfg.weights or standing.step):
+    if not (parts.cfg.weights or train_state.step):
         raise ConfigError("--test-only: nothing to test; give --weights or --resume (a checkpoint)")
     if parts.val_loader is None:
         raise DataError(f"--test-only: {parts.cfg.data} has no val split to evaluate on")
-    val = validate(parts.raw_model, parts.val_loader, parts.cfg, parts.d)
-    parts.say(f"test: top-1 {val['top1']:.4f}% top-5 {val['top5']:.4f}% over {val['samples']} images")
+    val = evaluate(parts.raw_model, parts.val_loader, parts.cfg, parts.process)
+    parts.echo(f"test: top-1 {val['top1']:.4f}% top-5 {val['top5']:.4f}% over {val['samples']} images")
     warn_if_partial(val, parts.health)
-    if parts.ema and standing.step:
-        ema = validate(parts.ema.module, parts.val_loader, parts.cfg, parts.d)
-        parts.say(f"test, EMA weights: top-1 {ema['top1']:.4f}% top-5 {ema['top5']:.4f}%")
-    return {"step": standing.step, "val": val, "complete": True, "exit_code": 0}
+    if parts.ema and train_state.step:
+        ema = evaluate(parts.ema.module, parts.val_loader, parts.cfg, parts.process)
+        parts.echo(f"test, EMA weights: top-1 {ema['top1']:.4f}% top-5 {ema['top5']:.4f}%")
+    return {"step": train_state.step, "val": val, "complete": True, "exit_code": 0}
 
 
-def evaluate(run: Run) -> bool:
+def validate_epoch(run: Run) -> bool:
     """Validates at the end of an epoch (if the run has a val split), logs and says it; whether
     top-1 is the best so far."""
-    standing, val_loader = run.standing, run.val_loader
+    train_state, val_loader = run.train_state, run.val_loader
     if val_loader is None:
         return False
     # decentralized ranks agree on one model first (the average); record how far apart they were
@@ -290,21 +291,21 @@ def evaluate(run: Run) -> bool:
     if not run.decent:  # every rank's share scored with the statistics the checkpoint keeps: rank 0's
         for module in [run.raw_model] + ([run.ema.module] if run.ema else []):
             distributed.broadcast_buffers(module)
-    val = standing.last_val = validate(run.raw_model, val_loader, run.cfg, run.d)
+    val = train_state.last_val = evaluate(run.raw_model, val_loader, run.cfg, run.process)
     top = f"val top-1 {val['top1']:.2f}% top-5 {val['top5']:.2f}%"
     best_of = val["top1"]
     if run.ema:
-        ema = validate(run.ema.module, val_loader, run.cfg, run.d)
+        ema = evaluate(run.ema.module, val_loader, run.cfg, run.process)
         val = {**val, "ema_top1": ema["top1"], "ema_top5": ema["top5"]}
         top += f" (EMA {ema['top1']:.2f}% / {ema['top5']:.2f}%)"
         best_of = ema["top1"] if run.cfg.model_ema_best else best_of
-    run.log.write(kind="val", epoch=standing.epoch + 1, step=standing.step, **val, **agreement)
-    run.say(f"epoch {standing.epoch + 1}: {top} over {val['samples']} images")
+    run.log.write(kind="val", epoch=train_state.epoch + 1, step=train_state.step, **val, **agreement)
+    run.echo(f"epoch {train_state.epoch + 1}: {top} over {val['samples']} images")
     run.health.val_missing, run.health.val_listed = int(val["missing"]), int(val["samples"] + val["missing"])
     warn_if_partial(val, run.health)
-    if best_of <= standing.best_top1:
+    if best_of <= train_state.best_top1:
         return False
-    standing.best_top1 = best_of
+    train_state.best_top1 = best_of
     return True
 
 
@@ -314,7 +315,7 @@ def warn_if_partial(val: dict[str, Any], health: DataHealth) -> None:
     if not val["missing"]:
         return
     health.poll(health.totals, always=True)
-    health.say(
+    health.echo(
         f"warning: validation covered {val['samples']} of the {val['samples'] + val['missing']} images the "
         f"manifest lists ({val['missing']} could not be read, named above): its top-1 is over those only",
         err=True,
@@ -323,7 +324,7 @@ def warn_if_partial(val: dict[str, Any], health: DataHealth) -> None:
 
 def average(run: Run) -> dict[str, float]:
     """--dp decent: every rank takes the global average of the models; how far apart they were."""
-    run.standing.averaged_at = run.standing.step
+    run.train_state.averaged_at = run.train_state.step
     return decentralized.consensus(run.model)
 
 
@@ -331,15 +332,15 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
     """A checkpoint of the run at ``step_in_epoch`` of ``epoch`` (uploaded too, with the logs).
 
     Every rank's RNG and data position go in it: collectives, so all ranks call this."""
-    cfg, d, standing, loader = run.cfg, run.d, run.standing, run.train_loader
-    if run.decent and standing.averaged_at != standing.step:
+    cfg, process, train_state, loader = run.cfg, run.process, run.train_state, run.train_loader
+    if run.decent and train_state.averaged_at != train_state.step:
         average(run)  # the model every rank continues from
-    if distributed.any_rank(not finite(run.raw_model), d.device):
+    if distributed.any_rank(not finite(run.raw_model), process.device):
         raise Diverged
     rng = distributed.gather_objects(checkpoint.rng_state())
     # where the epochs stand, an exact one's samples trained by any rank (synthetic data has none)
     data = loader.state_dict() if isinstance(loader, ShardLoader) else None
-    if not d.main:
+    if not process.main:
         return
     state = {
         "model": run.raw_model.state_dict(),
@@ -347,13 +348,13 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
         "optimizer": None if run.decent else run.optimizer.state_dict(),
         "scaler": run.scaler.state_dict(),
         "epoch": epoch,
-        "step": standing.step,
+        "step": train_state.step,
         "step_in_epoch": step_in_epoch,
         "steps_per_epoch": len(loader),
-        "best_top1": standing.best_top1,
-        "run_id": standing.run_id,
+        "best_top1": train_state.best_top1,
+        "run_id": train_state.run_id,
         "trackers": run.log.tracker_ids(),
-        "last_val": standing.last_val,
+        "last_val": train_state.last_val,
         "rng": rng,
         "data": data,
         "data_identity": loader.identity(),
@@ -362,11 +363,11 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
         "classes": run.classes,
         "config": asdict(cfg),
     }
-    saved = checkpoint.save(state, run.output, standing.step, cfg.keep_last)
+    saved = checkpoint.save(state, run.output, train_state.step, cfg.keep_last)
     if best:
         checkpoint.link(saved.path, checkpoint.BEST)
     if run.uploader:
-        run.uploader.submit(saved.path, checkpoint_step=standing.step, replace=saved.replaced)
+        run.uploader.submit(saved.path, checkpoint_step=train_state.step, replace=saved.replaced)
         for file in logs(run.output):
             run.uploader.submit(file)
 
@@ -387,63 +388,67 @@ def finish(run: Run, complete: bool, exit_code: int = 0) -> dict[str, Any]:
     cfg = run.cfg
     run.stop.restore()
     if not cfg.synthetic:
-        run.say(run.health.summary())
-    last = run.standing.last_val or {}
+        run.echo(run.health.summary())
+    last = run.train_state.last_val or {}
     status = "finished" if complete else "stopped" if exit_code in (0, EXIT_PREEMPTED) else "failed"
-    run.log.close(status, {f"final/{k}": last[k] for k in ("top1", "top5") if k in last}, run.standing.step)
+    run.log.close(status, {f"final/{k}": last[k] for k in ("top1", "top5") if k in last}, run.train_state.step)
     if run.uploader:
-        run.say(f"waiting up to {cfg.flush_timeout:.0f}s for uploads to {cfg.upload}")
+        run.echo(f"waiting up to {cfg.flush_timeout:.0f}s for uploads to {cfg.upload}")
         missing = run.uploader.flush(cfg.flush_timeout)
         if missing:
             where = f"{', '.join(missing)} (local copies in {run.output})"
-            run.say(f"ERROR: never uploaded to {cfg.upload}: {where}", err=True)
+            run.echo(f"ERROR: never uploaded to {cfg.upload}: {where}", err=True)
             exit_code = EXIT_UPLOAD_FAILED
-    return {"step": run.standing.step, "val": run.standing.last_val, "complete": complete, "exit_code": exit_code}
+    return {"step": run.train_state.step, "val": run.train_state.last_val, "complete": complete, "exit_code": exit_code}
 
 
-def catch_up(cfg: TrainConfig, output: Path, standing: Standing, say: Callable[..., None]) -> int:
+def catch_up(cfg: TrainConfig, output: Path, train_state: TrainState, echo: Callable[..., None]) -> int:
     """A finished run's uploads, completed: what an earlier attempt could not upload (a full or
     unreachable location) goes up now. Its exit code: EXIT_UPLOAD_FAILED while some still cannot."""
     if not cfg.upload:
         return 0
-    uploader = upload.Uploader(cfg.upload, upload.run_id(output, standing.run_id), output, cfg.upload_retry_seconds)
-    final = output / checkpoint.name_for(standing.step)
+    uploader = upload.Uploader(cfg.upload, upload.run_id(output, train_state.run_id), output, cfg.upload_retry_seconds)
+    final = output / checkpoint.name_for(train_state.step)
     try:
         pointer = upload.latest(uploader.store)
         behind = [f for f in logs(output) if not uploader.store.matches(f.name, f)]
     except upload.BadPointer:
         raise
     except Exception as e:  # each SDK has its own errors
-        say(f"ERROR: {cfg.upload} cannot be read ({type(e).__name__}: {e}): its uploads may be incomplete", err=True)
+        echo(f"ERROR: {cfg.upload} cannot be read ({type(e).__name__}: {e}): its uploads may be incomplete", err=True)
         return EXIT_UPLOAD_FAILED
-    if final.exists() and (pointer is None or pointer["step"] < standing.step):
-        uploader.submit(final, checkpoint_step=standing.step)
+    if final.exists() and (pointer is None or pointer["step"] < train_state.step):
+        uploader.submit(final, checkpoint_step=train_state.step)
     for file in behind:
         uploader.submit(file)
     if missing := uploader.flush(cfg.flush_timeout):
-        say(f"ERROR: never uploaded to {cfg.upload}: {', '.join(missing)} (local copies in {output})", err=True)
+        echo(f"ERROR: never uploaded to {cfg.upload}: {', '.join(missing)} (local copies in {output})", err=True)
         return EXIT_UPLOAD_FAILED
-    sent = [final.name] if uploader.pointer_step == standing.step else []
+    sent = [final.name] if uploader.pointer_step == train_state.step else []
     if sent := sent + [f.name for f in behind]:
-        say(f"uploaded to {cfg.upload} what was missing or behind there: {', '.join(sent)}")
+        echo(f"uploaded to {cfg.upload} what was missing or behind there: {', '.join(sent)}")
     return 0
 
 
 @torch.no_grad()
-def validate(model: nn.Module, loader: ShardLoader, cfg: TrainConfig, d: distributed.Dist) -> dict[str, float]:
+def evaluate(model: nn.Module, loader: ShardLoader, cfg: TrainConfig, process: distributed.Process) -> dict[str, float]:
     """Top-1/top-5 over the whole split: each rank scores its own disjoint share, then sums."""
     model.eval()
-    correct = torch.zeros(2, dtype=torch.int64, device=d.device)  # top-1, top-5: counted on the device, no sync a batch
+    correct = torch.zeros(
+        2, dtype=torch.int64, device=process.device
+    )  # top-1, top-5: counted on the device, no sync a batch
     seen = size = 0
     for x, y, _ in loader:
         size = x.shape[-1]
-        with autocast(cfg, d.device):
+        with autocast(cfg, process.device):
             logits = model(x)
         top = logits.topk(min(5, logits.shape[1]), dim=1).indices
         correct += torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(dim=1).sum()])
         seen += len(y)
     correct1, correct5 = correct.tolist()
-    c1, c5, n, skipped = distributed.all_reduce_sum([correct1, correct5, seen, loader.counters()["skipped"]], d.device)
+    c1, c5, n, skipped = distributed.all_reduce_sum(
+        [correct1, correct5, seen, loader.counters()["skipped"]], process.device
+    )
     model.train()
     top1, top5 = 100 * c1 / max(n, 1), 100 * c5 / max(n, 1)
     missing = loader.samples - int(n)  # the manifest's count: unread shards and skipped samples

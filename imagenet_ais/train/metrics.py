@@ -149,7 +149,7 @@ class Reporter:
     def __init__(self, path: Path | None):
         self.path = path
 
-    def say(self, message: str, err: bool = False) -> None:
+    def echo(self, message: str, err: bool = False) -> None:
         if self.path:
             print(message, file=sys.stderr if err else sys.stdout, flush=True)
             # opened for each line: a resume that fetches the uploaded log replaces the file

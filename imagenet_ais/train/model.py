@@ -101,11 +101,11 @@ def mismatches(e: RuntimeError, shown: int = 3) -> str:
     return "; ".join(parts[:shown]) + (f"; and {len(parts) - shown} more" if len(parts) > shown else "")
 
 
-def sync_batchnorm(model: nn.Module, cfg: TrainConfig, d: distributed.Dist) -> nn.Module:
+def sync_batchnorm(model: nn.Module, cfg: TrainConfig, process: distributed.Process) -> nn.Module:
     """``model`` with BatchNorm over all ranks (--sync-bn): torch's SyncBatchNorm runs on GPUs only."""
-    if not cfg.sync_bn or d.world == 1:
+    if not cfg.sync_bn or process.world == 1:
         return model
-    if d.device.type != "cuda":
+    if process.device.type != "cuda":
         raise ConfigError("--sync-bn: SyncBatchNorm runs on GPUs only; leave it out on CPU")
     return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
@@ -166,35 +166,35 @@ def compile_mode(cfg: TrainConfig, cuda: bool) -> str:
     return cfg.compile_mode or ("reduce-overhead" if cuda else "default")
 
 
-def _compiles(device: torch.device, say: Callable[..., None]) -> bool:
+def _compiles(device: torch.device, echo: Callable[..., None]) -> bool:
     """Whether torch.compile can work here by default: Inductor's Triton kernels need a GPU of
     compute capability 7.0+ and a C compiler at run time."""
     if torch.cuda.get_device_capability(device) < (7, 0):
-        say("note: this GPU is older than compute capability 7.0: training eager (torch.compile needs 7.0+)")
+        echo("note: this GPU is older than compute capability 7.0: training eager (torch.compile needs 7.0+)")
         return False
     if not any(shutil.which(cc) for cc in (os.environ.get("CC", "cc"), "gcc", "clang")):
-        say("note: no C compiler here (torch.compile needs one, e.g. apt-get install gcc): training eager")
+        echo("note: no C compiler here (torch.compile needs one, e.g. apt-get install gcc): training eager")
         return False
     return True
 
 
-def parallelism(cfg: TrainConfig, d: distributed.Dist, say: Callable[..., None]) -> tuple[bool, bool]:
+def parallelism(cfg: TrainConfig, process: distributed.Process, echo: Callable[..., None]) -> tuple[bool, bool]:
     """Whether the model trains decentralized (--dp decent over several processes), and whether
     it is compiled."""
-    cuda = d.device.type == "cuda"
-    decent = cfg.dp == "decent" and d.world > 1
+    cuda = process.device.type == "cuda"
+    decent = cfg.dp == "decent" and process.world > 1
     if cfg.dp == "decent" and not decent:
-        say("note: --dp decent with one process trains as plain data parallel would", err=True)
+        echo("note: --dp decent with one process trains as plain data parallel would", err=True)
     if decent and cfg.compile:
         raise ConfigError("--dp decent does not work with --compile (its hooks re-point the parameters): drop one")
-    compiled = cfg.compile if cfg.compile is not None else cuda and not decent and _compiles(d.device, say)
+    compiled = cfg.compile if cfg.compile is not None else cuda and not decent and _compiles(process.device, echo)
     return decent, compiled
 
 
 def wrap(
     raw_model: nn.Module,
     cfg: TrainConfig,
-    d: distributed.Dist,
+    process: distributed.Process,
     decent: bool,
     compiled: bool,
     new_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
@@ -204,18 +204,18 @@ def wrap(
     """What steps: ``raw_model`` wrapped for several processes (DDP, or --dp decent, which takes
     an optimizer per bucket) and maybe compiled."""
     model = raw_model
-    cuda = d.device.type == "cuda"
+    cuda = process.device.type == "cuda"
     if decent:
         model = decentralized.wrap(raw_model, new_optimizer, schedule, cfg.topology, scaler)
-    elif d.world > 1:
+    elif process.world > 1:
         # Gradients as views into DDP's buckets: no copy into and out of them each step. Buffers
         # (BatchNorm's statistics) are not broadcast from rank 0 before every forward: that was a
         # collective at the start of each step, so every rank's step waited for the latest rank's
         # host, and rank 0's own statistics are the same without it (each rank updates its own from
-        # its own batches). Validation takes rank 0's first (training.evaluate), as the checkpoint does.
+        # its own batches). Validation takes rank 0's first (loop.validate_epoch), as the checkpoint does.
         model = DistributedDataParallel(
             raw_model,
-            device_ids=[d.local_rank] if cuda else None,
+            device_ids=[process.local_rank] if cuda else None,
             gradient_as_bucket_view=True,
             broadcast_buffers=False,
         )

@@ -92,7 +92,7 @@ class Window:
     def record(
         self,
         loader: ShardLoader | SyntheticLoader,
-        d: distributed.Dist,
+        process: distributed.Process,
         global_batch: int,
         epoch: int,
         step: int,
@@ -120,15 +120,17 @@ class Window:
             "step_ms_p90": _quantile(steps_ms, 0.9),
             # the feed threads' share of the time working: the one near 1 is what the step waits for
             **{f"busy_{k}": v / elapsed for k, v in loader.busy().items()},
-            **gpu_sample(d.device),
+            **gpu_sample(process.device),
         }
-        ranks = [dict(zip(mine, values, strict=True)) for values in distributed.gather_floats(list(mine.values()), d)]
+        ranks = [
+            dict(zip(mine, values, strict=True)) for values in distributed.gather_floats(list(mine.values()), process)
+        ]
         totals = {k: int(sum(r[k] for r in ranks)) for k in counters}
         record = {
             "kind": "train",
             "epoch": epoch + 1,  # counted from 1, as on the console
             "step": step,
-            "loss": sum(r["loss"] for r in ranks) / d.world,
+            "loss": sum(r["loss"] for r in ranks) / process.world,
             "lr": lr,
             "img_per_s": self.steps * global_batch / elapsed,
             "nonfinite_tail": max(int(r["nonfinite_tail"]) for r in ranks),  # any rank's, the same on all

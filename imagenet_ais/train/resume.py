@@ -25,7 +25,7 @@ from imagenet_ais.train.model import mismatches
 
 
 @dataclass
-class Standing:
+class TrainState:
     """Where a run stands: what a checkpoint carries over besides the weights."""
 
     epoch: int = 0  # the epoch being trained
@@ -38,27 +38,28 @@ class Standing:
     trackers: dict[str, str] = field(default_factory=dict)  # --tracker's runs (MLflow's, W&B's ids) to continue
 
 
-def resume(
+def from_checkpoint(
     cfg: TrainConfig,
-    d: distributed.Dist,
+    process: distributed.Process,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     scaler: torch.amp.GradScaler,
     classes: list[str],
     loader: ShardLoader | SyntheticLoader,
-    say: Callable[..., None],
+    echo: Callable[..., None],
     ema: AveragedModel | None = None,
-) -> Standing:
+) -> TrainState:
     """Where the run starts: afresh, or from the checkpoint --resume finds, whose weights,
     optimizer, scaler, RNG (and --model-ema average) are loaded, with ``loader`` set to continue
     its epoch."""
-    found = checkpoint.resume(cfg.resume, Path(cfg.output), cfg.upload, (METRICS, LOG), d.local_rank == 0, say)
+    fetches = process.local_rank == 0  # one process per node downloads
+    found = checkpoint.find_and_load(cfg.resume, Path(cfg.output), cfg.upload, (METRICS, LOG), fetches, echo)
     if not found:
-        return Standing()
+        return TrainState()
     path, state = found
     state = checkpoint.resumable(state, path)
     check_fits(state, path, cfg.arch, cfg.opt, classes)
-    check_same_data(state, path, cfg, loader.identity(), say)
+    check_same_data(state, path, cfg, loader.identity(), echo)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:  # torch lists every mismatch: thousands of characters
@@ -66,30 +67,30 @@ def resume(
     if state["optimizer"] and optimizer:
         optimizer.load_state_dict(state["optimizer"])
     else:
-        say("note: the optimizer's momentum starts afresh (--dp decent keeps one per rank, not checkpointed)")
+        echo("note: the optimizer's momentum starts afresh (--dp decent keeps one per rank, not checkpointed)")
     scaler.load_state_dict(state["scaler"])
     if ema is not None:
         if state.get("model_ema"):
             ema.load_state_dict(state["model_ema"])
         else:
             ema.module.load_state_dict(model.state_dict())
-            say("note: the checkpoint keeps no --model-ema average: it starts from the resumed weights")
-    if len(state["rng"]) == d.world:
-        checkpoint.set_rng_state(state["rng"][d.rank])
-    if cfg.log_keys and d.main and "keys_logged" in state:  # (older checkpoints recorded none)
+            echo("note: the checkpoint keeps no --model-ema average: it starts from the resumed weights")
+    if len(state["rng"]) == process.world:
+        checkpoint.set_rng_state(state["rng"][process.rank])
+    if cfg.log_keys and process.main and "keys_logged" in state:  # (older checkpoints recorded none)
         keys_log.cut_back(Path(cfg.output), state["epoch"], state["keys_logged"])
     where = (
         f"epoch {state['epoch'] + 1}" if state["epoch"] < cfg.epochs else f"complete ({state['epoch']}/{cfg.epochs})"
     )
-    say(f"resumed from {path}: {where}, step {state['step']}")  # (epochs count from 1 on the console)
+    echo(f"resumed from {path}: {where}, step {state['step']}")  # (epochs count from 1 on the console)
     if (before := state["config"].get("epoch_size")) != cfg.epoch_size and not cfg.synthetic:
         size: dict[int | None, str] = {None: "the manifest's train samples"}
-        say(
+        echo(
             f"note: {path} trained epochs of {size.get(before, f'{before} samples')}, this run's are "
             f"{size.get(cfg.epoch_size, f'{cfg.epoch_size} samples')} (--epoch-size): it goes on from epoch "
             f"{state['epoch'] + 1}, as far through it as it was, and the schedule follows the new epochs"
         )
-    standing = Standing(
+    train_state = TrainState(
         state["epoch"],
         state["step"],
         0,
@@ -98,9 +99,9 @@ def resume(
         run_id=state.get("run_id", ""),
         trackers=state.get("trackers", {}),
     )
-    if standing.epoch < cfg.epochs:
-        standing.first_step = continue_epoch(state, cfg, loader, d, say)
-    return standing
+    if train_state.epoch < cfg.epochs:
+        train_state.first_step = continue_epoch(state, cfg, loader, process, echo)
+    return train_state
 
 
 def check_fits(state: dict[str, Any], path: Path, arch: str, opt: str, classes: list[str]) -> None:
@@ -124,7 +125,7 @@ def check_fits(state: dict[str, Any], path: Path, arch: str, opt: str, classes: 
 
 
 def check_same_data(
-    state: dict[str, Any], path: Path, cfg: TrainConfig, identity: str | None, say: Callable[..., None]
+    state: dict[str, Any], path: Path, cfg: TrainConfig, identity: str | None, echo: Callable[..., None]
 ) -> None:
     """A checkpoint trained on other shards elsewhere (same classes) continues only where
     ``--resume`` names it; the same shards read from another location (a copy, a preload) go on
@@ -134,19 +135,23 @@ def check_same_data(
         return
     if theirs == identity:
         if where != cfg.data:
-            say(f"note: {path} was trained on the same shards (names, SHA-256s) at {where}; going on from {cfg.data}")
+            echo(f"note: {path} was trained on the same shards (names, SHA-256s) at {where}; going on from {cfg.data}")
         return
     if where == cfg.data:
-        say(f"warning: the shards at {where} changed since {path} was trained on them: going on with them", err=True)
+        echo(f"warning: the shards at {where} changed since {path} was trained on them: going on with them", err=True)
         return
     other = f"{path} was trained on other shards ({where}) than --data {cfg.data} (their names or SHA-256s differ)"
     if cfg.resume == "auto":
         raise DataError(f"{other}: use another --output, or --resume {path} to go on from it with this data")
-    say(f"warning: {other}: going on from it, as --resume names it", err=True)
+    echo(f"warning: {other}: going on from it, as --resume names it", err=True)
 
 
 def continue_epoch(
-    state: dict[str, Any], cfg: TrainConfig, loader: ShardLoader | SyntheticLoader, d: distributed.Dist, say: Callable
+    state: dict[str, Any],
+    cfg: TrainConfig,
+    loader: ShardLoader | SyntheticLoader,
+    process: distributed.Process,
+    echo: Callable,
 ) -> int:
     """The step at which this run continues the epoch the checkpoint ``state`` stopped in (0:
     from its start), with ``loader`` set to train what that epoch has not. The world size,
@@ -155,27 +160,28 @@ def continue_epoch(
     step, steps = state["step_in_epoch"], len(loader)
     if not step or isinstance(loader, SyntheticLoader):  # (--synthetic: every step is alike)
         return min(step, steps)
-    data = loader_state(state, loader.plan())
-    world, batch = data["world_size"], data["batch_size"]
     try:
-        loader.load_state_dict(data)
+        loader.load_state_dict(loader_state(state, loader.plan()))
     except StateMismatch as e:
-        say(f"warning: {e}: it starts over", err=True)
+        echo(f"warning: {e}: it starts over", err=True)
         return 0
-    # stopped on its epoch's last step: the state is the next epoch's start, and this one's end is still to validate
-    first = loader.step if data["epoch"] == state["epoch"] else steps
-    if (world, batch) != (d.world, cfg.batch_size):
-        stopped = f"epoch {data['epoch'] + 1} stopped at step {step} of {data['steps']} on {world} × {batch}"
-        if cfg.epoch_mode == "exact":
-            trained = sum(len(v) for v in data["position"]["delivered"].values())
-            say(
-                f"{stopped}: its {trained} samples trained are left out and the rest shared among "
-                f"{d.world} × {cfg.batch_size}, {steps - first} steps (each sample of the epoch once)"
+    stopped = loader.continued
+    if stopped is None:  # (nothing to go on from)
+        return 0
+    if stopped.epoch != state["epoch"]:
+        # stopped on its epoch's last step: the state is the next epoch's start, and this one's end is still to validate
+        return steps
+    first = loader.step
+    if (stopped.world_size, stopped.batch_size) != (process.world, cfg.batch_size):
+        if stopped.trained is not None:
+            echo(
+                f"{stopped}: its {stopped.trained} samples trained are left out and the rest shared among "
+                f"{process.world} × {cfg.batch_size}, {steps - first} steps (each sample of the epoch once)"
             )
         else:
-            say(
-                f"{stopped}: resampled mode continues at step {first} of {steps} on {d.world} × {cfg.batch_size}, "
-                "every worker drawing a fresh stream (none of the interrupted run's is replayed)"
+            echo(
+                f"{stopped}: resampled mode continues at step {first} of {steps} on {process.world} × "
+                f"{cfg.batch_size}, every worker drawing a fresh stream (none of the interrupted run's is replayed)"
             )
     return first
 

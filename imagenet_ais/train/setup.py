@@ -32,7 +32,7 @@ from imagenet_ais.train.data_health import DataHealth
 from imagenet_ais.train.ema import ModelEma, ema_decay
 from imagenet_ais.train.metrics import MetricsLog
 from imagenet_ais.train.mixup import Mixer, batch_mixer
-from imagenet_ais.train.resume import Standing
+from imagenet_ais.train.resume import TrainState
 from imagenet_ais.train.trackers import open_trackers
 
 
@@ -73,9 +73,9 @@ class Parts:
     """What a run is made of before it knows where it resumes."""
 
     cfg: TrainConfig
-    d: distributed.Dist
+    process: distributed.Process
     output: Path
-    say: Callable[..., None]
+    echo: Callable[..., None]
     train_loader: ShardLoader | SyntheticLoader
     val_loader: ShardLoader | None
     classes: list[str]
@@ -99,7 +99,7 @@ class Parts:
 class Run(Parts):
     """A run ready to step."""
 
-    standing: Standing
+    train_state: TrainState
     model: nn.Module  # what steps: raw_model wrapped (DDP or --dp decent) and maybe compiled
     criterion: nn.Module
     mixer: Mixer | None  # --mixup-alpha, --cutmix-alpha
@@ -111,22 +111,22 @@ class Run(Parts):
 
     @property
     def global_batch(self) -> int:
-        return self.cfg.batch_size * self.d.world
+        return self.cfg.batch_size * self.process.world
 
 
-def prepare(cfg: TrainConfig, d: distributed.Dist) -> Path:
+def prepare(cfg: TrainConfig, process: distributed.Process) -> Path:
     """The output directory (rid of what a killed run left mid-write), seeds and cuDNN set."""
     output = Path(cfg.output)
     fresh = cfg.resume is None and not cfg.test_only
     # rank 0's view: with node-local outputs the other ranks' are empty, and all must stop alike
-    if fresh and (held := distributed.broadcast_object(held_run(output, cfg) if d.main else None)):
+    if fresh and (held := distributed.broadcast_object(held_run(output, cfg) if process.main else None)):
         raise ConfigError(held)
     output.mkdir(parents=True, exist_ok=True)
-    if d.main:
+    if process.main:
         checkpoint.sweep_partials(output)
-    random.seed(cfg.seed + d.rank)
-    torch.manual_seed(cfg.seed + d.rank)
-    if d.device.type == "cuda":
+    random.seed(cfg.seed + process.rank)
+    torch.manual_seed(cfg.seed + process.rank)
+    if process.device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     return output
 
@@ -173,28 +173,28 @@ def claimed(cfg: TrainConfig, run_id: str) -> str | None:
 
 def loaders(
     cfg: TrainConfig,
-    d: distributed.Dist,
+    process: distributed.Process,
     sizes: list[int],
     val_size: int,
     channels_last: bool,
-    say: Callable[..., None],
+    echo: Callable[..., None],
 ) -> tuple[ShardLoader | SyntheticLoader, ShardLoader | None, list[str], str]:
     """The training and validation loaders, the class names, and how the data is fed (for the
     run's first line)."""
     if cfg.synthetic:
         classes = [str(i) for i in range(SYNTHETIC_CLASSES)]
-        steps = nominal_steps(cfg.epoch_size, d.world, cfg.batch_size) if cfg.epoch_size else SYNTHETIC_STEPS
-        synthetic = SyntheticLoader(cfg.batch_size, sizes[0], d.device, channels_last, steps)
+        steps = nominal_steps(cfg.epoch_size, process.world, cfg.batch_size) if cfg.epoch_size else SYNTHETIC_STEPS
+        synthetic = SyntheticLoader(cfg.batch_size, sizes[0], process.device, channels_last, steps)
         return synthetic, None, classes, "synthetic data"
     if not cfg.data:
         raise ConfigError("no --data given: point it at a shard location holding manifest.json, or use --synthetic")
-    if cfg.decode in ("gpu", "dali") and d.device.type != "cuda":
-        say(f"note: --decode {cfg.decode} without a GPU decodes in the training process, on the CPU", err=True)
+    if cfg.decode in ("gpu", "dali") and process.device.type != "cuda":
+        echo(f"note: --decode {cfg.decode} without a GPU decodes in the training process, on the CPU", err=True)
     manifest = load_manifest(open_store(cfg.data))
     loader = functools.partial(
-        ShardLoader, cfg.data, batch_size=cfg.batch_size, rank=d.rank, world_size=d.world, decode=cfg.decode,
-        device=d.device, workers=cfg.workers, cache_dir=cfg.cache_dir, cache_size=cfg.cache_size, seed=cfg.seed,
-        channels_last=channels_last, manifest=manifest,
+        ShardLoader, cfg.data, batch_size=cfg.batch_size, rank=process.rank, world_size=process.world,
+        decode=cfg.decode, device=process.device, workers=cfg.workers, cache_dir=cfg.cache_dir,
+        cache_size=cfg.cache_size, seed=cfg.seed, channels_last=channels_last, manifest=manifest,
     )  # fmt: skip
     # each epoch gets its size (--progressive) from set_epoch; the workers' buffers hold the largest's crops
     train_loader = loader(
@@ -205,7 +205,7 @@ def loaders(
     val_loader = None
     val_split = manifest.splits.get("val")
     if not (val_split and val_split.samples):
-        say(f"note: {cfg.data} has no val split: the run validates nothing and keeps no best.pt", err=True)
+        echo(f"note: {cfg.data} has no val split: the run validates nothing and keeps no best.pt", err=True)
     else:
         val_loader = loader("val", image_size=val_size, val_resize_size=cfg.val_resize_size)
     workers = train_loader.workers
@@ -216,43 +216,50 @@ def loaders(
 
 
 def build(
-    cfg: TrainConfig, d: distributed.Dist, output: Path, sizes: list[int], val_size: int, say: Callable[..., None]
+    cfg: TrainConfig,
+    process: distributed.Process,
+    output: Path,
+    sizes: list[int],
+    val_size: int,
+    echo: Callable[..., None],
 ) -> Parts:
     """The loaders, the model and its optimizer; says what trains on what in the run's first line."""
-    cuda = d.device.type == "cuda"
+    cuda = process.device.type == "cuda"
     channels_last = cfg.channels_last if cfg.channels_last is not None else cuda
-    train_loader, val_loader, classes, feeding = loaders(cfg, d, sizes, val_size, channels_last, say)
+    train_loader, val_loader, classes, feeding = loaders(cfg, process, sizes, val_size, channels_last, echo)
     problems = [loader.problems for loader in (train_loader, val_loader) if isinstance(loader, ShardLoader)]
-    health = DataHealth(problems, say, cfg.max_bad)
+    health = DataHealth(problems, echo, cfg.max_bad)
     raw_model = model.build_model(cfg.arch, len(classes))
     if cfg.weights:
         model.load_weights(raw_model, cfg.weights)
-    raw_model = model.sync_batchnorm(raw_model.to(d.device), cfg, d)
+    raw_model = model.sync_batchnorm(raw_model.to(process.device), cfg, process)
     if channels_last:
         raw_model = raw_model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # (documented)
-    decent, compiled = model.parallelism(cfg, d, say)
+    decent, compiled = model.parallelism(cfg, process, echo)
     if decent and cfg.clip_grad_norm:
         raise ConfigError("--clip-grad-norm with --dp decent: its wrapper steps inside backward; leave one out")
-    decay = ema_decay(cfg.model_ema_decay, cfg.model_ema_steps, cfg.batch_size * d.world, cfg.epochs)
+    decay = ema_decay(cfg.model_ema_decay, cfg.model_ema_steps, cfg.batch_size * process.world, cfg.epochs)
     ema = ModelEma(raw_model, decay) if cfg.model_ema else None
     mode = f", compiled ({model.compile_mode(cfg, cuda)})" if compiled else ", eager"
-    say(f"{cfg.arch} on {d.world} × {d.device.type}, {feeding}{mode}")
-    new_optimizer = functools.partial(model.make_optimizer, cfg=cfg, global_batch=cfg.batch_size * d.world, fused=cuda)
+    echo(f"{cfg.arch} on {process.world} × {process.device.type}, {feeding}{mode}")
+    new_optimizer = functools.partial(
+        model.make_optimizer, cfg=cfg, global_batch=cfg.batch_size * process.world, fused=cuda
+    )
     optimizer = new_optimizer(list(raw_model.parameters()))  # --dp decent: one per bucket, inside its wrapper
-    scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.amp == "fp16")
+    scaler = torch.amp.GradScaler(process.device.type, enabled=cfg.amp == "fp16")
     return Parts(
-        cfg, d, output, say, train_loader, val_loader, classes, health, raw_model,
+        cfg, process, output, echo, train_loader, val_loader, classes, health, raw_model,
         new_optimizer, optimizer, scaler, decent, compiled, ema,
     )  # fmt: skip
 
 
-def assemble(parts: Parts, standing: Standing, report: Callable[[dict], None] | None) -> Run:
-    """The run, continuing where ``standing`` says: its schedule, stepping model, logs, uploads."""
-    cfg, d = parts.cfg, parts.d
-    if d.main:
-        standing.run_id = upload.run_id(parts.output, standing.run_id)
+def assemble(parts: Parts, train_state: TrainState, report: Callable[[dict], None] | None) -> Run:
+    """The run, continuing where ``train_state`` says: its schedule, stepping model, logs, uploads."""
+    cfg, process = parts.cfg, parts.process
+    if process.main:
+        train_state.run_id = upload.run_id(parts.output, train_state.run_id)
     # before the logs are opened: a run refused here changes none of them
-    if refused := distributed.broadcast_object(claimed(cfg, standing.run_id) if d.main else None):
+    if refused := distributed.broadcast_object(claimed(cfg, train_state.run_id) if process.main else None):
         raise upload.Claimed(refused)
     steps_per_epoch = len(parts.train_loader)
     total_steps = steps_per_epoch * cfg.epochs
@@ -260,34 +267,38 @@ def assemble(parts: Parts, standing: Standing, report: Callable[[dict], None] | 
     # topology), so a resumed run picks it up from its epoch and step
     warmup = min(total_steps, round(cfg.warmup_epochs * steps_per_epoch))
     if warmup and warmup == total_steps:
-        parts.say(
+        parts.echo(
             f"warning: --warmup-epochs {cfg.warmup_epochs:g} covers all {cfg.epochs} epochs: the learning rate reaches "
             f"--lr {cfg.lr:g} only at the last step and never decays; give fewer (e.g. --warmup-epochs "
             f"{cfg.epochs / 4:g})",
             err=True,
         )
-    start = standing.epoch * steps_per_epoch + standing.first_step
+    start = train_state.epoch * steps_per_epoch + train_state.first_step
     schedule = model.lr_lambda(cfg, warmup, total_steps, steps_per_epoch, start)
     scheduler = torch.optim.lr_scheduler.LambdaLR(parts.optimizer, schedule)
     stepping = model.wrap(
-        parts.raw_model, cfg, d, parts.decent, parts.compiled, parts.new_optimizer, schedule, parts.scaler
+        parts.raw_model, cfg, process, parts.decent, parts.compiled, parts.new_optimizer, schedule, parts.scaler
     )
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "sources"}
-    trackers = open_trackers(cfg.trackers, parts.output, settings, standing.step, standing.trackers) if d.main else []
-    log = MetricsLog(parts.output if d.main else None, step=standing.step, report=report, trackers=trackers)
-    if cfg.log_keys and d.main and standing.step == 0:  # an attempt that died before its first checkpoint
+    trackers = (
+        open_trackers(cfg.trackers, parts.output, settings, train_state.step, train_state.trackers)
+        if process.main
+        else []
+    )
+    log = MetricsLog(parts.output if process.main else None, step=train_state.step, report=report, trackers=trackers)
+    if cfg.log_keys and process.main and train_state.step == 0:  # an attempt that died before its first checkpoint
         keys_log.cut_back(parts.output, 0, {})
     uploader = (
-        upload.Uploader(cfg.upload, standing.run_id, parts.output, cfg.upload_retry_seconds)
-        if cfg.upload and d.main
+        upload.Uploader(cfg.upload, train_state.run_id, parts.output, cfg.upload_retry_seconds)
+        if cfg.upload and process.main
         else None
     )
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-    stop = StopSignal(d.world)
+    stop = StopSignal(process.world)
     if isinstance(parts.train_loader, ShardLoader):
         parts.train_loader.stop_waiting_when(stop.stop_waiting)
     return Run(
-        **vars(parts), standing=standing, model=stepping, criterion=criterion,
+        **vars(parts), train_state=train_state, model=stepping, criterion=criterion,
         mixer=batch_mixer(cfg.mixup_alpha, cfg.cutmix_alpha, len(parts.classes)), scheduler=scheduler,
         log=log, uploader=uploader, stop=stop,
     )  # fmt: skip

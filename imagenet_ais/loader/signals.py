@@ -1,0 +1,49 @@
+"""What the training process and its DataLoader workers tell each other while epochs run, in
+shared memory: workers started once (persistent) still see what the training process sets, and
+it sees what they count. One object, made with the loader's stream and handed to every worker."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from ctypes import c_double
+from dataclasses import dataclass, field
+from multiprocessing.sharedctypes import Synchronized
+
+COUNTERS = ("skipped", "read_errors", "unread", "drawn", "cropped")
+
+
+def _count() -> Synchronized[int]:
+    return mp.Value("q", 0)
+
+
+@dataclass
+class Signals:
+    """The training process sets ``epoch``, ``size`` and ``step_wait``; the workers count and report."""
+
+    image_size: int
+    # training process → workers
+    epoch: Synchronized[int] = field(default_factory=_count)  # the epoch the workers read
+    size: Synchronized[int] = field(init=False)  # the output side; changes between epochs (--progressive)
+    # the training step's recent share of time waiting for batches (device_feed.py), which the
+    # workers' crops follow (cpu_share.py); no lock: one writer, and a worker killed while holding
+    # one would stop the training loop's next write
+    step_wait: c_double = field(default_factory=lambda: mp.Value("d", 1.0, lock=False))
+    # workers → training process
+    skipped: Synchronized[int] = field(default_factory=_count)  # samples that failed to decode
+    read_errors: Synchronized[int] = field(default_factory=_count)  # shards that failed part-way or held too few
+    unread: Synchronized[int] = field(default_factory=_count)  # the samples those shards list that were not read
+    drawn: Synchronized[int] = field(default_factory=_count)  # the samples of every shard piece set out to read
+    cropped: Synchronized[int] = field(default_factory=_count)  # training samples the workers cropped (cpu_share.py)
+    problems: mp.Queue = field(default_factory=mp.Queue)  # "where: what" lines, for the training process to name
+
+    def __post_init__(self) -> None:
+        self.size = mp.Value("q", self.image_size)
+
+    def add(self, counter: Synchronized[int], n: int = 1) -> None:
+        """Count ``n`` in one of the counters (from any worker)."""
+        with counter.get_lock():
+            counter.value += n
+
+    def counts(self) -> dict[str, int]:
+        """The counters' values, summed over this loader's workers."""
+        return {name: getattr(self, name).value for name in COUNTERS}
