@@ -16,6 +16,7 @@ __all__ = [
     "ConfigError",
     "DataError",
     "Interrupted",
+    "NotFound",
     "Refused",
     "ShardLoader",
     "StateMismatch",
@@ -25,8 +26,15 @@ __all__ = [
 ]
 
 
+_ONE_LINE = {"ConfigError", "DataError", "NotFound", "Refused", "StorageError"}  # errors.py's: no torch needed
+
+
 def __getattr__(name: str) -> Any:
     # on first use: importing the package (say, for the shards CLI) does not import torch
+    if name in _ONE_LINE:
+        from imagenet_ais import errors
+
+        return getattr(errors, name)
     if name in __all__:
         from imagenet_ais import loader
 

@@ -57,7 +57,7 @@ def test_convert_verify_and_train_from_ais(mode: str, tree: Path, env: dict, tmp
     assert sorted(names) == sorted([*shards, "manifest.json"]), "exactly the manifest's shards, no leftovers"
     assert "all shards match" in shards_here("verify", url, env=env).stdout
     assert "imagenet-train-{000000..000007}.tar" in shards_here("summary", url, env=env).stdout
-    # synth's pictures, known from the manifest in AIStore too: ./run gives them the demo's settings (the README's
+    # synth's pictures, known from the manifest in AIStore too: ./run gives them the demo's settings (docs/storage.md's
     # playground step; test_run checks ./run's side on a local copy)
     assert is_demo_at(url) and not is_demo_at(bucket_url())
 

@@ -66,6 +66,8 @@ def test_a_plain_loop_trains_exact_epochs_and_resumes_mid_epoch_on_two_ranks(dat
         with ShardLoader(data, "train", 8, rank=rank, world_size=2, **OPTIONS) as loader:
             loader.load_state_dict(saved["data"])
             assert (loader.epoch, loader.step) == (1, 2), "40 samples left: 2 steps of 2 × 8"
+            assert loader.continued == (1, 3, 8, 1, 8, 24), "where it stopped: epoch 2, 3 steps of 8 on 1 × 8"
+            assert str(loader.continued) == "epoch 2 stopped at step 3 of 8 on 1 × 8"
             rest.append(train_steps(loader, tiny_model()))
             assert loader.state_dict()["epoch"] == 2, "handed out whole: the state is the next epoch's"
     assert [len(r) for r in rest] == [16, 16], "the same steps on each rank"
@@ -82,6 +84,7 @@ def test_a_resampled_epoch_goes_on_as_far_through_it_from_fresh_streams(data: st
     assert (state["step"], state["position"]) == (5, None)
     with ShardLoader(data, "train", 4, **options) as loader:  # half the batch: twice the steps
         loader.load_state_dict(state)
+        assert loader.continued is not None and loader.continued.trained is None, "resampled: no record of samples"
         after = [key for _, _, keys in loader for key in keys]
         assert len(after) == (40 - 10) * 4, "from step 10 of 40"
         assert (loader.step, loader.state_dict()["epoch"]) == (0, 1), "the next pass: the next epoch's start"

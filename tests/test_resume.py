@@ -103,6 +103,20 @@ def test_an_exact_epoch_stopped_on_one_topology_ends_on_another_with_each_sample
     assert steps == list(range(1, k1 + k2 + steps2 + 1)), "each step recorded once, in order"
 
 
+def test_an_epoch_stopped_on_its_last_step_is_validated_then_the_next_follows_on_another_batch(tmp_path: Path) -> None:
+    # stopped after its last step, before validation: the loader's state is the next epoch's start
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": TRAIN, "val": [4]})
+    steps = len(ALL_KEYS) // 8
+    run_cli(*launch(1), *args(data, output, 8, 1), "--max-steps", str(steps))
+    stopped = torch.load(output / "last.pt", weights_only=True)
+    assert (stopped["epoch"], stopped["step_in_epoch"]) == (0, steps)
+    out = run_cli(*launch(1), *args(data, output, 4, 1)).stdout
+    assert "epoch 1: val top-1" in out and "samples trained are left out" not in out
+    assert len(keys(output, 1)[0]) == steps * 8, "the first epoch trained once, not again"
+    assert len(keys(output, 2)[0]) == len(ALL_KEYS) // 4 * 4, "the second whole, on 1 × 4"
+
+
 def test_a_resampled_epoch_resumed_on_another_world_size_draws_fresh_streams_and_says_so(tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": TRAIN, "val": [4]})

@@ -293,7 +293,7 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path: Path) -> None:
 def test_a_checkpoint_made_on_other_shards_goes_on_only_where_resume_names_it(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    # the README's AIStore step after ./run local1: "resumed ... already trained", on other data, without a word
+    # docs/storage.md's playground step after ./run local1: "resumed ... already trained", on other data, without a word
     shards, moved, other, output = (tmp_path / name for name in ("shards", "moved", "other", "run"))
     write_shards(shards, {"train": [8], "val": [4]})
     write_shards(other, {"train": [12], "val": [4]})  # the same classes, other shards

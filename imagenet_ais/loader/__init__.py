@@ -19,7 +19,7 @@ The failures a caller may catch are exported here (failures.py, and errors.py's 
 
 from __future__ import annotations
 
-from imagenet_ais.errors import ConfigError, DataError, Refused, StorageError
+from imagenet_ais.errors import ConfigError, DataError, NotFound, Refused, StorageError
 from imagenet_ais.loader.engine import Batch
 from imagenet_ais.loader.failures import Interrupted, StateMismatch, UnreadableData, WorkerDied
 from imagenet_ais.loader.shard_loader import ShardLoader
@@ -29,6 +29,7 @@ __all__ = [
     "ConfigError",
     "DataError",
     "Interrupted",
+    "NotFound",
     "Refused",
     "ShardLoader",
     "StateMismatch",

@@ -20,6 +20,7 @@ and transforms.py).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import hashlib
 import json
@@ -50,7 +51,6 @@ from imagenet_ais.loader.wire import Encoded, HostBatch, Slots
 from imagenet_ais.loader.worker import (
     LoaderSpec,
     ShardStream,
-    StreamSpec,
     worker_init,
 )
 from imagenet_ais.shards.cache import ShardCache
@@ -179,8 +179,8 @@ class _ShardLoader:
         names, counts = [s.name for s in split.shards], [s.samples for s in split.shards]
         listed = [(s.bytes, s.sha256) for s in split.shards]
         encoded = spec.decode != "cpu" and mode != "val"  # training's batches cross as JPEG bytes and crops
-        self.spec = StreamSpec(
-            **vars(spec), location=location, names=names, counts=counts, listed=listed, shard_cache=cache,
+        self.spec = dataclasses.replace(
+            spec, location=location, names=names, counts=counts, listed=listed, shard_cache=cache,
             shuffle=shuffle, cpu_share=feeding.share() if encoded else 0.0,
         )  # fmt: skip
         self.dataset = ShardStream(self.spec, mode)

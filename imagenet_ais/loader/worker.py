@@ -14,7 +14,7 @@ import hashlib
 import itertools
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.sharedctypes import Synchronized
 from typing import BinaryIO, cast
 
@@ -89,7 +89,9 @@ class CacheSpec:
 
 @dataclass
 class LoaderSpec:
-    """What one rank's loader reads and makes of it (its train and val loaders differ in size only)."""
+    """What one rank's loader reads and makes of it (its train and val loaders differ in size only):
+    ShardLoader says what to make, the engine adds the split's shards, and each
+    worker gets a copy (picklable, for spawned workers too)."""
 
     world: int
     rank: int
@@ -101,19 +103,16 @@ class LoaderSpec:
     cache: CacheSpec | None = None  # keep remote shards on the node's disk
     val_crop: float = VAL_CROP  # validation's centre square, of the short side (--val-resize-size)
     augment: Augment = NO_AUGMENT  # training only: --auto-augment, --random-erase
-
-
-@dataclass(kw_only=True)
-class StreamSpec(LoaderSpec):
-    """What a worker needs to find its samples; picklable for spawned workers."""
-
-    location: str  # the shard location (a storage URL); names are relative to it
-    names: list[str]
-    counts: list[int]
-    listed: list[tuple[int, str]]  # each shard's bytes and SHA-256 in the manifest: checked as it streams
-    shard_cache: ShardCache | None = None  # the node's cache, for remote shards
-    shuffle: int = 0  # samples each worker mixes before batching (0: stored order)
-    cpu_share: float | str = 0.0  # of training's samples, cropped in the workers (cpu_share.py): a share or "auto"
+    # the split's shards, where a worker finds its samples
+    location: str = field(default="", kw_only=True)  # the shard location (a storage URL); names are relative to it
+    names: list[str] = field(default_factory=list, kw_only=True)
+    counts: list[int] = field(default_factory=list, kw_only=True)
+    # each shard's bytes and SHA-256 in the manifest: checked as it streams
+    listed: list[tuple[int, str]] = field(default_factory=list, kw_only=True)
+    shard_cache: ShardCache | None = field(default=None, kw_only=True)  # the node's cache, for remote shards
+    shuffle: int = field(default=0, kw_only=True)  # samples each worker mixes before batching (0: stored order)
+    # of training's samples, cropped in the workers (cpu_share.py): a share or "auto"
+    cpu_share: float | str = field(default=0.0, kw_only=True)
 
 
 class ShardStream(IterableDataset):
@@ -123,7 +122,7 @@ class ShardStream(IterableDataset):
     size it sets, the counts the workers keep, and what was wrong, named once per shard and worker.
     """
 
-    def __init__(self, spec: StreamSpec, mode: str):
+    def __init__(self, spec: LoaderSpec, mode: str):
         if mode not in ("resampled", "exact", "val"):
             raise ConfigError(f"unknown epoch mode {mode!r}")
         if spec.decode not in DECODERS:
