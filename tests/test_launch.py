@@ -7,11 +7,13 @@ import json
 import os
 import shlex
 import shutil
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_ARCH, free_port, run_cli, tiny_run_env, write_shards
+from conftest import ROOT, TINY_ARCH, child_pids, free_port, outliving, run_cli, tiny_run_env, wait_until, write_shards
 
 SECRET = "s3cr3t-token-value"
 
@@ -267,6 +269,45 @@ def test_local2_really_runs_two_cpu_processes(tmp_path: Path) -> None:
     run_cli(ROOT / "run", "local2", "--max-steps", "2", env=env)
     state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
     assert state["step"] == 2 and len(state["rng"]) == 2
+
+
+def descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        for child in child_pids(todo.pop()) - found:
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verb", ["local1", "local2"])
+def test_sigterm_to_run_saves_exits_75_and_leaves_no_process(verb: str, tmp_path: Path) -> None:
+    # as a supervisor, timeout or a batch script stops the PID it started: ./run's own
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [40, 40], "val": [4]})
+    env = {**os.environ, **tiny_run_env(data, output), "EPOCHS": "50"}
+    proc = subprocess.Popen(
+        [str(ROOT / "run"), verb, "--log-every", "1"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    log = output / "metrics.jsonl"
+    wait_until(
+        proc,
+        lambda: log.exists() and any(json.loads(r)["step"] >= 3 for r in log.read_text().split("\n")[:-1]),
+        "step 3",
+    )
+    started = descendants(proc.pid)  # the trainer, or torchrun and its ranks
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    assert "checkpoint saved" in out
+    assert torch.load(output / "last.pt", weights_only=True)["step"] >= 3
+    assert not outliving(started, 10), "no process of the run left behind"
 
 
 @pytest.mark.slow
