@@ -52,7 +52,7 @@ def slowly(item: int) -> tuple[torch.Tensor, int]:
     return as_tensor(item)
 
 
-def test_starved_says_how_much_of_its_time_the_consumer_waits() -> None:
+def test_step_wait_says_how_much_of_its_time_the_consumer_waits() -> None:
     # (cpu_share.py's workers crop only while the training step waits for batches)
     waiting = DeviceFeed(iter(range(40)), [("prepare", slowly)], CPU, ahead=2)
     for _ in waiting:
@@ -63,7 +63,7 @@ def test_starved_says_how_much_of_its_time_the_consumer_waits() -> None:
     assert waiting.step_wait > 0.7 and fed.step_wait < 0.3, (waiting.step_wait, fed.step_wait)
 
 
-def test_starved_is_a_mean_at_first_then_follows_the_last_seconds() -> None:
+def test_step_wait_is_a_mean_at_first_then_follows_the_last_seconds() -> None:
     feed = DeviceFeed(iter([]), [], CPU, step_wait=0.4)  # (as a loader carries it from its last epoch)
     feed.close()
     feed._waited(3.0, 10.0)  # the first item: the producer starting up, left out

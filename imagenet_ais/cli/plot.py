@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 from matplotlib.figure import Figure  # no pyplot: no display backend, no global state
 
-from imagenet_ais.cli.failures import one_line
+from imagenet_ais.cli.one_line import one_line
 from imagenet_ais.errors import DataError, NotFound
 from imagenet_ais.train.metrics import METRICS
 

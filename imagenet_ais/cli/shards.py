@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from imagenet_ais.cli.failures import one_line
+from imagenet_ais.cli.one_line import one_line
 from imagenet_ais.shards import cache, convert, synth, verify
 from imagenet_ais.shards.manifest import brace_pattern, load_manifest
 from imagenet_ais.storage import open_store

@@ -9,7 +9,7 @@ import sys
 import click
 from click.core import ParameterSource
 
-from imagenet_ais.cli.failures import one_line
+from imagenet_ais.cli.one_line import one_line
 from imagenet_ais.errors import ConfigError
 from imagenet_ais.loader.augment import POLICIES
 from imagenet_ais.loader.cpu_share import checked

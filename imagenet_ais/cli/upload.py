@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from imagenet_ais.cli.failures import one_line
+from imagenet_ais.cli.one_line import one_line
 from imagenet_ais.train.upload import sync
 
 

@@ -11,10 +11,10 @@ plans are in sampling.py):
   trains what the interrupted one had not, on any topology.
 
 Each DataLoader worker reads its share of the epoch and hands over whole batches (worker.py).
-In the training process one feed thread receives them (wire.py; training's JPEG bytes in
-place, in the workers' page-locked buffers: wire.py; others it pins), pooling workers' short last batches,
-while others make them ready on the device (decode, then crop), ahead of the step (see device_feed.py
-and transforms.py).
+In the training process one feed thread receives them (wire.py: training's JPEG bytes in place,
+in the workers' page-locked buffers; others it pins), pooling workers' short last batches, while
+others make them ready on the device (decode, then crop: device_decode.py), ahead of the step
+(device_feed.py).
 """
 
 from __future__ import annotations
@@ -216,8 +216,8 @@ class _ShardLoader:
             _workers.update(after - before)
             yield from map(functools.partial(wire.unpack, self.slots), batches)
         except UnreadableData as e:  # a worker's, which torch raises again with its traceback as the message
-            last = str(e).strip().splitlines()[-1]
-            raise UnreadableData(last.removeprefix(f"{UnreadableData.__module__}.UnreadableData: ")) from None
+            raised = f"{UnreadableData.__module__}.UnreadableData: "  # (where the worker's message starts)
+            raise UnreadableData(str(e).rpartition(raised)[2].strip()) from None
         except RuntimeError as e:  # torch's "DataLoader worker (pid(s) 1234) exited unexpectedly"
             if not str(e).startswith("DataLoader worker"):
                 raise

@@ -43,6 +43,7 @@ from imagenet_ais.storage import open_store
 
 STATE_VERSION = 1
 
+# auto: gpu where CUDA is; cpu: PIL in the workers; gpu: nvJPEG; dali: DALI's JPEG-engine crops
 DECODES = ("auto", "cpu", "gpu", "dali")
 
 
@@ -222,10 +223,19 @@ class ShardLoader:
             mine = loader.position()
             theirs = gather_objects(mine) if self.world_size > 1 else [mine]
             position = merge_positions(epoch, [loader.restored, *theirs])
+        return self.state_of(
+            epoch, step, len(loader), loader.mode, loader.plan(), position, self.world_size, self.batch_size
+        )
+
+    @staticmethod
+    def state_of(
+        epoch: int, step: int, steps: int, mode: str, plan: str | None, position: dict | None, world: int, batch: int
+    ) -> dict[str, Any]:
+        """A state from its parts (as ``state_dict`` gives it): for checkpoints that kept the parts
+        rather than the state."""
         return {
-            "version": STATE_VERSION, "epoch": epoch, "step": step, "steps": len(loader),
-            "mode": loader.mode, "plan": loader.plan(), "position": position,
-            "world_size": self.world_size, "batch_size": self.batch_size,
+            "version": STATE_VERSION, "epoch": epoch, "step": step, "steps": steps, "mode": mode, "plan": plan,
+            "position": position, "world_size": world, "batch_size": batch,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -235,6 +245,7 @@ class ShardLoader:
         loader cannot continue exactly raises ``StateMismatch`` (its epoch may start over instead).
         ``continued`` then says where the state had stopped."""
         loader = self._loader
+        self.continued = None
         if not isinstance(loader, TrainLoader) or not state:
             return
         if self._active is not None:
@@ -339,6 +350,3 @@ def _decode(decode: str, device: torch.device) -> str:
     if decode == "auto":
         return "gpu" if device.type == "cuda" else "cpu"
     return decode
-
-
-# auto: gpu where CUDA is; cpu: PIL in the workers; gpu: nvJPEG; dali: DALI's JPEG-engine crops

@@ -16,7 +16,7 @@ def _count() -> Synchronized[int]:
     return mp.Value("q", 0)
 
 
-@dataclass
+@dataclass(eq=False)  # (one object, shared: compared by identity)
 class Signals:
     """The training process sets ``epoch``, ``size`` and ``step_wait``; the workers count and report."""
 

@@ -1,4 +1,4 @@
-"""Shard writing: an ImageFolder tree → shuffled WebDataset tar shards + manifest, and verify.
+"""Shard writing: an ImageFolder tree → shuffled WebDataset tar shards + manifest.
 
 Shards are planned up front (inputs.py), so each one can be built in its own process, named
 before it exists, and skipped on a re-run when a complete, checksum-verified copy with the same

@@ -139,7 +139,7 @@ def _rejected(entries: object, what: str) -> list[dict[str, str]]:
 
 
 def record_json(info: ShardInfo, rejected: list[dict[str, str]]) -> bytes:
-    """A journal record: a shard built, and the inputs it rejected (see shards.py)."""
+    """A journal record: a shard built, and the inputs it rejected (see convert.py)."""
     return json.dumps({"shard": asdict(info), "rejected": rejected}).encode()
 
 

@@ -153,7 +153,7 @@ class Playground:
             time.sleep(0.25)
 
     def up(self, targets: int = 1, port: int | None = None, echo: Callable[[str], None] = lambda _: None) -> str:
-        """The endpoint of the running playground, started first where it is not; ``say`` is told
+        """The endpoint of the running playground, started first where it is not; ``echo`` is told
         what it starts, as it goes (a cold start takes 10-20 s)."""
         if self.nodes() and all(self.pid(n) for n in self.nodes()) and self.healthy():
             echo(f"AIStore playground in {self.root}: already running")

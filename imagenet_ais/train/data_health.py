@@ -31,7 +31,7 @@ def drain(problems: queue.Queue | mp_queues.Queue) -> list[str]:
 @dataclass
 class DataHealth:
     """Call ``poll`` at every metrics record and ``end_epoch`` after each epoch, on every rank
-    (both may gather from all ranks); ``say`` is rank 0's voice."""
+    (both may gather from all ranks); ``echo`` is rank 0's voice."""
 
     queues: Iterable[queue.Queue | mp_queues.Queue]  # the loaders' problem queues, filled by their workers
     echo: Callable[..., None]

@@ -219,7 +219,7 @@ def wrap(
             gradient_as_bucket_view=True,
             broadcast_buffers=False,
         )
-    if compiled:  # (training.train compiles DDP as one graph: optimize_ddp off while it runs)
+    if compiled:  # (loop.train compiles DDP as one graph: optimize_ddp off while it runs)
         # static shapes: a new --progressive size gets its own graph, as fast as the first; by
         # default the second size turns on dynamic shapes, and ResNet-50 at 224 px then ran at
         # 3,800 img/s instead of 5,330 on an H100 (bench/RESULTS.md run T)

@@ -15,8 +15,8 @@ from torch.optim.swa_utils import AveragedModel
 
 from imagenet_ais import distributed
 from imagenet_ais.errors import DataError
+from imagenet_ais.loader import ShardLoader, StateMismatch
 from imagenet_ais.loader.sampling import merge_positions
-from imagenet_ais.loader.shard_loader import ShardLoader, StateMismatch
 from imagenet_ais.loader.synthetic import SyntheticLoader
 from imagenet_ais.train import checkpoint, keys_log
 from imagenet_ais.train.config import TrainConfig
@@ -195,8 +195,13 @@ def loader_state(state: dict[str, Any], plan: str | None) -> dict[str, Any]:
     if isinstance(position, list):  # written before positions were topology-free: one per rank
         position = merge_positions(state["epoch"], position) if any(position) else None
     config = state["config"]
-    return {
-        "epoch": state["epoch"], "step": state["step_in_epoch"], "steps": state["steps_per_epoch"],
-        "mode": config["epoch_mode"], "plan": state.get("plan", plan), "position": position,
-        "world_size": len(state["rng"]), "batch_size": config["batch_size"],
-    }  # fmt: skip
+    return ShardLoader.state_of(
+        state["epoch"],
+        state["step_in_epoch"],
+        state["steps_per_epoch"],
+        config["epoch_mode"],
+        state.get("plan", plan),
+        position,
+        len(state["rng"]),
+        config["batch_size"],
+    )
