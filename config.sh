@@ -40,7 +40,10 @@
 : "${SLURM_CPUS:=$((NPROC * 12))}" # ./run slurm: --cpus-per-task, i.e. CPUs per node (one task per node)
 : "${SLURM_EXTRA:=}"              # ./run slurm: more sbatch options, e.g. "--partition gpu --account proj"
 : "${SERVE_PORT:=8080}"           # ./run serve: the port nginx listens on
-: "${SERVE_ADDR:=0.0.0.0}"        # ./run serve: the address it binds (127.0.0.1: this machine only)
+: "${SERVE_ADDR:=127.0.0.1}"      # ./run serve: the address it binds (another than loopback needs SERVE_ALLOW)
+: "${SERVE_ALLOW:=}"              # ./run serve: who may read, CIDRs (e.g. "10.0.0.0/8 192.168.1.0/24"), or "all"; empty = this machine
+: "${SERVE_TOKEN:=}"              # ./run serve: a bearer token readers must send (train with SHARDS_HTTP_TOKEN set to it)
+: "${SERVE_HTPASSWD:=}"           # ./run serve: an htpasswd file: basic auth (train with SHARDS_HTTP_USER/_PASSWORD)
 : "${SERVE_CERT:=}"               # ./run serve: PEM certificate and key: HTTPS (clients: REQUESTS_CA_BUNDLE=CA file)
 : "${SERVE_KEY:=}"
 : "${SERVE_RATE:=}"               # ./run serve: cap per connection, e.g. 100m (bytes/s); empty = none

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import socket
 import subprocess
@@ -12,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import ROOT, TINY, Server, run_cli, shards_here, train_here, wait_until, write_shards
+from conftest import ROOT, TINY, Server, free_port, run_cli, shards_here, train_here, wait_until, write_shards
 
+from imagenet_ais.errors import StorageError
 from imagenet_ais.storage import HTTPStore
 
 UNEVEN = [3, 11, 7, 19, 8]  # 48 training samples: 12 steps per epoch at batch 4
@@ -145,3 +148,47 @@ def test_an_http_location_cannot_be_written(serve, tree: Path, tmp_path: Path) -
     assert out.stderr.strip().splitlines()[-1] == (
         f"Error: {server.url}: HTTP locations are read-only (write to a directory, then ./run serve it)"
     )
+
+
+def test_serve_serves_this_machine_alone_unless_told_whom(serve, tmp_path: Path) -> None:
+    data = tmp_path / "shards"
+    write_shards(data, {"train": [4]})
+    plan = run_cli(ROOT / "run", "-n", "serve", data).stdout
+    assert "listen 127.0.0.1:8080;" in plan and "allow 127.0.0.0/8; allow ::1; deny all;" in plan, "loopback by default"
+    env = {"SERVE_ROOT": str(tmp_path / "elsewhere")}
+    wide = run_cli(ROOT / "run", "serve", data, "--addr", "0.0.0.0", "--port", str(free_port()), check=False, env=env)
+    assert wide.returncode == 1 and "name who may read in SERVE_ALLOW" in wide.stderr
+    assert not (tmp_path / "elsewhere").exists(), "nothing started"
+    server: Server = serve(data, SERVE_ALLOW="10.0.0.0/8")  # other networks: this machine may not read
+    assert requests.get(f"{server.url}/manifest.json", timeout=10).status_code == 403
+    out = train_here("--data", server.url, "--output", tmp_path / "run", *TINY, check=False)
+    assert out.returncode == 1 and "refused (403): the server does not let this machine read" in out.stderr
+
+
+def sha_htpasswd(user: str, password: str) -> str:
+    """An htpasswd line nginx reads ({SHA}: base64 of the password's SHA-1)."""
+    return f"{user}:{{SHA}}{base64.b64encode(hashlib.sha1(password.encode()).digest()).decode()}\n"
+
+
+def test_served_with_credentials_only_a_reader_that_sends_them_reads(serve, tmp_path: Path, monkeypatch) -> None:
+    data, htpasswd, token = tmp_path / "shards", tmp_path / "htpasswd", "t0ken-" + "k" * 24
+    write_shards(data, {"train": [4, 4], "val": [2]})
+    htpasswd.write_text(sha_htpasswd("reader", "opensesame"))
+    by_token, by_password = serve(data, SERVE_TOKEN=token), serve(data, SERVE_HTPASSWD=str(htpasswd))
+    for server in (by_token, by_password):
+        assert requests.get(f"{server.url}/manifest.json", timeout=10).status_code == 401
+        with pytest.raises(
+            StorageError, match=r"refused \(401\): the server asks for credentials: set SHARDS_HTTP_TOKEN"
+        ):
+            HTTPStore(server.url).read_bytes("manifest.json")
+    assert token not in run_cli(ROOT / "run", "-n", "serve", data, env={"SERVE_TOKEN": token}).stdout
+    monkeypatch.setenv("SHARDS_HTTP_USER", "reader")
+    monkeypatch.setenv("SHARDS_HTTP_PASSWORD", "wrong")
+    with pytest.raises(StorageError, match=r"refused \(401\)"):
+        HTTPStore(by_password.url).read_bytes("manifest.json")
+    monkeypatch.setenv("SHARDS_HTTP_PASSWORD", "opensesame")
+    assert json.loads(HTTPStore(by_password.url).read_bytes("manifest.json"))["splits"]
+    monkeypatch.delenv("SHARDS_HTTP_USER")
+    monkeypatch.setenv("SHARDS_HTTP_TOKEN", token)  # a run's workers send it too
+    train_here("--data", by_token.url, "--output", tmp_path / "run", *TINY, "--epochs", "1", "--workers", "1")
+    assert by_token.gets()["imagenet-train-000001.tar"] >= 1

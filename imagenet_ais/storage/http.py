@@ -16,6 +16,12 @@ from urllib3.exceptions import HTTPError
 from imagenet_ais.errors import ConfigError, NotFound, StorageError
 from imagenet_ais.storage.base import _checked, _StoreBase
 
+_REFUSED = {
+    401: "the server asks for credentials: set SHARDS_HTTP_TOKEN (a bearer token), or SHARDS_HTTP_USER and "
+    "SHARDS_HTTP_PASSWORD, to what it was given (./run serve's SERVE_TOKEN or SERVE_HTPASSWD)",
+    403: "the server does not let this machine read (./run serve serves only SERVE_ALLOW's networks)",
+}
+
 
 class _ServerError(StorageError):
     """A 5xx answer: worth another try."""
@@ -80,6 +86,9 @@ class HTTPStore(_StoreBase):
     ``retry_seconds``; a read cut off midway resumes at its offset with a range request
     (``If-Range`` makes a file replaced meanwhile an error, not a splice). HTTPS verifies
     against ``REQUESTS_CA_BUNDLE`` (or ``SSL_CERT_FILE``) when set, else the system's CAs.
+    Credentials, for a server that asks (``./run serve`` with SERVE_TOKEN or SERVE_HTPASSWD), come
+    from the environment: ``SHARDS_HTTP_TOKEN`` (a bearer token), or ``SHARDS_HTTP_USER`` and
+    ``SHARDS_HTTP_PASSWORD`` (basic auth).
     """
 
     def __init__(self, url: str, retry_seconds: float = 120):
@@ -93,6 +102,10 @@ class HTTPStore(_StoreBase):
         bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("SSL_CERT_FILE")
         if bundle:
             self.session.verify = bundle
+        if token := os.environ.get("SHARDS_HTTP_TOKEN"):
+            self.session.headers["Authorization"] = f"Bearer {token}"
+        elif user := os.environ.get("SHARDS_HTTP_USER"):
+            self.session.auth = (user, os.environ.get("SHARDS_HTTP_PASSWORD", ""))
 
     def request(self, method: str, name: str, headers: dict[str, str] | None = None) -> requests.Response:
         """One request, retried on connection errors and 5xx; 404 is FileNotFoundError."""
@@ -123,6 +136,9 @@ class HTTPStore(_StoreBase):
         if response.status_code == 404:
             response.close()
             raise NotFound(f"{url}: not found (404)")
+        if response.status_code in (401, 403):
+            response.close()
+            raise StorageError(f"{url}: refused ({response.status_code}): {_REFUSED[response.status_code]}")
         if response.status_code >= 400:
             response.close()
             raise StorageError(f"{url}: the server answered {response.status_code}")
