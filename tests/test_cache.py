@@ -166,3 +166,19 @@ def test_preload_leaves_a_manifest_json_that_is_not_ours_alone(serve, tmp_path: 
         "preload into another DEST"
     )
     assert (dest / "manifest.json").read_text() == '{"my": "own"}' and not list(dest.glob("*.tar"))
+
+
+def test_a_shard_in_a_subfolder_of_its_location_is_cached_there(serve, tmp_path: Path) -> None:
+    # it trained fine uncached, but the cache's lock file was made beside the subfolder, not in it
+    data, cache = tmp_path / "shards", tmp_path / "cache"
+    manifest = write_shards(data, {"train": [6, 6], "val": [4]})
+    shard = manifest.splits["train"].shards[1]
+    (data / "sub").mkdir()
+    (data / shard.name).rename(data / "sub" / shard.name)
+    shard.name = f"sub/{shard.name}"
+    (data / "manifest.json").write_text(manifest.to_json())
+    server = serve(data)
+    args = ["--data", server.url, "--output", tmp_path / "run", *TINY, "--epochs", "1", "--workers", "1"]
+    train_here(*args, "--cache-dir", cache)
+    cached = next(cache.rglob(shard.name.split("/")[1]))
+    assert cached.parent.name == "sub" and cached.read_bytes() == (data / shard.name).read_bytes()

@@ -716,6 +716,21 @@ def test_a_class_folder_linked_to_another_is_refused(link: str, splits: str, tmp
             lambda m: m["splits"]["train"]["shards"][1].update(name=m["splits"]["train"]["shards"][0]["name"]),
             "shard 1 of 'train': 'imagenet-train-000000.tar' is listed twice",
         ),
+        # a shard of 3 listed as 10**12: an exact epoch waited for them without a word
+        (
+            lambda m: m["splits"]["train"]["shards"][0].update(samples=10**12),
+            "shard 0 of 'train': 1000000000000 samples in",
+        ),
+        # an absolute name: a cache over http(s) made its reservation at the file system's root
+        (
+            lambda m: m["splits"]["train"]["shards"][0].update(name="/x.tar"),
+            "shard 0 of 'train': '/x.tar' is no name of a file",
+        ),
+        (
+            lambda m: m["splits"]["train"]["shards"][1].update(name="a/../../x.tar"),
+            "'a/../../x.tar' is no name of a file",
+        ),
+        (lambda m: m["splits"]["train"]["shards"][1].update(name="x\n.tar"), "'x\\n.tar' is no name of a file"),
     ],
 )
 def test_a_manifest_whose_counts_cannot_be_trusted_is_refused(edit, says: str, tmp_path: Path) -> None:

@@ -111,9 +111,9 @@ class ShardCache:
         return self._store
 
     def open(self, name: str) -> BinaryIO:
-        info, path = self.shards[name], self.dir / name
-        lock = self.dir / f".{name}.lock"  # also holds what the copy was last verified as
-        self.dir.mkdir(parents=True, exist_ok=True)
+        info, path = self.shards[name], self.dir / name  # (the manifest's names stay inside: manifest.py)
+        lock = _lock_of(path)  # also holds what the copy was last verified as
+        path.parent.mkdir(parents=True, exist_ok=True)  # (a shard in a subfolder of its location too)
         with _locked(lock):
             if path.exists():
                 if lock.read_text() == _identity(path, info.sha256) or not info.problem(LocalStore(self.dir)):
