@@ -24,6 +24,24 @@ def test_a_bad_option_and_a_missing_data_location_are_one_line(tmp_path: Path) -
 
 
 @pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        # a --recipe's or --image-size's clash was checked outside the one-line handler: a traceback
+        (["--image-size", "32", "--progressive", "32:64"], "--image-size 32 with --progressive 32:64"),
+        (["--progressive", "²:³"], "--progressive '²:³': give START:END"),  # ValueError from int()
+        (["-j", "²"], "'²' is neither 'auto' nor a number of workers"),
+        (["-j", "99999"], "'99999' is neither 'auto' nor a number of workers (0 to"),  # the task limit, then a hang
+        (["--epoch-size", "99999999999999999999999"], "99999999999999999999999 is not in the range"),  # OverflowError
+        (["--image-size", "30000"], "30000 is not in the range 16<=x<=2048"),  # MemoryError in a worker
+    ],
+)
+def test_options_out_of_bounds_are_one_line_not_a_traceback(args: list[str], says: str, tmp_path: Path) -> None:
+    proc = train_here("--synthetic", "--output", tmp_path / "run", *args, check=False)
+    assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("Error: ") and says in proc.stderr
+
+
+@pytest.mark.parametrize(
     "bug",
     [ValueError("a bug's bad value"), KeyError("key"), OSError("raised bare, with no errno"), RuntimeError("x")],
     ids=["ValueError", "KeyError", "OSError", "RuntimeError"],

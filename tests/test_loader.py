@@ -3,7 +3,10 @@ stop (also on another number of ranks), and PyTorch Lightning resuming mid-epoch
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
+import re
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -13,8 +16,10 @@ from conftest import TINY_ARCH, write_shards
 from torch import nn
 
 from imagenet_ais import ShardLoader, StateMismatch
-from imagenet_ais.errors import ConfigError
+from imagenet_ais.errors import ConfigError, DataError
 from imagenet_ais.loader.shard_loader import few_queues
+from imagenet_ais.shards.manifest import load_manifest
+from imagenet_ais.storage import LocalStore
 
 SHARDS = [20, 13, 7, 24]  # 64 samples: 8 steps of 8 on one rank, 4 on two
 ALL = {f"train-{s}-{i}" for s, n in enumerate(SHARDS) for i in range(n)}
@@ -99,6 +104,85 @@ def test_a_state_of_other_shards_or_seed_starts_its_epoch_over(data: str) -> Non
         with pytest.raises(StateMismatch, match=r"epoch 1 stopped at step 2 of 8 on 1 × 8 over other shards"):
             loader.load_state_dict(state)
         assert Counter(train_steps(loader, tiny_model())) == Counter(ALL), "the epoch whole, from its start"
+
+
+@pytest.fixture(scope="module")
+def stopped(data: str) -> dict:
+    """A state 2 steps into an exact epoch."""
+    with ShardLoader(data, "train", 8, **OPTIONS) as loader:
+        train_steps(loader, tiny_model(), steps=2)
+        return loader.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (lambda s: s.update(version=99), "a ShardLoader state of version 99: this loader reads 1"),
+        (lambda s: s.update(epoch=-5), "whose epoch is -5: not a whole number, 0 or more"),
+        (lambda s: s.pop("plan"), "not a ShardLoader state: no 'plan' in it"),
+        (lambda s: s["position"]["delivered"].update({0: [3, 36]}), "samples of shard 0 it does not hold (20)"),
+        (lambda s: s["position"]["delivered"].update({0: [-1]}), "samples of shard 0 it does not hold"),
+        (lambda s: s["position"]["delivered"].update({0: ["a"]}), "samples of shard 0 it does not hold"),
+        (lambda s: s["position"]["delivered"].update({9: [1]}), "naming shard 9: these shards are 0 to 3"),
+    ],
+)
+def test_a_state_that_cannot_be_one_is_one_line(edit, says: str, stopped: dict, data: str) -> None:
+    # each was taken: out of range, 36 of 48 samples never trained; version 99 and epoch -5 silently
+    state = {**stopped, "position": {**stopped["position"], "delivered": dict(stopped["position"]["delivered"])}}
+    edit(state)
+    with ShardLoader(data, "train", 8, **OPTIONS) as loader:
+        with pytest.raises(DataError, match=re.escape(says)):
+            loader.load_state_dict(state)
+        with pytest.raises(DataError, match="a ShardLoader state is a dict"):
+            loader.load_state_dict([state])  # type: ignore[arg-type]
+
+
+def test_a_state_over_shards_converted_again_starts_its_epoch_over(stopped: dict, data: str, tmp_path: Path) -> None:
+    # the same names and counts (another --seed's conversion): 8 samples trained twice, 8 never
+    again = tmp_path / "again"
+    shutil.copytree(data, again)
+    manifest = load_manifest(LocalStore(str(again)))
+    shard = manifest.splits["train"].shards[0]
+    with (again / shard.name).open("ab") as f:
+        f.write(bytes(1024))  # other bytes, the same samples (zero blocks past a tar's end)
+    shard.bytes, shard.sha256 = shard.bytes + 1024, hashlib.sha256((again / shard.name).read_bytes()).hexdigest()
+    (again / "manifest.json").write_text(manifest.to_json())
+    with ShardLoader(str(again), "train", 8, **OPTIONS) as loader:
+        with pytest.raises(StateMismatch, match=r"epoch 1 stopped at step 2 .* other bytes"):
+            loader.load_state_dict(stopped)
+        assert Counter(train_steps(loader, tiny_model())) == Counter(ALL), "the epoch whole, from its start"
+
+
+def test_a_rank_of_several_without_a_process_group_cannot_save_mid_epoch(data: str) -> None:
+    # it said world size 2 but held only this rank's samples
+    with ShardLoader(data, "train", 8, rank=0, world_size=2, **OPTIONS) as loader:
+        train_steps(loader, tiny_model(), steps=1)
+        with pytest.raises(ConfigError, match=r"state_dict\(\) of rank 0 of 2 mid-epoch: .* init_process_group"):
+            loader.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ({"location": 123}, "location=123: give a shard location"),
+        ({"manifest": "x"}, "manifest='x': give a Manifest"),
+        ({"batch_size": "4"}, "batch_size='4': give a whole number, 1 or more"),
+        ({"image_size": 0}, "image_size=0: give a whole number, 8 to 2048"),
+        ({"image_size": -8}, "image_size=-8: give a whole number, 8 to 2048"),  # iterating spun with no batch
+        ({"image_size": 30000}, "image_size=30000: give a whole number, 8 to 2048"),  # MemoryError in a worker
+        ({"epoch_size": 0}, "epoch_size=0: give a whole number, 1 or more"),  # trained a full epoch
+        ({"epoch_size": -10}, "epoch_size=-10: give a whole number, 1 or more"),
+        ({"workers": 1.5}, "workers=1.5: give a whole number of DataLoader workers"),
+        ({"workers": 99999}, "workers=99999: give a whole number of DataLoader workers, 0 to"),
+        ({"augment": "ra"}, "augment='ra': give an Augment"),
+        ({"rank": 1}, "rank=1, world_size=None: give both, or neither"),  # ran as rank 0 of 1
+        ({"device": "gpu9"}, "device='gpu9':"),
+    ],
+)
+def test_arguments_a_loader_cannot_work_with_are_one_line(given: dict, says: str, data: str) -> None:
+    arguments = {"location": data, "split": "train", "batch_size": 8, **OPTIONS, **given}
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        ShardLoader(**arguments)
 
 
 def test_validation_reads_every_sample_once_and_wrong_settings_are_one_line(data: str, monkeypatch) -> None:

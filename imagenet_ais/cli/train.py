@@ -13,7 +13,7 @@ from imagenet_ais.cli.one_line import one_line
 from imagenet_ais.errors import ConfigError
 from imagenet_ais.loader.augment import POLICIES
 from imagenet_ais.loader.cpu_share import checked
-from imagenet_ais.loader.shard_loader import DECODES, EPOCH_MODES
+from imagenet_ais.loader.shard_loader import DECODES, EPOCH_MODES, MAX_IMAGE_SIZE, max_workers
 from imagenet_ais.train.config import OPTIMIZERS, RECIPES, SCHEDULE_NAMES, SCHEDULES, TrainConfig, with_recipe
 from imagenet_ais.train.decentralized import TOPOLOGIES
 from imagenet_ais.train.loop import EXIT_PREEMPTED, train
@@ -36,8 +36,8 @@ def parse_workers(value: str) -> int | None:
     """``auto`` → None (sized on the node that trains, see distributed.auto_workers), else a count."""
     if value == "auto":
         return None
-    if not value.isdigit():
-        raise click.BadParameter(f"{value!r} is neither 'auto' nor a number of workers (0 or more)")
+    if not (value.isascii() and value.isdigit()) or int(value) > max_workers():
+        raise click.BadParameter(f"{value!r} is neither 'auto' nor a number of workers (0 to {max_workers()} here)")
     return int(value)
 
 
@@ -136,7 +136,7 @@ def parse_share(value: str) -> float | str:
     "--train-crop-size",  # torchvision's name
     "image_size",
     default=DEFAULTS.image_size,
-    type=click.IntRange(min=16),
+    type=click.IntRange(min=16, max=MAX_IMAGE_SIZE),
     help="training (and validation) size",
 )
 @click.option(
@@ -210,7 +210,7 @@ def parse_share(value: str) -> float | str:
 @click.option("--epoch-mode", default=DEFAULTS.epoch_mode, type=click.Choice(EPOCH_MODES))
 @click.option(
     "--epoch-size",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=10**12),
     metavar="N",
     help="resampled mode: an epoch is N samples (the schedule, checkpoints and resume count in these) "
     "[default: the manifest's train samples]",
@@ -265,10 +265,9 @@ def main(compile_: bool, **options: object) -> None:
     last finite checkpoint); 75 stopped by SIGTERM/SIGUSR1 after saving (or, with several ranks
     whose data never came, without: from the last checkpoint): continue with --resume auto.
     """
-    cfg = config(click.get_current_context())
     signal.signal(signal.SIGTERM, _stopped)  # for the rest of this process (the run sets its own meanwhile)
     with one_line():
-        outcome = train(cfg)
+        outcome = train(config(click.get_current_context()))  # (a --recipe's settings are checked too)
     # The run is over. A SIGTERM in the process's last steps would replace its status by the
     # signal's: the interpreter's teardown gives Python's handlers back to the default action
     # (an ignored signal stays ignored), and the process is ending anyway.

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from imagenet_ais.distributed import WORK_QUEUES, auto_workers, gather_objects
-from imagenet_ais.errors import ConfigError
+from imagenet_ais.errors import ConfigError, DataError
 from imagenet_ais.loader.augment import NO_AUGMENT, Augment
 from imagenet_ais.loader.cpu_share import AUTO, checked
 from imagenet_ais.loader.dali_decode import available as dali_available
@@ -45,6 +45,7 @@ STATE_VERSION = 1
 
 # auto: gpu where CUDA is; cpu: PIL in the workers; gpu: nvJPEG; dali: DALI's JPEG-engine crops
 DECODES = ("auto", "cpu", "gpu", "dali")
+MAX_IMAGE_SIZE = 2048  # a side: a batch of larger crops takes more than a worker's memory (30,000: MemoryError)
 
 
 # exact: every sample at most once an epoch; resampled: shards drawn with replacement (engine.py)
@@ -98,6 +99,8 @@ class ShardLoader:
     - ``position``: in exact mode mid-epoch, the samples the epoch has trained on every rank,
       ``{"epoch": E, "delivered": {shard: [sample indices]}}``; else None.
     - ``world_size``, ``batch_size``: the topology that wrote it; any other may continue it.
+    - ``identity``: a digest of the shards' names and SHA-256s (None in states older than it): an
+      epoch over shards converted again (the same names and counts, other bytes) starts over.
     """
 
     def __init__(
@@ -124,8 +127,11 @@ class ShardLoader:
         cpu_share: float | str = AUTO,
         manifest: Manifest | None = None,
     ):
+        _check_sizes(batch_size=batch_size, image_size=image_size, epoch_size=epoch_size, shuffle_buffer=shuffle_buffer)
+        _check_kinds(location=location, manifest=manifest, augment=augment, workers=workers, seed=seed)
+        location = os.fspath(location)
         rank, world_size = _topology(rank, world_size)
-        device = torch.device(device) if device is not None else _default_device()
+        device = _device(device)
         if epoch_mode not in EPOCH_MODES:
             raise ConfigError(f"epoch mode {epoch_mode!r}: use one of {', '.join(EPOCH_MODES)}")
         self.decode = _decode(decode, device)
@@ -221,21 +227,35 @@ class ShardLoader:
         position = None
         if step and loader.mode == "exact":  # every rank's samples of the epoch so far
             mine = loader.position()
+            if self.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+                raise ConfigError(
+                    f"state_dict() of rank {self.rank} of {self.world_size} mid-epoch: without torch.distributed it "
+                    "cannot gather the other ranks' samples; call init_process_group first"
+                )
             theirs = gather_objects(mine) if self.world_size > 1 else [mine]
             position = merge_positions(epoch, [loader.restored, *theirs])
         return self.state_of(
-            epoch, step, len(loader), loader.mode, loader.plan(), position, self.world_size, self.batch_size
-        )
+            epoch, step, len(loader), loader.mode, loader.plan(), position, self.world_size, self.batch_size,
+            loader.identity(),
+        )  # fmt: skip
 
     @staticmethod
     def state_of(
-        epoch: int, step: int, steps: int, mode: str, plan: str | None, position: dict | None, world: int, batch: int
+        epoch: int,
+        step: int,
+        steps: int,
+        mode: str,
+        plan: str | None,
+        position: dict | None,
+        world: int,
+        batch: int,
+        identity: str | None = None,
     ) -> dict[str, Any]:
         """A state from its parts (as ``state_dict`` gives it): for checkpoints that kept the parts
         rather than the state."""
         return {
             "version": STATE_VERSION, "epoch": epoch, "step": step, "steps": steps, "mode": mode, "plan": plan,
-            "position": position, "world_size": world, "batch_size": batch,
+            "position": position, "world_size": world, "batch_size": batch, "identity": identity,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -251,6 +271,7 @@ class ShardLoader:
         if self._active is not None:
             self._active.close()  # a pass in progress ends: the next one goes on from the state
             self._active = None
+        state = _checked_state(state, loader.spec.counts)
         epoch, step, position = state["epoch"], state["step"], state["position"]
         self._pending = False  # (the epoch is set afresh, whatever was restored before)
         self.set_epoch(epoch)
@@ -261,6 +282,8 @@ class ShardLoader:
         at = str(self.continued)
         if state["plan"] != loader.plan():
             raise StateMismatch(f"{at} over other shards or another --seed")
+        if state.get("identity") not in (None, loader.identity()):
+            raise StateMismatch(f"{at} over other shards: the same names and counts, other bytes (converted again?)")
         restart = f"{epoch}:{step}"  # names the streams a resampled epoch draws from here on
         if loader.mode == "exact":
             if not position:
@@ -307,10 +330,94 @@ class ShardLoader:
         self.close()
 
 
+STATE_KEYS = ("version", "epoch", "step", "steps", "mode", "plan", "position", "world_size", "batch_size")
+
+
+def _checked_state(state: object, counts: list[int]) -> dict[str, Any]:
+    """``state`` if it is a state this loader can read (the class's docstring), else a one-line DataError."""
+    if not isinstance(state, dict):
+        raise DataError(f"a ShardLoader state is a dict (state_dict()'s), not {type(state).__name__}")
+    if missing := [key for key in STATE_KEYS if key not in state]:
+        raise DataError(f"not a ShardLoader state: no {', '.join(map(repr, missing))} in it")
+    if state["version"] != STATE_VERSION:
+        raise DataError(f"a ShardLoader state of version {state['version']!r}: this loader reads {STATE_VERSION}")
+    for key, low in (("epoch", 0), ("step", 0), ("steps", 1), ("world_size", 1), ("batch_size", 1)):
+        if not _whole(state[key]) or state[key] < low:
+            raise DataError(f"a ShardLoader state whose {key} is {state[key]!r}: not a whole number, {low} or more")
+    position = state["position"]
+    if position is not None:
+        delivered = position.get("delivered") if isinstance(position, dict) else None
+        if not isinstance(delivered, dict):
+            raise DataError("a ShardLoader state whose position holds no 'delivered' samples")
+        for shard, indices in delivered.items():
+            if not _whole(shard) or not 0 <= shard < len(counts) or not isinstance(indices, list):
+                raise DataError(f"a ShardLoader state naming shard {shard!r}: these shards are 0 to {len(counts) - 1}")
+            if not all(_whole(i) and 0 <= i < counts[shard] for i in indices):
+                raise DataError(
+                    f"a ShardLoader state naming samples of shard {shard} it does not hold ({counts[shard]})"
+                )
+    return state
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_sizes(**sizes: object) -> None:
+    """Sizes a loader can work with, each a whole number in its range, else a one-line ConfigError."""
+    bounds = {
+        "batch_size": (1, None),
+        "image_size": (8, MAX_IMAGE_SIZE),
+        "epoch_size": (1, None),
+        "shuffle_buffer": (0, None),
+    }
+    for name, value in sizes.items():
+        if value is None and name == "epoch_size":
+            continue
+        low, high = bounds[name]
+        if not _whole(value) or value < low or (high is not None and value > high):  # type: ignore[operator]
+            within = f"{low} to {high}" if high else f"{low} or more"
+            raise ConfigError(f"{name}={value!r}: give a whole number, {within}")
+
+
+def _check_kinds(location: object, manifest: object, augment: object, workers: object, seed: object) -> None:
+    """Arguments of the wrong kind, in one line rather than an error deep inside at the first batch."""
+    if not isinstance(location, str | os.PathLike):
+        raise ConfigError(f"location={location!r}: give a shard location (a directory or a storage URL)")
+    if manifest is not None and not isinstance(manifest, Manifest):
+        raise ConfigError(f"manifest={manifest!r}: give a Manifest (shards.manifest.load_manifest), or leave it out")
+    if not isinstance(augment, Augment):
+        raise ConfigError(f"augment={augment!r}: give an Augment (loader.augment.Augment), e.g. Augment('ra')")
+    if workers is not None and (not _whole(workers) or not 0 <= workers <= max_workers()):  # type: ignore[operator]
+        raise ConfigError(f"workers={workers!r}: give a whole number of DataLoader workers, 0 to {max_workers()} here")
+    if not _whole(seed):
+        raise ConfigError(f"seed={seed!r}: give a whole number")
+
+
+def max_workers() -> int:
+    """The most DataLoader workers a process may start: 4 a CPU (more only wait on each other and
+    exhaust the task and file limits)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return _default_device()
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device={device!r}: {e}") from None
+    if found.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r}: no CUDA device is visible to this process")
+    return found
+
+
 def _topology(rank: int | None, world: int | None) -> tuple[int, int]:
     """This loader's rank and world size: the caller's, else torch.distributed's."""
+    if (rank is None) != (world is None):
+        raise ConfigError(f"rank={rank}, world_size={world}: give both, or neither (torch.distributed's then)")
     if rank is not None and world is not None:
-        if not 0 <= rank < world:
+        if not _whole(rank) or not _whole(world) or not 0 <= rank < world:
             raise ConfigError(f"rank {rank} of world size {world}: a rank is 0 to {world - 1}")
         return rank, world
     if dist.is_available() and dist.is_initialized():

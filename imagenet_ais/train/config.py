@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from imagenet_ais.errors import ConfigError
+from imagenet_ais.loader.shard_loader import MAX_IMAGE_SIZE
 
 
 @dataclass
@@ -179,10 +180,13 @@ def image_sizes(cfg: TrainConfig) -> tuple[list[int], int]:
     start_end = cfg.progressive.split(":")
     if (
         len(start_end) != 2
-        or not all(p.isdigit() for p in start_end)
-        or not 16 <= int(start_end[0]) <= int(start_end[1])
+        or not all(p.isascii() and p.isdigit() for p in start_end)
+        or not 16 <= int(start_end[0]) <= int(start_end[1]) <= MAX_IMAGE_SIZE
     ):
-        raise ConfigError(f"--progressive {cfg.progressive!r}: give START:END with 16 <= START <= END, e.g. 160:224")
+        raise ConfigError(
+            f"--progressive {cfg.progressive!r}: give START:END with 16 <= START <= END <= {MAX_IMAGE_SIZE}, "
+            "e.g. 160:224"
+        )
     start, end = map(int, start_end)
     steps = max(1, cfg.epochs - 1)
     sizes = [start + (end - start) * e // steps // 32 * 32 for e in range(cfg.epochs)]
