@@ -5,7 +5,8 @@ it only between items, and a worker whose queue writes block (its siblings keep 
 never gets there: they lived on for minutes holding hundreds of MB each. The kernel's
 parent-death signal does not fit, as it follows the parent *thread* that forked (the
 DataLoader's workers are started from a feed thread that ends every epoch). So each worker
-watches its parent id from a thread of its own and exits as soon as it changes.
+watches its parent id from a thread of its own and exits as soon as it is not the PID that
+started it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import time
 POLL_S = 0.25
 
 
-def exit_with_parent() -> None:
-    """Call first thing in a worker: it exits (without cleanup) once its parent is gone."""
-    parent = os.getppid()
+def exit_with_parent(parent: int | None = None) -> None:
+    """Call first thing in a worker: it exits (without cleanup) once its parent is gone. Give the
+    ``parent``'s PID as the parent knew it: a worker started just as its parent died would
+    otherwise take its new parent (PID 1, or a subreaper) for it and live on."""
+    parent = os.getppid() if parent is None else parent
 
     def watch() -> None:
         while os.getppid() == parent:

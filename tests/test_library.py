@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, TINY_ARCH, write_shards
+from conftest import ROOT, TINY_ARCH, outliving, write_shards
 
 STATE = """
 import atexit, os, random, signal, torch, torch._dynamo
@@ -93,3 +93,22 @@ if __name__ == "__main__":
     )
     assert "leaving" in proc.stdout and "Traceback" not in proc.stderr
     assert (tmp_path / "theirs").read_text() == "terminated"
+
+
+def test_a_worker_whose_parent_died_before_it_watched_still_exits() -> None:
+    # it took its new parent (PID 1, or a subreaper) for the one that started it, and lived on
+    script = """
+import os, time
+from imagenet_ais.children import exit_with_parent
+parent = os.getpid()
+if (pid := os.fork()) == 0:
+    os.close(1), os.close(2)  # (the test reads its parent's output to the end)
+    while os.getppid() == parent:
+        time.sleep(0.01)
+    exit_with_parent(parent)
+    time.sleep(30)
+    os._exit(0)
+print(pid, flush=True)
+"""
+    child = int(run_python(script).stdout)
+    assert not outliving({child}, 5)

@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import multiprocessing as mp
+import os
 import random
 import signal
 import sys
@@ -102,7 +103,7 @@ def _loader(dataset: ShardStream, batch: int, workers: int, slots: Slots | None)
         persistent_workers=workers > 0,
         prefetch_factor=2 if workers > 0 else None,
         collate_fn=functools.partial(wire.pack, slots=slots),
-        worker_init_fn=worker_init,
+        worker_init_fn=functools.partial(worker_init, parent=os.getpid()),
     )
 
 

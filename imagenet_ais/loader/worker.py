@@ -280,9 +280,9 @@ class ShardStream(IterableDataset):
         return pixels, label
 
 
-def worker_init(_: int) -> None:
+def worker_init(_: int, parent: int | None = None) -> None:
     # Preemption signals are the training process's to handle (checkpoint, then exit); a worker
     # dying of one first would only turn that into a DataLoader error.
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
-    exit_with_parent()  # ignoring SIGTERM, a worker must still end with a training killed outright
+    exit_with_parent(parent)  # ignoring SIGTERM, a worker must still end with a training killed outright

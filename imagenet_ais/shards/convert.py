@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import io
+import os
 import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -357,8 +358,12 @@ def _build(
     try:
         with (
             progress.bar(total, f"convert → {store.url}", "images") as bar,
-            ProcessPoolExecutor(max_workers=max(1, workers), initializer=exit_with_parent) as pool,
-            ProcessPoolExecutor(max_workers=max(1, workers), initializer=exit_with_parent) as uploads,
+            ProcessPoolExecutor(
+                max_workers=max(1, workers), initializer=exit_with_parent, initargs=(os.getpid(),)
+            ) as pool,
+            ProcessPoolExecutor(
+                max_workers=max(1, workers), initializer=exit_with_parent, initargs=(os.getpid(),)
+            ) as uploads,
         ):
             try:
                 while True:
