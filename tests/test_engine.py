@@ -22,7 +22,8 @@ import webdataset as wds
 from conftest import ROOT, child_pids, relist, sparse_member, tiny_jpeg, write_shards
 from PIL import Image
 
-from imagenet_ais.loader.engine import Feeding, TrainLoader, ValLoader, WorkerDied
+from imagenet_ais.loader.engine import Feeding, TrainLoader, ValLoader
+from imagenet_ais.loader.failures import UnreadableData, WorkerDied
 from imagenet_ais.loader.sampling import contiguous_assignment, exact_assignment, split_among_workers
 from imagenet_ais.loader.transforms import decode_on_cpu
 from imagenet_ais.loader.worker import LoaderSpec
@@ -130,6 +131,18 @@ def test_epoch_size_sets_a_resampled_epochs_length_and_exact_mode_refuses_it(tmp
             assert [len(b.keys) for b in loader] == [5] * 10
     with pytest.raises(ValueError, match=r"--epoch-size 100 with --epoch-mode exact: .* once \(48\)"):
         TrainLoader(split, str(tmp_path), "exact", spec(0, 1, 5), Feeding(0), 16, epoch_size=100)
+
+
+def test_a_resampled_epoch_of_which_nothing_decodes_ends_in_one_line(tmp_path: Path) -> None:
+    # it trained on nothing, with no word, for ever (SIGTERM then said "stopped at step 0")
+    manifest = write_shards(
+        tmp_path, {"train": [600, 600]}, corrupt={f"train-{s}-{i}" for s in (0, 1) for i in range(600)}
+    )
+    (loader,) = loaders(tmp_path, manifest, "resampled", world=1, batch=8, workers=1)
+    loader.set_epoch(0)
+    with pytest.raises(UnreadableData, match=r"none of the last 1000 samples a loader worker read could be decoded"):
+        next(iter(loader))
+    assert str(tmp_path) in str(loader.signals.problems.get(timeout=10))
 
 
 def test_corrupt_samples_are_skipped_counted_and_steps_kept(tmp_path: Path) -> None:

@@ -935,6 +935,24 @@ def test_sigterm_stops_a_run_whose_data_never_comes(tmp_path: Path) -> None:
     assert "stopped by a signal at step 0, checkpoint saved" in out
 
 
+def test_too_few_file_descriptors_for_the_workers_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    # "Too many open files", then it never exited: the workers started before the failure ignore
+    # SIGTERM, and multiprocessing's exit hook waited for them
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [40, 40], "val": [4]})
+
+    def few_files() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
+
+    proc = subprocess.run(
+        [sys.executable, ROOT / "train.py", "--data", data, "--output", output, *TINY, "-j", "8", "--epochs", "1"],
+        cwd=ROOT, preexec_fn=few_files, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == "Error: [Errno 24] Too many open files"
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(output).encode() in _cmdline(int(p.name))]
+    assert not left, "no worker of the run left behind"
+
+
 def test_sigterm_before_the_run_can_save_still_ends_it_as_stopped(tmp_path: Path) -> None:
     # outside the run's own handler (here: its manifest's server never answers) SIGTERM killed it (143)
     with socket.create_server(("127.0.0.1", 0)) as silent:  # takes connections, answers none

@@ -209,12 +209,14 @@ class _ShardLoader:
                 # workers start again: buffers page-locked before they fork would not be theirs
                 self.slots = self.slots.renewed()
                 self.loader = _loader(self.dataset, self.spec.batch, self.loader.num_workers, self.slots)
-            batches = iter(self.loader)  # (the first time, its workers start)
+            try:
+                batches = iter(self.loader)  # (the first time, its workers start)
+            finally:  # also those started before the rest failed to (too many open files, processes)
+                after = set(mp.active_children())
+                _workers.intersection_update(after)  # (those gone need no killing)
+                _workers.update(after - before)
             if self.slots and self.pin:
                 self.slots.pin()
-            after = set(mp.active_children())
-            _workers.intersection_update(after)  # (those gone need no killing)
-            _workers.update(after - before)
             yield from map(functools.partial(wire.unpack, self.slots), batches)
         except UnreadableData as e:  # a worker's, which torch raises again with its traceback as the message
             raised = f"{UnreadableData.__module__}.UnreadableData: "  # (where the worker's message starts)

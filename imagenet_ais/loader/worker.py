@@ -46,6 +46,7 @@ from imagenet_ais.storage import process_store
 IMAGE_EXTS = ("jpg", "jpeg", "png")
 DECODERS = ("cpu", "gpu", "dali")  # "gpu" and "dali" hand over JPEG bytes and crops
 FAILED_IN_A_ROW = 50  # shard reads of a worker that may fail one after another before it gives up
+SKIPPED_IN_A_ROW = 1000  # its samples that may fail to decode one after another (none are images?)
 
 
 def _wanted_member(name: str) -> bool:
@@ -244,6 +245,7 @@ class ShardStream(IterableDataset):
 
     def _decoded(self, pieces: Iterator[Piece]) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
         train, size = self.mode != "val", self.signals.size.value
+        skipped = 0  # in a row: a resampled epoch of images none can decode would wait for ever
         for piece in pieces:
             for index, sample in self._samples(piece):
                 try:
@@ -251,7 +253,15 @@ class ShardStream(IterableDataset):
                 except (StopIteration, KeyError, ValueError, OSError, SyntaxError, Image.DecompressionBombError) as e:
                     what = "no image member" if isinstance(e, StopIteration) else f"{type(e).__name__}: {e}"
                     self._skip(piece.shard, sample["__key__"], what)
+                    skipped += 1
+                    if skipped >= SKIPPED_IN_A_ROW and train:
+                        raise UnreadableData(
+                            f"{self.spec.location}: none of the last {skipped} samples a loader worker read could be "
+                            f"decoded, the last {sample['__key__']!r}: {what}; are these the shards convert wrote? "
+                            "Check them with imagenet_shards.py verify"
+                        ) from None
                     continue
+                skipped = 0
                 yield image, label, sample["__key__"], piece.shard, index
 
     def _skip(self, shard: int, key: str, what: str) -> None:
