@@ -4,7 +4,10 @@ stopped and resumed into the same tracker run."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -91,3 +94,15 @@ def test_a_tracker_that_cannot_start_is_one_line_before_anything_trains(tmp_path
     proc = train_here(*args, "--tracker", "mlflow", env=bad, check=False)
     assert proc.returncode == 1 and proc.stderr.startswith("Error: --tracker mlflow: "), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists(), "nothing left of the start"
+
+
+def test_a_tracker_server_that_never_answers_is_one_line_within_a_minute(tmp_path: Path) -> None:
+    # it takes connections and answers none: MLflow's own 7 tries of 120 s each said nothing for minutes
+    args = ["--synthetic", "--output", tmp_path / "run", *TINY, "--max-steps", "1", "--workers", "0"]
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        start = time.monotonic()
+        env = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{silent.getsockname()[1]}"}
+        proc = train_here(*args, "--tracker", "mlflow", env=env, check=False)
+    assert time.monotonic() - start < 60
+    assert proc.returncode == 1 and proc.stderr.startswith("Error: --tracker mlflow: "), proc.stderr
+    assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ, "the bounds last only while the run does"

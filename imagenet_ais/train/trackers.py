@@ -59,6 +59,12 @@ class TensorBoard:
         self.board.close()
 
 
+# MLflow's own defaults wait 120 s for each of 7 tries: a server that takes connections and never
+# answers held the run for over 5 minutes without a word. Set while the run lasts, where the
+# environment does not say otherwise.
+MLFLOW_BOUNDS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2"}
+
+
 class MLflow:
     """A run of MLflow's client (MLFLOW_TRACKING_URI, or MLflow's default ./mlflow.db): no global
     active run is set in this process."""
@@ -72,6 +78,8 @@ class MLflow:
         except ImportError:
             install = "pip install mlflow-skinny sqlalchemy alembic"
             raise ConfigError(f"--tracker mlflow: MLflow is not installed ({install}), or leave it out") from None
+        self.bounded = [key for key in MLFLOW_BOUNDS if key not in os.environ]
+        os.environ.update({key: MLFLOW_BOUNDS[key] for key in self.bounded})
         try:
             self.client = MlflowClient()
             if not run_id:
@@ -84,8 +92,13 @@ class MLflow:
             else:
                 self.client.update_run(run_id, status="RUNNING")
         except Exception as e:  # the store's own errors: one line, before anything trains
+            self._unbound()
             raise ConfigError(f"--tracker mlflow: {_first_line(e)} (tracking URI {_mlflow_uri()})") from None
         self.run_id = run_id
+
+    def _unbound(self) -> None:
+        for key in self.bounded:
+            os.environ.pop(key, None)
 
     def log(self, values: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -94,9 +107,12 @@ class MLflow:
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
 
     def finish(self, status: str, values: dict[str, float], step: int) -> None:
-        if values:
-            self.log(values, step)
-        self.client.set_terminated(self.run_id, {"finished": "FINISHED", "stopped": "KILLED"}.get(status, "FAILED"))
+        try:
+            if values:
+                self.log(values, step)
+            self.client.set_terminated(self.run_id, {"finished": "FINISHED", "stopped": "KILLED"}.get(status, "FAILED"))
+        finally:
+            self._unbound()
 
 
 class Wandb:
