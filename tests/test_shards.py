@@ -823,6 +823,18 @@ def bomb_png(width: int, height: int) -> bytes:
             1,
             "unreadable (BadMember: member name b'k\\xff.jpg' is not UTF-8, as sample keys must be: rename it)",
         ),
+        (  # passed verify, and --log-keys wrote two lines for its key
+            ["k\n0.jpg", "k\n0.cls"],
+            1,
+            "unreadable (BadMember: member name 'k\\n0.jpg' holds control characters or is over 1024 characters: "
+            "rename it)",
+        ),
+        (
+            ["k" * 1100 + ".jpg", "k" * 1100 + ".cls"],
+            1,
+            f"unreadable (BadMember: member name '{'k' * 80}…' holds control characters or is over 1024 characters: "
+            "rename it)",
+        ),
     ],
 )
 def test_verify_names_what_is_wrong_inside_a_shard(names: list[str], samples: int, says: str, tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
 A header can declare anything: a GNU sparse member of 3 GiB stored in 30 KB (tarfile fills its
 holes with zeros as it reads: a worker held 3.6 GB for one draw), a link, a device. Only regular
-files of at most ``MAX_MEMBER_BYTES``, named in UTF-8, are read; any other member is a
+files of at most ``MAX_MEMBER_BYTES``, named in printable UTF-8 of at most ``MAX_NAME``
+characters, are read; any other member is a
 ``BadMember`` error, and the shard is unreadable from there on, for training and ``verify`` alike.
 """
 
@@ -16,6 +17,7 @@ from typing import BinaryIO
 from imagenet_ais.errors import DataError
 
 MAX_MEMBER_BYTES = 64 * 2**20  # one sample's image: ImageNet's largest is under 20 MB
+MAX_NAME = 1024  # characters of a member's name: a sample's key is one line of --log-keys, of metrics
 _KINDS = {
     tarfile.GNUTYPE_SPARSE: "a sparse file",
     tarfile.SYMTYPE: "a symbolic link",
@@ -57,13 +59,16 @@ def check_headers(path: Path) -> None:
 
 
 def _judge_kind(member: tarfile.TarInfo) -> None:
-    """BadMember where ``member`` is no regular file or is named in other bytes than UTF-8."""
+    """BadMember where ``member`` is no regular file, or is not named in printable UTF-8 of at most MAX_NAME."""
     if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
         kind = _KINDS.get(member.type, f"of tar type {member.type!r}")
         raise BadMember(f"member {member.name!r} is {kind}, not a regular file")
     if not member.name.isascii() and not _utf8(member.name):  # tarfile keeps other bytes as surrogates
         raw = member.name.encode("utf-8", "surrogateescape")
         raise BadMember(f"member name {raw!r} is not UTF-8, as sample keys must be: rename it")
+    if not member.name.isprintable() or len(member.name) > MAX_NAME:  # a newline made a key two lines
+        shown = member.name if len(member.name) <= 80 else member.name[:80] + "…"
+        raise BadMember(f"member name {shown!r} holds control characters or is over {MAX_NAME} characters: rename it")
 
 
 def _judge_size(member: tarfile.TarInfo) -> None:
