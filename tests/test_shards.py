@@ -1049,3 +1049,18 @@ def test_every_shard_tool_takes_workers_auto_as_its_default() -> None:
         assert option.default == "auto", verb
     result = CliRunner().invoke(shards_cli.cli, ["verify", "x", "--workers", "0"])
     assert result.exit_code == 2 and "'0' is neither 'auto' nor a count of 1 or more" in result.output
+
+
+def test_a_manifest_nested_past_the_stack_and_a_bad_bucket_name_are_one_line(tmp_path: Path) -> None:
+    # a RecursionError from summary and train; botocore's ParamValidationError
+    (tmp_path / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+    manifest = tmp_path / "manifest.json"
+    deep = f"Error: {manifest}: unreadable manifest (nested too deep); re-run `imagenet_shards.py convert`"
+    for verb in ("summary", "verify"):
+        proc = shards_here(verb, tmp_path, check=False)
+        assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [deep], proc.stderr
+    proc = shards_here("summary", "s3://Bad_Bucket!/x", check=False)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "Error: bad storage URL 's3://Bad_Bucket!/x': 'Bad_Bucket!' is no S3 bucket name (3-63 of a-z, 0-9, '.', "
+        "'-', starting and ending with a letter or digit)"
+    ]

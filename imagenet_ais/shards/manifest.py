@@ -97,6 +97,10 @@ class Manifest:
             return cls(classes, splits, _object(doc.get("source", {}), '"source"'))
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{where}: unreadable manifest ({e}); re-run `imagenet_shards.py convert`") from e
+        except RecursionError:  # (json nested past Python's stack: no manifest is)
+            raise DataError(
+                f"{where}: unreadable manifest (nested too deep); re-run `imagenet_shards.py convert`"
+            ) from None
 
     def is_demo(self) -> bool:
         """Made from ``synth``'s small pictures of random sizes (the demo): ``./run`` gives such data

@@ -12,6 +12,7 @@ import base64
 import contextlib
 import io
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -111,6 +112,10 @@ class _ResumingBody(io.RawIOBase):
         super().close()
 
 
+# S3's rules for a bucket's name (AWS; MinIO, Ceph and AIStore's /s3 follow them)
+BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
 class S3Store(_StoreBase):
     """``s3://bucket[/prefix]`` through boto3.
 
@@ -124,6 +129,11 @@ class S3Store(_StoreBase):
     def __init__(self, url: str, retry_seconds: float = 120):
         self.bucket, self.prefix = _bucket_and_prefix(url, "s3")
         self.url = url.rstrip("/")
+        if not BUCKET_NAME.fullmatch(self.bucket):  # (botocore's ParamValidationError was a traceback)
+            raise ConfigError(
+                f"bad storage URL {url!r}: {self.bucket!r} is no S3 bucket name (3-63 of a-z, 0-9, '.', '-', "
+                "starting and ending with a letter or digit)"
+            )
         with _one_line(self.url):
             self.client = _client()
 
