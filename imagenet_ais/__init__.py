@@ -19,6 +19,7 @@ __all__ = [
     "NotFound",
     "Refused",
     "ShardLoader",
+    "Stalled",
     "StateMismatch",
     "StorageError",
     "UnreadableData",

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import os
 import re
 import shutil
+import signal
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import torch
 from conftest import TINY_ARCH, write_shards
 from torch import nn
 
-from imagenet_ais import ShardLoader, StateMismatch
+from imagenet_ais import ShardLoader, Stalled, StateMismatch
 from imagenet_ais.errors import ConfigError, DataError
 from imagenet_ais.loader.shard_loader import few_queues
 from imagenet_ais.shards.manifest import load_manifest
@@ -151,6 +154,23 @@ def test_a_state_over_shards_converted_again_starts_its_epoch_over(stopped: dict
         with pytest.raises(StateMismatch, match=r"epoch 1 stopped at step 2 .* other bytes"):
             loader.load_state_dict(stopped)
         assert Counter(train_steps(loader, tiny_model())) == Counter(ALL), "the epoch whole, from its start"
+
+
+def test_a_worker_that_stops_ends_the_wait_in_one_line(data: str) -> None:
+    # one stopped worker (SIGSTOP) left the loop waiting for ever, with no word
+    with ShardLoader(data, "train", 8, **{**OPTIONS, "workers": 1}, data_timeout=3) as loader:
+        batches = iter(loader)
+        next(batches)
+        (worker,) = [p for p in mp.active_children() if p.daemon]  # (the DataLoader worker)
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(Stalled, match=r"no batch came from the loader's workers for 3 s .* --resume auto"):
+                for _ in batches:  # (those made before it stopped come first)
+                    pass
+            assert time.monotonic() - start < 30
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
 
 
 def test_a_rank_of_several_without_a_process_group_cannot_save_mid_epoch(data: str) -> None:

@@ -222,6 +222,13 @@ def parse_share(value: str) -> float | str:
     help="samples each rank mixes, split among its workers (each at least one batch)",
 )
 @click.option(
+    "--data-timeout",
+    default=DEFAULTS.data_timeout,
+    type=click.FloatRange(min=1),
+    metavar="SECONDS",
+    help="no batch for this long (a worker stopped, reads that hang): the run stops, exit 4",
+)
+@click.option(
     "--max-bad",
     default=DEFAULTS.max_bad,
     type=click.FloatRange(0, 1),

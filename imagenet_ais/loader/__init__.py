@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from imagenet_ais.errors import ConfigError, DataError, NotFound, Refused, StorageError
 from imagenet_ais.loader.engine import Batch
-from imagenet_ais.loader.failures import Interrupted, StateMismatch, UnreadableData, WorkerDied
+from imagenet_ais.loader.failures import Interrupted, Stalled, StateMismatch, UnreadableData, WorkerDied
 from imagenet_ais.loader.shard_loader import ShardLoader
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "NotFound",
     "Refused",
     "ShardLoader",
+    "Stalled",
     "StateMismatch",
     "StorageError",
     "UnreadableData",

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from imagenet_ais.loader.failures import Interrupted
+from imagenet_ais.loader.failures import Interrupted, Stalled
 
 _END = object()
 STEP_WAIT_SECONDS = 5.0  # what ``step_wait`` averages over
@@ -56,7 +56,8 @@ class DeviceFeed:
     tuple whose tensors (also in nested tuples and lists) live on ``device``; anything else in
     it passes through. Call ``close`` (or exhaust it) so the threads end. While the consumer
     waits for an item, ``interrupted`` (if given) is asked every 0.2 s with the seconds waited; once it is true, the
-    wait ends in ``Interrupted`` (a signal must stop a run whose data never comes).
+    wait ends in ``Interrupted`` (a signal must stop a run whose data never comes); past ``timeout``
+    seconds (if given) it ends in ``Stalled``.
     """
 
     def __init__(
@@ -67,8 +68,9 @@ class DeviceFeed:
         ahead: int = 2,
         interrupted: Callable[[float], bool] | None = None,
         step_wait: float = 1.0,
+        timeout: float | None = None,
     ):
-        self.items, self.device, self.interrupted = items, device, interrupted
+        self.items, self.device, self.interrupted, self.timeout = items, device, interrupted, timeout
         # high priority: a batch's few small kernels need not queue behind the step's
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self.queues: list[queue.Queue] = [queue.Queue(maxsize=2) for _ in stages] + [queue.Queue(maxsize=ahead)]
@@ -156,8 +158,11 @@ class DeviceFeed:
                 item = self.queues[-1].get(timeout=0.2)
                 break
             except queue.Empty:
-                if self.interrupted and self.interrupted(time.monotonic() - start):
+                waited = time.monotonic() - start
+                if self.interrupted and self.interrupted(waited):
                     raise Interrupted from None
+                if self.timeout is not None and waited > self.timeout:
+                    raise Stalled(f"no item came for {self.timeout:g} s") from None
         now = time.monotonic()
         self._waited(now - start, now)
         if item is _END:

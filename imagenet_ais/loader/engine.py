@@ -45,7 +45,7 @@ from imagenet_ais.loader.cpu_share import AUTO, LIMIT
 from imagenet_ais.loader.dali_decode import DaliCrops, DaliFailed
 from imagenet_ais.loader.device_decode import Decoded, crop_decoded, decode_encoded
 from imagenet_ais.loader.device_feed import DeviceFeed, Stage, close_all
-from imagenet_ais.loader.failures import UnreadableData, WorkerDied
+from imagenet_ais.loader.failures import Stalled, UnreadableData, WorkerDied
 from imagenet_ais.loader.sampling import Done, exact_assignment, trained
 from imagenet_ais.loader.transforms import normalize
 from imagenet_ais.loader.wire import Encoded, HostBatch, Slots
@@ -159,6 +159,8 @@ class Feeding:
     # of training's samples, cropped in the workers (cpu_share.py): a share, or "auto": on CUDA
     # only (elsewhere the device is the CPU too); nothing without workers
     cpu_share: float | str = AUTO
+    # seconds the step may wait for a batch before the loader gives up (Stalled); None: for ever
+    data_timeout: float | None = 600.0
 
     def share(self) -> float | str:
         """The share of training's samples the workers crop, or "auto" (cpu_share.py)."""
@@ -200,6 +202,7 @@ class _ShardLoader:
         self.feed: DeviceFeed | None = None  # the epoch's, while it is iterated
         self.padded = 0  # samples repeated to fill an epoch's last batches when decodes failed
         self.interrupted: Callable[[float], bool] | None = None  # ends a wait for a batch (failures.Interrupted)
+        self.timeout = feeding.data_timeout
 
     def received(self) -> Iterator[HostBatch]:
         """The workers' batches as they arrive; a worker that died ends them in one line."""
@@ -272,11 +275,17 @@ class _ShardLoader:
 
     def _on_device(self, batches: Iterator[HostBatch], ahead: int) -> Iterator[tuple[Batch, torch.Tensor]]:
         step_wait = self.signals.step_wait.value  # (the last epoch's: a new feed's first item waits for the workers)
-        feed = self.feed = DeviceFeed(batches, self.to_device.stages(), self.device, ahead, self.interrupted, step_wait)
+        stages = self.to_device.stages()
+        feed = self.feed = DeviceFeed(batches, stages, self.device, ahead, self.interrupted, step_wait, self.timeout)
         try:
             for item in feed:
                 self.signals.step_wait.value = feed.step_wait  # (for the workers' crops: cpu_share.py)
                 yield item
+        except Stalled:
+            raise Stalled(
+                f"{self.spec.location}: no batch came from the loader's workers for {self.timeout:g} s (one stopped, "
+                "or its reads hang?): restore them and continue with --resume auto (--data-timeout bounds the wait)"
+            ) from None
         finally:
             # bounded: a pull thread can wait for ever on a worker whose read never returns (a
             # stalled mount); left behind, it ends with the workers, at the latest at exit

@@ -20,5 +20,9 @@ class UnreadableData(RuntimeError):
     """Nothing of a location could be read: training would wait for ever (a run stops with exit 4)."""
 
 
+class Stalled(UnreadableData):
+    """No batch came for the loader's ``data_timeout``: a worker stopped, or its reads hang."""
+
+
 class Interrupted(Exception):
     """The step was told to stop while it waited for a batch (``ShardLoader.stop_waiting_when``)."""

@@ -87,6 +87,8 @@ class ShardLoader:
     - ``cpu_share``: with "gpu"/"dali", the share of training samples the workers crop themselves
       (cpu_share.py); "auto": on a GPU, as much as their spare time allows.
     - ``cache_dir``/``cache_size``: remote shards kept on the node's disk, read from there next epoch.
+    - ``data_timeout``: seconds the step may wait for a batch before ``Stalled`` ends the wait (a
+      worker stopped, or reads that hang); None: for ever.
     - ``augment``: RandAugment-style policies and random erasing (augment.Augment), training only.
       ``val_resize_size``: validation resizes the short side to it, then takes the centre crop.
 
@@ -126,9 +128,12 @@ class ShardLoader:
         channels_last: bool = False,
         cpu_share: float | str = AUTO,
         manifest: Manifest | None = None,
+        data_timeout: float | None = 600.0,
     ):
         _check_sizes(batch_size=batch_size, image_size=image_size, epoch_size=epoch_size, shuffle_buffer=shuffle_buffer)
         _check_kinds(location=location, manifest=manifest, augment=augment, workers=workers, seed=seed)
+        if data_timeout is not None and (not isinstance(data_timeout, int | float) or not data_timeout > 0):
+            raise ConfigError(f"data_timeout={data_timeout!r}: give seconds (more than 0), or None to wait for ever")
         location = os.fspath(location)
         rank, world_size = _topology(rank, world_size)
         device = _device(device)
@@ -147,7 +152,7 @@ class ShardLoader:
             world_size, rank, batch_size, seed, image_size, self.decode, len(manifest.classes),
             CacheSpec(cache_dir, cache_size) if cache_dir else None, augment=augment,
         )  # fmt: skip
-        feeding = Feeding(self.workers, device, channels_last, cpu_share=checked(cpu_share))
+        feeding = Feeding(self.workers, device, channels_last, cpu_share=checked(cpu_share), data_timeout=data_timeout)
         data = manifest.split(split)
         self._loader: TrainLoader | ValLoader
         if split == "train":

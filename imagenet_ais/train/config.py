@@ -62,6 +62,7 @@ class TrainConfig:
     epoch_mode: str = "resampled"
     epoch_size: int | None = None  # resampled: samples per epoch, whatever the manifest holds (None: its count)
     shuffle_buffer: int = 2000
+    data_timeout: float = 600.0  # seconds a step may wait for a batch before the run stops (exit 4)
     max_bad: float = 0.01  # of an epoch's samples, skipped or padded, before the run stops
     log_every: int = 20
     log_keys: bool = False

@@ -195,6 +195,7 @@ def loaders(
         ShardLoader, cfg.data, batch_size=cfg.batch_size, rank=process.rank, world_size=process.world,
         decode=cfg.decode, device=process.device, workers=cfg.workers, cache_dir=cfg.cache_dir,
         cache_size=cfg.cache_size, seed=cfg.seed, channels_last=channels_last, manifest=manifest,
+        data_timeout=cfg.data_timeout,
     )  # fmt: skip
     # each epoch gets its size (--progressive) from set_epoch; the workers' buffers hold the largest's crops
     train_loader = loader(
