@@ -281,14 +281,16 @@ def descendants(pid: int) -> set[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("verb", ["local1", "local2"])
-def test_sigterm_to_run_saves_exits_75_and_leaves_no_process(verb: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("verb", [["local1"], ["local2"], ["nodes", "localhost,localhost"]], ids=lambda v: v[0])
+def test_sigterm_to_run_saves_exits_75_and_leaves_no_process(verb: list[str], tmp_path: Path) -> None:
     # as a supervisor, timeout or a batch script stops the PID it started: ./run's own
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [40, 40], "val": [4]})
-    env = {**os.environ, **tiny_run_env(data, output), "EPOCHS": "50"}
+    env = {**os.environ, **tiny_run_env(data, output), "EPOCHS": "50", "RDZV_PORT": str(free_port())}
+    if verb[0] == "nodes":
+        env |= {"NPROC": "1", "EPOCH_MODE": "exact"}  # two agents of one rank each
     proc = subprocess.Popen(
-        [str(ROOT / "run"), verb, "--log-every", "1"],
+        [str(ROOT / "run"), *verb, "--log-every", "1"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
