@@ -11,7 +11,8 @@ import click
 
 from imagenet_ais.cli.one_line import one_line
 from imagenet_ais.shards import cache, convert, synth, verify
-from imagenet_ais.shards.manifest import brace_pattern, load_manifest
+from imagenet_ais.shards.inputs import Stored
+from imagenet_ais.shards.manifest import Manifest, brace_pattern, load_manifest
 from imagenet_ais.storage import open_store
 
 
@@ -98,6 +99,19 @@ def synth_cmd(
     help="read each uploaded shard back in full and compare its SHA-256 (by default a checksum the storage "
     "computed of what it stored is compared: AIStore's xxhash, GCS's crc32c)",
 )
+@click.option(
+    "--max-side",
+    type=click.IntRange(min=32, max=8192),
+    metavar="N",
+    help="store images whose longer side is over N px resized to N (the aspect kept); smaller ones keep their bytes",
+)
+@click.option(
+    "--quality",
+    default=95,
+    show_default=True,
+    type=click.IntRange(1, 100),
+    help="JPEG quality of the images stored re-encoded (resized, or no RGB or gray JPEG)",
+)
 def convert_cmd(
     src: Path,
     dest: str,
@@ -108,14 +122,22 @@ def convert_cmd(
     seed: int,
     allow_empty: bool,
     read_back: bool,
+    max_side: int | None,
+    quality: int,
 ) -> None:
     """Convert the ImageFolder tree SRC into shuffled shards and a manifest at DEST.
 
-    Re-running resumes: shards already complete and verified at DEST are kept.
+    Re-running resumes: shards already complete and verified at DEST are kept (rebuilt where
+    the settings differ, --max-side and --quality among them).
     """
     with one_line():
         split_list = [s for s in splits.split(",") if s]
-        manifest = convert.convert(src, dest, split_list, maxcount, maxsize, workers, seed, allow_empty, read_back)
+        stored = Stored(max_side, quality)
+        manifest = convert.convert(
+            src, dest, split_list, maxcount, maxsize, workers, seed, allow_empty, read_back, stored=stored
+        )
+    if stored.max_side:
+        click.echo(_stored(manifest).removeprefix("; "))
     for name, split in manifest.splits.items():
         click.echo(f"{name}: {split.samples} samples in {_shards(split.shards)}, {len(split.rejected)} rejected")
         for r in split.rejected:
@@ -129,11 +151,12 @@ def verify_cmd(dest: str, workers: int) -> None:
     """Re-read every shard at DEST against its manifest; exit 1 naming each bad shard."""
     with one_line():
         problems = verify.verify(dest, workers)
+        stored = _stored(load_manifest(open_store(dest)))
     for name, problem in sorted(problems.items()):
         click.echo(f"BAD {dest}/{name}: {problem}", err=True)
     if problems:
         sys.exit(1)
-    click.echo(f"{dest}: all shards match the manifest and decode")
+    click.echo(f"{dest}: all shards match the manifest and decode{stored}")
 
 
 @cli.command("preload")
@@ -159,13 +182,19 @@ def summary_cmd(dest: str) -> None:
     """Print each split of DEST as a brace pattern with counts and sizes."""
     with one_line():
         manifest = load_manifest(open_store(dest))
-    click.echo(f"{dest}: {len(manifest.classes)} classes")
+    click.echo(f"{dest}: {len(manifest.classes)} classes{_stored(manifest)}")
     for name, split in manifest.splits.items():
         pattern = brace_pattern([s.name for s in split.shards])
         click.echo(
             f"{name}: {pattern}  shards={len(split.shards)} samples={split.samples} "
             f"size={_human(split.bytes)} rejected={len(split.rejected)}"
         )
+
+
+def _stored(manifest: Manifest) -> str:
+    """How the manifest says its images were stored, where convert was given --max-side (else nothing)."""
+    side, quality = manifest.source.get("max_side"), manifest.source.get("quality")
+    return f"; images stored at most {side} px a side, JPEG quality {quality}" if side else ""
 
 
 if __name__ == "__main__":  # python -m imagenet_ais.cli.shards

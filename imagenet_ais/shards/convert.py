@@ -22,7 +22,7 @@ from PIL import Image, UnidentifiedImageError
 from imagenet_ais.children import exit_with_parent
 from imagenet_ais.errors import ConfigError, DataError, StorageError
 from imagenet_ais.shards import progress, synth
-from imagenet_ais.shards.inputs import Seen, ShardPlan, check_counts, list_classes, plan_split
+from imagenet_ais.shards.inputs import AS_GIVEN, Seen, ShardPlan, Stored, check_counts, list_classes, plan_split
 from imagenet_ais.shards.manifest import (
     MANIFEST,
     Manifest,
@@ -44,30 +44,43 @@ Record = tuple[ShardInfo, list[dict[str, str]]]  # a shard built, and the inputs
 DISK_FULL = (errno.ENOSPC, errno.EFBIG)
 
 
-def as_training_jpeg(data: bytes) -> bytes:
-    """The bytes to store for an input image: the original when it is an RGB or gray JPEG,
-    else an RGB JPEG re-encoding. Raises ValueError with the reason when it is unreadable."""
+def as_training_jpeg(data: bytes, stored: Stored = AS_GIVEN) -> bytes:
+    """The bytes to store for an input image: the original when it is an RGB or gray JPEG within
+    ``stored.max_side``, else an RGB JPEG re-encoding (resized to the max side, with Pillow's
+    LANCZOS filter). Raises ValueError with the reason when it is unreadable."""
     if not data:
         raise DataError("empty file")
     try:
         with Image.open(io.BytesIO(data)) as img:
-            if img.format == "JPEG" and img.mode in ("RGB", "L"):
+            side = stored.max_side
+            target = None if side is None or max(img.size) <= side else _within(img.size, side)
+            if img.format == "JPEG" and img.mode in ("RGB", "L") and target is None:
                 # Reduced-scale decoding still walks the whole scan, so truncation shows.
                 img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
                 img.load()
                 return data
+            if target and img.format == "JPEG":
+                img.draft(img.mode, target)  # decoded at a power-of-2 scale no smaller than the target
             pixels: Image.Image = img
             if img.mode.startswith("I"):
                 # 16-bit gray (PNG, TIFF): Pillow's convert clips at 255, i.e. nearly all white
                 pixels = Image.fromarray((np.asarray(img, dtype=np.int64).clip(0, 65535) // 257).astype(np.uint8))
             rgb = pixels.convert("RGB")
+            if target:
+                rgb = rgb.resize(target, Image.Resampling.LANCZOS)
     except UnidentifiedImageError as e:
         raise DataError("not an image format Pillow can read") from e
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise DataError(f"{type(e).__name__}: {e}") from e
     out = io.BytesIO()
-    rgb.save(out, format="JPEG", quality=95)
+    rgb.save(out, format="JPEG", quality=stored.quality)
     return out.getvalue()
+
+
+def _within(size: tuple[int, int], side: int) -> tuple[int, int]:
+    """``size`` scaled so that its longer side is ``side``, the aspect kept."""
+    scale = side / max(size)
+    return max(1, round(size[0] * scale)), max(1, round(size[1] * scale))
 
 
 def file_sha256(path: Path) -> str:
@@ -104,7 +117,7 @@ def build_shard(src: Path, dest_url: str, plan: ShardPlan) -> tuple[Path, Record
         with tmp.open("wb") as f, wds.TarWriter(f, mtime=0) as tar:
             for item in plan.items:
                 try:
-                    jpeg = as_training_jpeg(_source_bytes(src / item.rel))
+                    jpeg = as_training_jpeg(_source_bytes(src / item.rel), plan.stored)
                 except (OSError, ValueError) as e:
                     rejected.append({"path": item.rel, "reason": str(e)})
                     continue
@@ -245,6 +258,7 @@ def convert(
     seed: int,
     allow_empty: bool = False,
     read_back: bool = False,
+    stored: Stored = AS_GIVEN,
 ) -> Manifest:
     if not splits:
         raise ConfigError("--splits names no split: give the split folders of SRC, e.g. --splits train,val")
@@ -258,11 +272,13 @@ def convert(
         )
     classes = list_classes(src)
     seen = Seen(src)  # across splits: nothing is read twice
-    plans = {split: plan_split(src, split, classes, seed, maxcount, maxsize, seen) for split in splits}
+    plans = {split: plan_split(src, split, classes, seed, maxcount, maxsize, seen, stored) for split in splits}
     for split, (split_plans, _) in plans.items():
         if not allow_empty:
             check_counts(split, classes, _labels(split_plans))
     source: dict[str, object] = {"seed": seed, "maxcount": maxcount, "maxsize": maxsize}
+    if stored.max_side is not None:
+        source |= {"max_side": stored.max_side, "quality": stored.quality}
     if made := synth.description(src):
         source["synthetic"] = made
     try:

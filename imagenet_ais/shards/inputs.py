@@ -34,14 +34,30 @@ class Input(NamedTuple):
     mtime_ns: int
 
 
+@dataclass(frozen=True)
+class Stored:
+    """How images are stored: those whose longer side is over ``max_side`` resized to it (the
+    aspect kept) and encoded at ``quality``, as are the few that are no RGB or gray JPEG; the
+    others keep their bytes. None: every image at its own size."""
+
+    max_side: int | None = None
+    quality: int = 95
+
+
+AS_GIVEN = Stored()  # every image at its own size
+
+
 @dataclass
 class ShardPlan:
     name: str
     items: list[Input]
+    stored: Stored = AS_GIVEN
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(repr(self.items).encode()).hexdigest()[:16]
+        # (the default's digest is what it was before Stored: shards made then are kept)
+        what = repr(self.items) + (repr(self.stored) if self.stored != AS_GIVEN else "")
+        return hashlib.sha256(what.encode()).hexdigest()[:16]
 
 
 def shard_name(split: str, index: int) -> str:
@@ -173,7 +189,7 @@ def read_split(
 
 
 def plan_split(
-    src: Path, split: str, classes: list[str], seed: int, maxcount: int, maxsize: int, seen: Seen
+    src: Path, split: str, classes: list[str], seed: int, maxcount: int, maxsize: int, seen: Seen, stored: Stored
 ) -> tuple[list[ShardPlan], list[Rejected]]:
     files, rejected = read_split(src, split, classes, seen)
     random.Random(f"{seed}:{split}").shuffle(files)
@@ -183,12 +199,12 @@ def plan_split(
     size = 0
     for rel, cls, st in files:
         if items and (len(items) >= maxcount or size + st.st_size + TAR_OVERHEAD > maxsize):
-            plans.append(ShardPlan(shard_name(split, len(plans)), items))
+            plans.append(ShardPlan(shard_name(split, len(plans)), items, stored))
             items, size = [], 0
         items.append(Input(rel, unique_key(rel, used), cls, st.st_size, st.st_mtime_ns))
         size += st.st_size + TAR_OVERHEAD
     if items:
-        plans.append(ShardPlan(shard_name(split, len(plans)), items))
+        plans.append(ShardPlan(shard_name(split, len(plans)), items, stored))
     return plans, rejected
 
 
