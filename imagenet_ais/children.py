@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 POLL_S = 0.25
 
@@ -30,3 +31,8 @@ def exit_with_parent(parent: int | None = None) -> None:
         os._exit(1)  # nothing to save: the parent, who wanted the work, is gone
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def worker_pool(workers: int) -> ProcessPoolExecutor:
+    """``workers`` processes (1 at least), each ending with this one."""
+    return ProcessPoolExecutor(max_workers=max(1, workers), initializer=exit_with_parent, initargs=(os.getpid(),))

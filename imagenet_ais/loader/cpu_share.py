@@ -38,6 +38,7 @@ from PIL import Image
 
 from imagenet_ais.errors import ConfigError
 from imagenet_ais.loader.cpu_time import own_cpu_jiffies
+from imagenet_ais.loader.signals import Signals
 from imagenet_ais.loader.transforms import crop_on_cpu
 
 AUTO = "auto"
@@ -128,8 +129,7 @@ def offload(
             except FAILED as e:
                 failed(sample, f"{type(e).__name__}: {e}")
                 continue
-            with cropped.get_lock():
-                cropped.value += 1
+            Signals.add(cropped)
         made = time.perf_counter()
         yield sample
         asked = time.perf_counter()  # (the wait includes collating the batch: a few ms of ~0.5 s here)

@@ -131,9 +131,7 @@ class ShardLoader:
         data_timeout: float | None = 600.0,
     ):
         _check_sizes(batch_size=batch_size, image_size=image_size, epoch_size=epoch_size, shuffle_buffer=shuffle_buffer)
-        _check_kinds(location=location, manifest=manifest, augment=augment, workers=workers, seed=seed)
-        if data_timeout is not None and (not isinstance(data_timeout, int | float) or not data_timeout > 0):
-            raise ConfigError(f"data_timeout={data_timeout!r}: give seconds (more than 0), or None to wait for ever")
+        _check_kinds(location, manifest, augment, workers, seed, data_timeout)
         location = os.fspath(location)
         rank, world_size = _topology(rank, world_size)
         device = _device(device)
@@ -385,7 +383,9 @@ def _check_sizes(**sizes: object) -> None:
             raise ConfigError(f"{name}={value!r}: give a whole number, {within}")
 
 
-def _check_kinds(location: object, manifest: object, augment: object, workers: object, seed: object) -> None:
+def _check_kinds(
+    location: object, manifest: object, augment: object, workers: object, seed: object, data_timeout: object
+) -> None:
     """Arguments of the wrong kind, in one line rather than an error deep inside at the first batch."""
     if not isinstance(location, str | os.PathLike):
         raise ConfigError(f"location={location!r}: give a shard location (a directory or a storage URL)")
@@ -397,6 +397,8 @@ def _check_kinds(location: object, manifest: object, augment: object, workers: o
         raise ConfigError(f"workers={workers!r}: give a whole number of DataLoader workers, 0 to {max_workers()} here")
     if not _whole(seed):
         raise ConfigError(f"seed={seed!r}: give a whole number")
+    if data_timeout is not None and (not isinstance(data_timeout, int | float) or not data_timeout > 0):
+        raise ConfigError(f"data_timeout={data_timeout!r}: give seconds (more than 0), or None to wait for ever")
 
 
 def max_workers() -> int:

@@ -39,7 +39,8 @@ class Signals:
     def __post_init__(self) -> None:
         self.size = mp.Value("q", self.image_size)
 
-    def add(self, counter: Synchronized[int], n: int = 1) -> None:
+    @staticmethod
+    def add(counter: Synchronized[int], n: int = 1) -> None:
         """Count ``n`` in one of the counters (from any worker)."""
         with counter.get_lock():
             counter.value += n

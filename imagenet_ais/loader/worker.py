@@ -136,9 +136,8 @@ class ShardStream(IterableDataset):
         # resampled streams fresh ones); set before the workers start, so even persistent
         # workers see it
         self.resumed: tuple[int, Done, str] = (-1, {}, "")
-        self.share = CpuShare(
-            spec.cpu_share, step_wait=self.signals.step_wait
-        )  # (per worker, kept from epoch to epoch)
+        # (per worker, kept from epoch to epoch)
+        self.share = CpuShare(spec.cpu_share, step_wait=self.signals.step_wait)
 
     def _done(self) -> tuple[Done, str]:
         """What a resumed epoch leaves out, and how its resampled streams are told apart."""

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import errno
 import io
-import os
 import sys
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 
 import numpy as np
 import webdataset as wds
 from PIL import Image, UnidentifiedImageError
 
-from imagenet_ais.children import exit_with_parent
+from imagenet_ais.children import worker_pool
 from imagenet_ais.errors import ConfigError, DataError, StorageError
 from imagenet_ais.shards import progress, synth
 from imagenet_ais.shards.inputs import AS_GIVEN, Seen, ShardPlan, Stored, check_counts, list_classes, plan_split
@@ -374,12 +373,8 @@ def _build(
     try:
         with (
             progress.bar(total, f"convert → {store.url}", "images") as bar,
-            ProcessPoolExecutor(
-                max_workers=max(1, workers), initializer=exit_with_parent, initargs=(os.getpid(),)
-            ) as pool,
-            ProcessPoolExecutor(
-                max_workers=max(1, workers), initializer=exit_with_parent, initargs=(os.getpid(),)
-            ) as uploads,
+            worker_pool(workers) as pool,
+            worker_pool(workers) as uploads,
         ):
             try:
                 while True:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import get_type_hints
 
 from imagenet_ais.errors import DataError, NotFound, Refused
-from imagenet_ais.storage import Store, open_store, stream_sha256
+from imagenet_ais.storage import Store, is_inside, open_store, stream_sha256
 
 MANIFEST = "manifest.json"
 FORMAT = "imagenet-ais-shards"
@@ -163,8 +163,8 @@ def _check_shards(shards: list[ShardInfo], split: str) -> None:
     negative, no shard listed twice."""
     seen: set[str] = set()
     for i, shard in enumerate(shards):
-        parts = shard.name.split("/")
-        if not shard.name or shard.name.startswith("/") or {"", ".", ".."} & set(parts) or not shard.name.isprintable():
+        # a store's rule, and more: a manifest names files (no empty or "." parts), each printable
+        if not is_inside(shard.name) or {"", "."} & set(shard.name.split("/")) or not shard.name.isprintable():
             raise DataError(f"shard {i} of {split!r}: {shard.name!r} is no name of a file inside the shards' location")
         if shard.samples < 0 or shard.bytes < 0:
             raise DataError(f"shard {i} of {split!r}: {shard.samples} samples in {shard.bytes} bytes")

@@ -4,13 +4,12 @@ manifest entry (size, SHA-256, members), every image decoded and every label in 
 from __future__ import annotations
 
 import io
-import os
 import tarfile
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 
 from PIL import Image
 
-from imagenet_ais.children import exit_with_parent
+from imagenet_ais.children import worker_pool
 from imagenet_ais.shards import progress
 from imagenet_ais.shards.manifest import (
     ShardInfo,
@@ -66,9 +65,7 @@ def verify(dest_url: str, workers: int) -> dict[str, str]:
     manifest = load_manifest(store)
     shards = [s for split in manifest.splits.values() for s in split.shards]
     problems: dict[str, str] = {}
-    with ProcessPoolExecutor(
-        max_workers=max(1, workers), initializer=exit_with_parent, initargs=(os.getpid(),)
-    ) as pool:
+    with worker_pool(workers) as pool:
         futures = {pool.submit(check_shard, dest_url, s, len(manifest.classes)): s for s in shards}
         with progress.bar(len(futures), f"verify {dest_url}", "shards") as bar:
             for future in as_completed(futures):

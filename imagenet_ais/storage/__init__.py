@@ -17,7 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from imagenet_ais.errors import ConfigError
-from imagenet_ais.storage.base import Store, download, stream_sha256
+from imagenet_ais.storage.base import Store, download, is_inside, stream_sha256
 from imagenet_ais.storage.local import LocalStore
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ __all__ = [
     "Store",
     "download",
     "file_crc32c",
+    "is_inside",
     "is_local",
     "open_store",
     "process_store",

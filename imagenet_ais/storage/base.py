@@ -34,9 +34,14 @@ class Store(Protocol):
     def matches(self, name: str, path: Path) -> bool: ...  # the object exists with path's exact bytes
 
 
+def is_inside(name: str) -> bool:
+    """Whether ``name`` is an object name relative to a location: not absolute, no way out of it."""
+    return bool(name) and not name.startswith("/") and ".." not in name.split("/")
+
+
 def _checked(name: str, url: str) -> str:
-    """An object name relative to a location: no absolute paths, no way out of it."""
-    if not name or name.startswith("/") or ".." in name.split("/"):
+    """``name``, where it is inside its location (``is_inside``); else a DataError."""
+    if not is_inside(name):
         raise DataError(f"invalid object name {name!r} in {url}")
     return name
 
