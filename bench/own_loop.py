@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""A user's own loop fed by ``ShardLoader``, against the same loop's ceiling, in one process.
+
+The loop is docs/library.md's plain DDP loop as written there (bf16 autocast, cross entropy,
+SGD, channels-last), run under ``torchrun`` with one process or more; ``--compile MODE`` wraps
+the model in ``torch.compile`` as a user would. The ceiling is the same compiled step on four
+batches already on the GPU (so the compiled graph copies its inputs as it does when fed), timed
+first; then the loader's batches, timed after ``--warmup`` steps. Prints both rates and their
+ratio as one JSON line (also written to ``--json-out``). The environment is the caller's: the
+docs' loop does not set ``CUDA_DEVICE_MAX_CONNECTIONS``, so neither does this.
+
+``--profile FILE`` also samples the fed steady state with py-spy (``--gil --threads``, not
+pausing the process) into FILE in py-spy's raw (collapsed) format.
+
+    torchrun --nproc-per-node 1 bench/own_loop.py --data SHARDS --compile default
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import torch
+import torch.distributed as dist
+import torchvision
+
+from imagenet_ais import ShardLoader
+
+WINDOW = 50  # steps per window of the fed rate's trace
+SPY = ["py-spy", "record", "--gil", "--threads", "--nonblocking", "--rate", "200", "--duration", "10"]
+
+
+def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor) -> None:
+    """docs/library.md's step, as written."""
+    with torch.autocast("cuda", torch.bfloat16):
+        loss = torch.nn.functional.cross_entropy(model(images), labels)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+def ceiling(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, shape: tuple[int, ...], classes: int, steps: int
+) -> float:
+    batches = [
+        (
+            torch.randn(shape, device="cuda").contiguous(memory_format=torch.channels_last),
+            torch.randint(0, classes, (shape[0],), device="cuda"),
+        )
+        for _ in range(4)
+    ]
+    for i in range(30):  # compile, capture, warm up
+        step(model, optimizer, *batches[i % 4])
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(steps):
+        step(model, optimizer, *batches[i % 4])
+    torch.cuda.synchronize()
+    return steps * shape[0] / (time.perf_counter() - start)
+
+
+def fed(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: ShardLoader,
+    warmup: int,
+    steps: int,
+    profile: Path | None,
+) -> dict[str, float | list[float]]:
+    """The loader's rate over ``steps`` after ``warmup``, with the step's wait for batches, the
+    feed threads' busy shares and the rate of every window of WINDOW steps (CUDA events: no sync)."""
+    spy, wait, batches, marks = None, 0.0, iter(loader), []
+    for i in range(warmup + steps + 1):
+        asked = time.perf_counter()
+        images, labels, _keys = next(batches)
+        wait += time.perf_counter() - asked
+        step(model, optimizer, images, labels)
+        if i % WINDOW == 0 or i == warmup:
+            marks.append((i, time.perf_counter(), torch.cuda.Event(enable_timing=True)))
+            marks[-1][2].record()
+        if i == warmup:
+            wait, busy = 0.0, loader.busy()
+            if profile:
+                spy = subprocess.Popen([*SPY, "--format", "raw", "--output", str(profile), "--pid", str(os.getpid())])
+    torch.cuda.synchronize()
+    busy = loader.busy()
+    if spy:
+        spy.wait()
+    first = next(m for m in marks if m[0] == warmup)
+    seconds = first[2].elapsed_time(marks[-1][2]) / 1000
+    n = images.shape[0]
+    return {
+        "fed": round(steps * n / seconds, 1),
+        "data_wait": round(wait / (marks[-1][1] - first[1]), 3),
+        **{f"busy_{name}": round(s / seconds, 2) for name, s in busy.items()},
+        "windows": [
+            round(WINDOW * n * 1000 / a[2].elapsed_time(b[2]))
+            for a, b in itertools.pairwise(marks)
+            if b[0] - a[0] == WINDOW
+        ],
+    }
+
+
+@click.command()
+@click.option("--data", required=True, help="shard location")
+@click.option("--arch", default="resnet50", show_default=True)
+@click.option("--batch-size", default=256, show_default=True)
+@click.option("--image-size", default=224, show_default=True)
+@click.option("--compile", "mode", default="none", type=click.Choice(["none", "default", "reduce-overhead"]))
+@click.option("--steps", default=600, show_default=True, help="timed steps, each of ceiling and fed")
+@click.option("--warmup", default=150, show_default=True, help="fed steps before the timing starts")
+@click.option("--cpu-share", default="auto", show_default=True, help="ShardLoader's cpu_share (a diagnosis)")
+@click.option("--switch-interval", type=float, help="sys.setswitchinterval for the run, in ms (a diagnosis)")
+@click.option("--profile", type=click.Path(dir_okay=False, path_type=Path), help="py-spy raw samples here")
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+def main(
+    data: str,
+    arch: str,
+    batch_size: int,
+    image_size: int,
+    mode: str,
+    steps: int,
+    warmup: int,
+    cpu_share: str,
+    switch_interval: float | None,
+    profile: Path | None,
+    json_out: Path | None,
+) -> None:
+    if switch_interval:
+        sys.setswitchinterval(switch_interval / 1000)
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    epoch = (warmup + steps + 10) * batch_size * dist.get_world_size()
+    loader = ShardLoader(
+        data,
+        "train",
+        batch_size,
+        epoch_size=epoch,
+        image_size=image_size,
+        channels_last=True,
+        cpu_share=float(cpu_share) if cpu_share != "auto" else cpu_share,
+    )
+    model = torchvision.models.__dict__[arch](num_classes=len(loader.classes)).cuda()
+    model = torch.nn.parallel.DistributedDataParallel(model.to(memory_format=torch.channels_last))
+    if mode != "none":
+        model = torch.compile(model, mode=mode)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    shape = (batch_size, 3, image_size, image_size)
+    top = ceiling(model, optimizer, shape, len(loader.classes), steps)
+    got = fed(model, optimizer, loader, warmup, steps, profile if dist.get_rank() == 0 else None)
+    loader.close()
+    row = {
+        "arch": arch, "batch": batch_size, "size": image_size, "compile": mode, "ranks": dist.get_world_size(),
+        "queues": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset"), "workers": loader.workers,
+        "cpu_share": cpu_share, "switch_ms": switch_interval,
+        "ceiling": round(top, 1), "ratio": round(float(got["fed"]) / top, 3), **got,  # type: ignore[arg-type]
+    }  # fmt: skip
+    if dist.get_rank() == 0:
+        print(json.dumps(row), flush=True)
+        if json_out:
+            with json_out.open("a") as out:
+                out.write(json.dumps(row) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
