@@ -45,8 +45,7 @@ AUTO = "auto"
 LIMIT = 0.5  # the most "auto" takes: engine.py sizes the workers' buffers for it
 IDLE = 0.25  # the part of its time an "auto" worker keeps waiting: cores left to the training process
 HOST_BUSY = 0.85  # the job's cores busier than this: every "auto" worker gives some back
-STEP_WAIT = 0.10  # the training step waiting for batches less than this share of its time: likewise,
-STAGE_BUSY = 0.88  # unless the feed's busiest stage works at least this share of its time
+STEP_WAIT = 0.10  # the training step waiting for batches less than this share of its time: likewise
 GAIN = 0.25
 WINDOW = 1.0  # seconds of a worker's time between changes of its share
 FAILED = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)  # what PIL raises on a broken picture
@@ -76,9 +75,8 @@ class CpuShare:
         share: float | str,
         cores: Callable[[], tuple[int, int] | None] = own_cpu_jiffies,
         step_wait: c_double | None = None,
-        stage_busy: c_double | None = None,
     ):
-        self.adaptive, self.cores, self.step_wait, self.stage_busy = share == AUTO, cores, step_wait, stage_busy
+        self.adaptive, self.cores, self.step_wait = share == AUTO, cores, step_wait
         self.share = 0.0 if self.adaptive else float(share)
         self.credit = 0.0  # shares of a sample owed: one is taken whenever it reaches 1
         self.busy = self.idle = 0.0
@@ -97,19 +95,10 @@ class CpuShare:
         self.busy, self.idle = self.busy + busy, self.idle + idle
         total = self.busy + self.idle
         if self.adaptive and total >= WINDOW:
-            needed = self.host_busy() <= HOST_BUSY and self.feed_short()
+            needed = self.host_busy() <= HOST_BUSY and (self.step_wait is None or self.step_wait.value >= STEP_WAIT)
             waited = self.idle / total if needed else 0.0
             self.share = min(LIMIT, max(0.0, self.share + GAIN * (waited - IDLE)))
             self.busy = self.idle = 0.0
-
-    def feed_short(self) -> bool:
-        """Whether the training process's feed is its limit: its step waits for batches, or the
-        feed's busiest stage (the GPU decode) hardly rests, slowing the step beside it."""
-        if self.step_wait is None:
-            return True  # unknown
-        return self.step_wait.value >= STEP_WAIT or (
-            self.stage_busy is not None and self.stage_busy.value >= STAGE_BUSY
-        )
 
     def host_busy(self) -> float:
         """The share of the job's cores' time spent busy since the last call (0 where unknown).

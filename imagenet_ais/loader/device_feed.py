@@ -10,9 +10,7 @@ end-to-end limit. On CUDA the device work goes on a high-priority side stream.
 ``busy()`` tells how long each thread spent working (the pulling thread: getting a batch,
 waiting on the workers included): the stage near 100% of the wall time is the limit.
 ``step_wait`` is the share of its time the consumer recently spent blocked waiting for items (for
-a training loop: its time in ``next``, not the GPU's idle time), and ``stage_busy`` the share the
-busiest stage recently worked: near 1, that stage is the feed's limit, also where the consumer
-hardly waits because the stage's device work slows the step itself.
+a training loop: its time in ``next``, not the GPU's idle time).
 """
 
 from __future__ import annotations
@@ -71,7 +69,6 @@ class DeviceFeed:
         interrupted: Callable[[float], bool] | None = None,
         step_wait: float = 1.0,
         timeout: float | None = None,
-        stage_busy: float = 0.0,
     ):
         self.items, self.device, self.interrupted, self.timeout = items, device, interrupted, timeout
         # high priority: a batch's few small kernels need not queue behind the step's
@@ -82,9 +79,7 @@ class DeviceFeed:
         # the consumer's share of time waiting for items: ``step_wait`` as given until the second
         # item (the first one's wait is the producer starting up), then its mean since the first,
         # over the last STEP_WAIT_SECONDS or so once it has run that long
-        self.step_wait, self.stage_busy = step_wait, stage_busy  # (stage_busy: averaged alike)
-        self.worked = dict.fromkeys(self.seconds, 0.0)  # as ``seconds``, never reset
-        self._worked_then = dict(self.worked)  # at the last item handed over
+        self.step_wait = step_wait
         self._began: float | None = None  # when the first item was handed over
         self._handed = 0.0  # when the last one was
         self.threads = [threading.Thread(target=self._pull, name="host-batches", daemon=True)]
@@ -146,9 +141,7 @@ class DeviceFeed:
                         # otherwise go to the next allocation at once (nvJPEG writes from a
                         # stream of its own) while this stage's kernels may still read it.
                         self.stream.synchronize()
-                    took = time.perf_counter() - start
-                    self.seconds[name] += took
-                    self.worked[name] += took
+                    self.seconds[name] += time.perf_counter() - start
                     del item
                     if not self._put(sink, out):
                         return
@@ -188,17 +181,13 @@ class DeviceFeed:
         return item
 
     def _waited(self, seconds: float, now: float) -> None:
-        """The consumer waited ``seconds`` for the item handed over at ``now``: fold it into
-        ``step_wait``, and the stages' work since the last item into ``stage_busy``."""
+        """The consumer waited ``seconds`` for the item handed over at ``now``: fold it into ``step_wait``."""
         span, self._handed = now - self._handed, now  # since it had the last one: its own work, then the wait
-        worked, then, self._worked_then = self.worked, self._worked_then, dict(self.worked)
         if self._began is None:
             self._began = now
         elif span > 0:
-            weight = min(1.0, span / min(STEP_WAIT_SECONDS, now - self._began))
-            self.step_wait += weight * (min(1.0, seconds / span) - self.step_wait)
-            busiest = max((worked[n] - then[n] for n in worked if n != "host"), default=0.0)
-            self.stage_busy += weight * (min(1.0, busiest / span) - self.stage_busy)
+            weight = span / min(STEP_WAIT_SECONDS, now - self._began)
+            self.step_wait += min(1.0, weight) * (min(1.0, seconds / span) - self.step_wait)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the threads (each finishes the item in hand first); give up after ``timeout`` seconds."""

@@ -274,15 +274,12 @@ class _ShardLoader:
         return wire.pinned(batch) if self.pin else batch
 
     def _on_device(self, batches: Iterator[HostBatch], ahead: int) -> Iterator[tuple[Batch, torch.Tensor]]:
-        signals = self.signals  # (the last epoch's values: a new feed's first item waits for the workers)
+        step_wait = self.signals.step_wait.value  # (the last epoch's: a new feed's first item waits for the workers)
         stages = self.to_device.stages()
-        feed = self.feed = DeviceFeed(
-            batches, stages, self.device, ahead, self.interrupted, signals.step_wait.value, self.timeout,
-            signals.stage_busy.value,
-        )  # fmt: skip
+        feed = self.feed = DeviceFeed(batches, stages, self.device, ahead, self.interrupted, step_wait, self.timeout)
         try:
             for item in feed:
-                signals.step_wait.value, signals.stage_busy.value = feed.step_wait, feed.stage_busy  # (cpu_share.py)
+                self.signals.step_wait.value = feed.step_wait  # (for the workers' crops: cpu_share.py)
                 yield item
         except Stalled:
             raise Stalled(

@@ -18,7 +18,7 @@ def _count() -> Synchronized[int]:
 
 @dataclass(eq=False)  # (one object, shared: compared by identity)
 class Signals:
-    """The training process sets ``epoch``, ``size``, ``step_wait`` and ``stage_busy``; the workers count and report."""
+    """The training process sets ``epoch``, ``size`` and ``step_wait``; the workers count and report."""
 
     image_size: int
     # training process → workers
@@ -28,7 +28,6 @@ class Signals:
     # workers' crops follow (cpu_share.py); no lock: one writer, and a worker killed while holding
     # one would stop the training loop's next write
     step_wait: c_double = field(default_factory=lambda: mp.Value("d", 1.0, lock=False))
-    stage_busy: c_double = field(default_factory=lambda: mp.Value("d", 0.0, lock=False))  # its busiest stage's share
     # workers → training process
     skipped: Synchronized[int] = field(default_factory=_count)  # samples that failed to decode
     read_errors: Synchronized[int] = field(default_factory=_count)  # shards that failed part-way or held too few

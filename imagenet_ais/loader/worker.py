@@ -137,7 +137,7 @@ class ShardStream(IterableDataset):
         # workers see it
         self.resumed: tuple[int, Done, str] = (-1, {}, "")
         # (per worker, kept from epoch to epoch)
-        self.share = CpuShare(spec.cpu_share, step_wait=self.signals.step_wait, stage_busy=self.signals.stage_busy)
+        self.share = CpuShare(spec.cpu_share, step_wait=self.signals.step_wait)
 
     def _done(self) -> tuple[Done, str]:
         """What a resumed epoch leaves out, and how its resampled streams are told apart."""
