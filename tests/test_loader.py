@@ -99,6 +99,27 @@ def test_a_resampled_epoch_goes_on_as_far_through_it_from_fresh_streams(data: st
     assert set(before + after) <= ALL
 
 
+def test_a_pass_ended_before_its_end_says_so_rather_than_stop_as_if_whole(data: str) -> None:
+    with ShardLoader(data, "train", 8, **OPTIONS) as loader:
+        with pytest.raises(ConfigError, match=r"ended when another began .*zip\(loader, loader\)") as raised:
+            list(zip(loader, loader, strict=True))  # the second pass began before the first's first batch
+        assert "\n" not in str(raised.value)
+        first = iter(loader)
+        next(first)
+        second = iter(loader)  # the first is still held: asking it for more is an error, not its epoch's end
+        with pytest.raises(ConfigError, match="ended when another began"):
+            next(first)
+        assert len(list(second)) == len(loader), "the new pass is a whole epoch"
+        with pytest.raises(StopIteration):
+            next(second)  # a pass handed out whole ends as any iterator does
+        assert len(train_steps(loader, tiny_model(), steps=3)) == 24  # a pass left by break is simply dropped
+        assert len(list(loader)) == len(loader)
+        third = iter(loader)
+        next(third)
+    with pytest.raises(ConfigError, match="the loader was closed during this pass"):
+        next(third)
+
+
 def test_a_state_of_other_shards_or_seed_starts_its_epoch_over(data: str) -> None:
     with ShardLoader(data, "train", 8, **OPTIONS) as loader:
         train_steps(loader, tiny_model(), steps=2)

@@ -679,9 +679,15 @@ def test_a_dataset_with_no_readable_shard_ends_the_run_with_exit_4_not_a_hang(
         (data / shard.name).unlink()
     outcome = loop.train(tiny_run(data, tmp_path / "run", epoch_mode=mode, max_bad=1.0))
     assert outcome["exit_code"] == loop.EXIT_BAD_DATA
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ERROR")]
+    said = capsys.readouterr()
+    errors = [line for line in said.err.splitlines() if line.startswith("ERROR")]
     says = "the last 50 shard reads of a loader worker failed" if mode == "resampled" else "no training sample of"
     assert len(errors) == 1 and errors[0].startswith(f"ERROR: {data}: {says}"), errors
+    # what could not be read is named above the error, and the closing summary does not deny it
+    named = said.err.partition("ERROR")[0]
+    assert re.search(rf"warning: {re.escape(str(data))}/\S+\.tar: ", named), said.err
+    assert "every sample was read" not in said.out + said.err
+    assert re.search(r"data: \d+ samples skipped, \d+ padded with repeats, [1-9]\d* shard read errors", said.out)
 
 
 @pytest.mark.parametrize(

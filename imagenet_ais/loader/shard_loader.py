@@ -20,6 +20,7 @@ on a training loader and keeps the state in its checkpoints (mid-epoch resume in
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import warnings
 from collections.abc import Generator, Iterator
@@ -165,7 +166,7 @@ class ShardLoader:
         self.epoch = 0  # the epoch the next (or current) pass trains
         self._pending = True  # the next pass trains ``epoch`` (set, restored or first): not the one after
         self._step = 0  # steps of ``epoch`` handed out (with those before a restore)
-        self._active: Generator[Batch] | None = None
+        self._active: _Pass | None = None
         self.continued: Continued | None = None  # what the last ``load_state_dict`` went on from
 
     @property
@@ -204,9 +205,12 @@ class ShardLoader:
         self.epoch, self._pending = epoch, True
 
     def __iter__(self) -> Iterator[Batch]:
-        if self._active is not None:
-            self._active.close()  # a pass left partway: its feed threads stop before the next's start
-        self._active = self._pass()
+        if self._active is not None:  # a pass left partway: its feed threads stop before the next's start
+            self._active.end(
+                f"{self.location}: this pass over the loader ended when another began (a pass is an epoch, and two "
+                "cannot run at once, as in zip(loader, loader)): finish or drop one pass before starting the next"
+            )
+        self._active = _Pass(self._pass())
         return self._active
 
     def _pass(self) -> Generator[Batch]:
@@ -271,8 +275,11 @@ class ShardLoader:
         self.continued = None
         if not isinstance(loader, TrainLoader) or not state:
             return
-        if self._active is not None:
-            self._active.close()  # a pass in progress ends: the next one goes on from the state
+        if self._active is not None:  # a pass in progress ends: the next one goes on from the state
+            self._active.end(
+                f"{self.location}: this pass over the loader ended at load_state_dict(): start a new pass "
+                "(for ... in loader) to continue from the state loaded"
+            )
             self._active = None
         state = _checked_state(state, loader.spec.counts)
         epoch, step, position = state["epoch"], state["step"], state["position"]
@@ -322,7 +329,7 @@ class ShardLoader:
     def close(self) -> None:
         """Stop the feed's threads and the DataLoader workers (they also end with the process)."""
         if self._active is not None:
-            self._active.close()
+            self._active.end(f"{self.location}: the loader was closed during this pass")
             self._active = None
         self._loader.shut_down()
 
@@ -439,6 +446,26 @@ def _topology(rank: int | None, world: int | None) -> tuple[int, int]:
 
 def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class _Pass(Iterator[Batch]):
+    """One pass over a ShardLoader (an epoch of training). Ended before its last batch (another
+    pass began, a state was loaded, the loader closed), it raises a one-line ConfigError if
+    asked for more, rather than stop as if its epoch were whole."""
+
+    def __init__(self, batches: Generator[Batch]):
+        self.batches, self.ended = batches, ""
+
+    def __next__(self) -> Batch:
+        if self.ended:
+            raise ConfigError(self.ended)
+        return next(self.batches)
+
+    def end(self, why: str) -> None:
+        """Stop its feed now; ``why`` is what a later ``next`` says, unless it had handed out all."""
+        if inspect.getgeneratorstate(self.batches) != inspect.GEN_CLOSED:
+            self.ended = why
+        self.batches.close()
 
 
 def few_queues() -> str | None:

@@ -18,12 +18,13 @@ from imagenet_ais import distributed
 COUNTERS = ("skipped", "read_errors", "unread", "drawn", "padded")
 
 
-def drain(problems: queue.Queue | mp_queues.Queue) -> list[str]:
-    """The lines waiting in a loader's problem queue."""
+def drain(problems: queue.Queue | mp_queues.Queue, wait: float = 0.0) -> list[str]:
+    """The lines waiting in a loader's problem queue; ``wait``: seconds to give a worker's last
+    lines to arrive (a process's queue hands them over from a thread of its own)."""
     lines = []
     while True:
         try:
-            lines.append(problems.get_nowait())
+            lines.append(problems.get(timeout=wait) if wait else problems.get_nowait())
         except queue.Empty:
             return lines
 
@@ -56,6 +57,16 @@ class DataHealth:
                 if where not in self.named:
                     self.named.add(where)
                     self.echo(f"warning: {line}", err=True)
+
+    def failing(self, local: dict[str, int], say: Callable[[str], None]) -> None:
+        """Before a loader's failure ends the run: this rank's unread shards and samples not yet
+        named, and its own ``local`` counters in the totals, with no collective (the other ranks
+        may not be here). ``say`` speaks for this rank, whichever it is."""
+        self.totals = {k: max(self.totals[k], local.get(k, 0)) for k in COUNTERS}
+        for line in (line for q in self.queues for line in drain(q, wait=1.0)):
+            if (where := line.partition(": ")[0]) not in self.named:
+                self.named.add(where)
+                say(f"warning: {line}")
 
     def end_epoch(self, epoch: int, samples: int) -> str | None:
         """After epoch ``epoch`` of ``samples`` samples: the line to stop with, if it was too damaged."""

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -132,11 +134,9 @@ def epochs(run: Run, sizes: list[int]) -> dict[str, Any]:
             train_state.first_step = 0
             save(run, epoch + 1, 0, best=improved)
         except UnreadableData as e:  # nothing left to read: waiting would be for ever
-            echo(f"ERROR: {e}", err=True)
-            return finish(run, complete=False, exit_code=EXIT_BAD_DATA)
+            return loader_failed(run, e, EXIT_BAD_DATA)
         except WorkerDied as e:  # its batches will never come
-            echo(f"ERROR: {e}", err=True)
-            return finish(run, complete=False, exit_code=EXIT_WORKER_DIED)
+            return loader_failed(run, e, EXIT_WORKER_DIED)
         except Diverged:  # a checkpoint was due, of weights gone NaN before the loss could stop the run
             return diverged(run, f"the weights hold NaN or infinity at step {train_state.step}")
         if damaged := run.health.end_epoch(epoch, len(run.train_loader) * run.global_batch):
@@ -148,6 +148,20 @@ def epochs(run: Run, sizes: list[int]) -> dict[str, Any]:
             f"over {last_val['samples']} images; chance is {100 / len(run.classes):.2f}%"
         )
     return finish(run, complete=True)
+
+
+def loader_failed(run: Run, error: Exception, exit_code: int) -> dict[str, Any]:
+    """Ends a run whose loader cannot go on. This rank names what its workers could not read and
+    the failure, whichever rank it is: the other ranks may never reach another collective."""
+    rank = run.process.rank
+    say = partial(run.echo, err=True) if run.process.main else partial(_rank_says, rank)
+    run.health.failing(run.train_loader.counters(), say)
+    say(f"ERROR: {error}")
+    return finish(run, complete=False, exit_code=exit_code)
+
+
+def _rank_says(rank: int, message: str) -> None:
+    print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
 
 
 def stop(run: Run, stopped: Stopped) -> dict[str, Any]:
