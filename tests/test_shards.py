@@ -712,6 +712,12 @@ def test_a_class_folder_linked_to_another_is_refused(link: str, splits: str, tmp
         # an empty class list gave "IndexError: Target 2 is out of bounds" in training
         (lambda m: m.__setitem__("classes", []), '"classes" is [], not a list of class names'),
         (lambda m: m["splits"]["train"]["shards"][1].update(samples=-3), "shard 1 of 'train': -3 samples in"),
+        # 10**12 samples listed for a shard of a few KB: exact epochs of padding, and a worker's
+        # loop over the listed samples that never ended
+        (
+            lambda m: m["splits"]["train"]["shards"][1].update(samples=10**12),
+            "shard 1 of 'train': 1000000000000 samples in ",
+        ),
         (
             lambda m: m["splits"]["train"]["shards"][1].update(name=m["splits"]["train"]["shards"][0]["name"]),
             "shard 1 of 'train': 'imagenet-train-000000.tar' is listed twice",

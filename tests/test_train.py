@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import errno
-import hashlib
+import http.server
 import itertools
 import json
 import math
@@ -20,8 +20,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,7 @@ from imagenet_ais import distributed
 from imagenet_ais.cli import train as train_cli
 from imagenet_ais.errors import DataError
 from imagenet_ais.shards import synth
+from imagenet_ais.shards.manifest import MIN_SAMPLE_BYTES
 from imagenet_ais.storage import locks
 from imagenet_ais.train import checkpoint, config, loop, model, setup
 from imagenet_ais.train.data_health import DataHealth
@@ -606,7 +609,7 @@ def test_damaged_shards_are_named_once_counted_and_bounded(tmp_path: Path) -> No
     shards = manifest.splits["train"].shards
     (data / shards[0].name).unlink()  # listed, missing
     cut = data / shards[3].name
-    cut.write_bytes(cut.read_bytes()[:6000])  # cut mid-member
+    cut.write_bytes(cut.read_bytes()[: shards[3].samples * MIN_SAMPLE_BYTES + 300])  # cut mid-member
     shards[4].samples += 3  # the manifest claims more than the shard holds
     with wds.TarWriter(str(data / shards[2].name)) as tar:  # a label outside the 4 classes
         for i in range(shards[2].samples):
@@ -917,16 +920,27 @@ def test_with_several_ranks_only_a_long_wait_for_data_ends_after_a_signal() -> N
         several.restore()
 
 
+class _ShardsNeverCome(http.server.SimpleHTTPRequestHandler):
+    """Serves the manifest and the shards' sizes, but never a shard's bytes (a stalled store)."""
+
+    def do_GET(self) -> None:
+        if self.path.endswith(".tar"):
+            time.sleep(300)
+        else:
+            super().do_GET()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
 def test_sigterm_stops_a_run_whose_data_never_comes(tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
-    manifest = write_shards(data, {"train": UNEVEN})
-    for shard in manifest.splits["train"].shards:  # opening one blocks until a writer comes: never
-        (data / shard.name).unlink()
-        os.mkfifo(data / shard.name)
-        shard.bytes, shard.sha256 = 0, hashlib.sha256().hexdigest()  # a pipe's size: past the check at open
-    (data / "manifest.json").write_text(manifest.to_json())
+    write_shards(data, {"train": UNEVEN})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(_ShardsNeverCome, directory=str(data)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    location = f"http://127.0.0.1:{server.server_address[1]}"
     proc = subprocess.Popen(
-        [sys.executable, ROOT / "train.py", "--data", data, "--output", output, *TINY, "--workers", "1"],
+        [sys.executable, ROOT / "train.py", "--data", location, "--output", output, *TINY, "--workers", "1"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -937,6 +951,7 @@ def test_sigterm_stops_a_run_whose_data_never_comes(tmp_path: Path) -> None:
     time.sleep(1)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
+    server.shutdown()
     assert proc.returncode == loop.EXIT_PREEMPTED, err
     assert "stopped by a signal at step 0, checkpoint saved" in out
 

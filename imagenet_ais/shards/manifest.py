@@ -17,6 +17,7 @@ from imagenet_ais.storage import Store, is_inside, open_store, stream_sha256
 MANIFEST = "manifest.json"
 FORMAT = "imagenet-ais-shards"
 VERSION = 1
+MIN_SAMPLE_BYTES = 1024  # a sample's tar: two members (image, class), each a 512-byte header and a block
 
 
 @dataclass
@@ -166,8 +167,11 @@ def _check_shards(shards: list[ShardInfo], split: str) -> None:
         # a store's rule, and more: a manifest names files (no empty or "." parts), each printable
         if not is_inside(shard.name) or {"", "."} & set(shard.name.split("/")) or not shard.name.isprintable():
             raise DataError(f"shard {i} of {split!r}: {shard.name!r} is no name of a file inside the shards' location")
-        if shard.samples < 0 or shard.bytes < 0:
-            raise DataError(f"shard {i} of {split!r}: {shard.samples} samples in {shard.bytes} bytes")
+        if shard.samples < 0 or shard.bytes < 0 or shard.samples * MIN_SAMPLE_BYTES > shard.bytes:
+            raise DataError(
+                f"shard {i} of {split!r}: {shard.samples} samples in {shard.bytes} bytes cannot be (a sample takes at "
+                f"least {MIN_SAMPLE_BYTES} bytes of tar): the manifest is damaged; convert again"
+            )
         if shard.name in seen:
             raise DataError(f"shard {i} of {split!r}: {shard.name!r} is listed twice")
         seen.add(shard.name)
