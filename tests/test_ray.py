@@ -107,6 +107,63 @@ def test_ray_with_token_auth_survives_a_lost_worker_and_leaves_the_cluster_runni
         shutil.rmtree(session, ignore_errors=True)
 
 
+def test_sigterm_to_run_ray_saves_exits_75_and_leaves_no_process(tmp_path: Path) -> None:
+    # Python's default SIGTERM ended the driver at once: the workers, threads of Ray's actors that
+    # cannot take signals, died with its private cluster, unsaved
+    data, output, home = tmp_path / "shards", tmp_path / "run", tmp_path / "home"
+    write_shards(data, {"train": [40, 56], "val": [6]})
+    home.mkdir()
+    session = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # the private cluster's (RAY_TMPDIR)
+    env = {**os.environ, **tiny_run_env(data, output), "HOME": str(home), "RAY_TMPDIR": session, "RAY_WORKERS": "2"}
+    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE"):
+        env.pop(name, None)
+    env.update(EPOCHS="100", TRAIN_EXTRA="--log-every 1")
+    proc = subprocess.Popen([ROOT / "run", "ray"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while len(_train_steps(output)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()
+        ours = _descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)  # ./run's PID: it execs the driver
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 75, err
+        assert "stopped by a signal, checkpoint saved" in out, out
+        state = torch.load(output / "last.pt", weights_only=True)
+        assert 2 <= state["step"] < 100 * 12, "saved where the signal stopped it"
+        assert not (output / ".ray-stop").exists(), "a continued run would stop at once"
+        deadline = time.monotonic() + 30
+        while (left := [pid for pid in ours if _alive(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes()[:80] for pid in left if _alive(pid)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _stop(session)
+        shutil.rmtree(session, ignore_errors=True)
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rpartition(")")[2].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _stop(session: str) -> None:
     """This test's Ray cluster only (``ray stop --force`` stops every cluster of the machine:
     another suite's too): the processes that name its --temp-dir or hold files in it open (some

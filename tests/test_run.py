@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import distributions
 from pathlib import Path
 
@@ -207,6 +209,23 @@ def test_each_lock_pins_its_ranges_and_agrees_with_the_dev_lock() -> None:
         assert same, f"{name}'s lock differs from the dev lock: ./run lock"
     uv_version = re.search(r"^UV_VERSION=(\S+)", (ROOT / "run").read_text(), re.M).group(1)
     assert dev["uv"] == [(uv_version, "")], "the uv the dev lock pins is the one ./run installs (UV_VERSION)"
+
+
+@pytest.mark.slow
+def test_pip_resolves_the_locked_torch_pair_with_and_without_the_lock(tmp_path: Path) -> None:
+    # open-ended, `pip install .` backtracked through six torch releases to an older pair than the lock's
+    pins = _pins(ROOT / "requirements.lock")
+    locked = {name: pins[name][0][0] for name in ("torch", "torchvision")}
+
+    def resolve(*args: str) -> None:
+        report = tmp_path / f"report{len(args)}.json"
+        pip = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet"]
+        subprocess.run([*pip, "--report", report, *args, ROOT], check=True, capture_output=True, timeout=300)
+        picked = {i["metadata"]["name"]: i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+        assert {name: picked.get(name) for name in locked} == locked, args
+
+    with ThreadPoolExecutor(2) as pool:  # (each mostly waits on the registry)
+        list(pool.map(lambda args: resolve(*args), [(), ("-c", str(ROOT / "requirements.lock"))]))
 
 
 def test_the_venv_holds_exactly_the_locked_versions() -> None:

@@ -13,12 +13,21 @@ worker restarts the group (--max-failures times), which continues from the last 
 The workers get the
 ``imagenet_ais`` package shipped by Ray; its dependencies (requirements.txt) must be installed
 on the cluster's nodes, and --data and --output must be reachable from all of them.
+
+SIGTERM, SIGINT or SIGUSR1 to this driver stops the run as they stop train.py: the driver
+leaves STOP_FILE in --output, where every worker looks each second (Ray runs training in a
+thread, which cannot take signals); the workers save together and end, and the driver exits 75
+once they have saved (1 if they could not). A second SIGINT aborts at once.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import sys
+import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -27,6 +36,9 @@ import click
 import imagenet_ais
 from imagenet_ais.cli import train as train_cli
 from imagenet_ais.train import setup
+from imagenet_ais.train.loop import EXIT_PREEMPTED
+
+STOP_FILE = ".ray-stop"  # the driver's word to its workers, in --output (which all of them reach)
 
 
 def token_available() -> bool:
@@ -67,9 +79,49 @@ def worker(config: dict) -> None:
     from imagenet_ais.train.loop import train
 
     cfg = TrainConfig(**config)
-    outcome = train(cfg, report=ray.train.report)
-    if outcome["exit_code"]:
+    stop = threading.Event()
+    threading.Thread(target=_watch, args=(Path(cfg.output, STOP_FILE), stop), daemon=True).start()
+    outcome = train(cfg, report=ray.train.report, stop=stop)
+    if outcome["exit_code"] not in (0, EXIT_PREEMPTED):
         raise RuntimeError(f"training ended with status {outcome['exit_code']} (see {cfg.output}/train.log)")
+
+
+def _watch(path: Path, stop: threading.Event) -> None:
+    """Sets ``stop`` once the driver has left ``path`` (it was signalled)."""
+    while not stop.wait(1.0):
+        if path.exists():
+            stop.set()
+
+
+class Stopping:
+    """The driver's signal handlers while the run lasts: the first signal leaves the stop file."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+    def __init__(self, output: Path):
+        self.path = output / STOP_FILE
+        self.at: float | None = None  # when the first signal came
+        self.path.unlink(missing_ok=True)  # an earlier run's: this one must not stop at once
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if self.at is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.at is None:
+            self.at = time.time()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.touch()
+            click.echo(f"{signal.Signals(signum).name}: the workers save and stop (SIGINT again aborts)", err=True)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.path.unlink(missing_ok=True)
+
+    def saved(self, output: Path) -> bool:
+        """Whether the workers saved after the signal."""
+        last = output / "last.pt"
+        return self.at is not None and last.exists() and last.stat().st_mtime >= self.at
 
 
 @click.command(context_settings={"show_default": True})
@@ -127,11 +179,20 @@ def main(
                 failure_config=FailureConfig(max_failures=max_failures),
             ),
         )
-        result = trainer.fit()
+        stopping = Stopping(Path(cfg.output))
+        try:
+            result = trainer.fit()
+        finally:
+            stopping.restore()
     finally:
         ray.shutdown()  # a private cluster stops here; a connected one is only left
     if result.error:
         raise click.ClickException(f"Ray training failed: {result.error}")
+    if stopping.at is not None:
+        if not stopping.saved(Path(cfg.output)):
+            raise click.ClickException(f"stopped by a signal, but no checkpoint was saved after it in {cfg.output}")
+        click.echo(f"stopped by a signal, checkpoint saved in {cfg.output}: continue with the same command")
+        sys.exit(EXIT_PREEMPTED)
     click.echo(f"done: metrics in {Path(cfg.output, 'metrics.jsonl')}, checkpoints in {cfg.output}")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -58,8 +59,12 @@ class Stopped:
     diverged: bool = False  # the loss stopped being finite: its weights are not worth a checkpoint
 
 
-def train(cfg: TrainConfig, report: Callable[[dict], None] | None = None) -> dict[str, Any]:
-    """Train as ``cfg`` says; ``report`` also gets every metrics record, on every rank."""
+def train(
+    cfg: TrainConfig, report: Callable[[dict], None] | None = None, stop: threading.Event | None = None
+) -> dict[str, Any]:
+    """Train as ``cfg`` says; ``report`` also gets every metrics record, on every rank. Setting
+    ``stop`` stops the run as SIGTERM does (saved, uploaded, exit code 75): for a framework that
+    runs training in a thread, which cannot take signals."""
     cfg = with_recipe(cfg)
     check(cfg)  # before anything is made
     check_arch(cfg.arch)
@@ -75,14 +80,19 @@ def train(cfg: TrainConfig, report: Callable[[dict], None] | None = None) -> dic
             checkpoint.rng_kept(),  # the caller's random state: a run seeds its own
             locks.lock_output(output) if process.main else nullcontext(),
         ):
-            return _train(cfg, process, report)
+            return _train(cfg, process, report, stop)
     except BaseException:
         if made and {p.name for p in output.glob("*")} <= {locks.TRAIN_LOCK, LOG, CONFIG, upload.CLAIM}:
             shutil.rmtree(output, ignore_errors=True)  # a start that failed leaves no folder it made
         raise
 
 
-def _train(cfg: TrainConfig, process: distributed.Process, report: Callable[[dict], None] | None) -> dict[str, Any]:
+def _train(
+    cfg: TrainConfig,
+    process: distributed.Process,
+    report: Callable[[dict], None] | None,
+    stop: threading.Event | None,
+) -> dict[str, Any]:
     output = setup.prepare(cfg, process)
     echo = Reporter(output / LOG if process.main else None).echo
     if process.main:
@@ -92,12 +102,14 @@ def _train(cfg: TrainConfig, process: distributed.Process, report: Callable[[dic
     sizes, val_size = image_sizes(cfg)
     parts = setup.build(cfg, process, output, sizes, val_size, echo)
     try:
-        return _resume_and_train(parts, sizes, report)
+        return _resume_and_train(parts, sizes, report, stop)
     finally:
         parts.close()
 
 
-def _resume_and_train(parts: Parts, sizes: list[int], report: Callable[[dict], None] | None) -> dict[str, Any]:
+def _resume_and_train(
+    parts: Parts, sizes: list[int], report: Callable[[dict], None] | None, stop: threading.Event | None
+) -> dict[str, Any]:
     """The run made of ``parts``, from where its checkpoint (if any) stands to its end."""
     cfg, process, output, echo = parts.cfg, parts.process, parts.output, parts.echo
     optimizer = None if parts.decent else parts.optimizer
@@ -113,7 +125,7 @@ def _resume_and_train(parts: Parts, sizes: list[int], report: Callable[[dict], N
         echo(f"{output}: already trained {cfg.epochs} epochs; use a new --output or more --epochs")
         exit_code = catch_up(cfg, output, train_state, echo) if process.main else 0
         return {"step": train_state.step, "val": train_state.last_val, "complete": True, "exit_code": exit_code}
-    run = setup.assemble(parts, train_state, report)
+    run = setup.assemble(parts, train_state, report, stop)
     try:
         return epochs(run, sizes)
     finally:

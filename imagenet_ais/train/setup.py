@@ -40,20 +40,27 @@ class StopSignal:
     """SIGTERM / SIGUSR1 (preemption, Slurm's warning): finish the step, save, upload, exit.
 
     Only a main thread can take signals; where training runs in another (a Ray Train worker),
-    stopping is the framework's business and this does nothing.
+    the framework's side sets ``requested`` instead, which counts as SIGTERM.
     """
 
     GRACE = 60.0  # seconds one wait for a batch may last after a signal with several ranks (they stop together)
 
-    def __init__(self, world: int = 1) -> None:
-        self.received: int | None = None
-        self.world = world
+    def __init__(self, world: int = 1, requested: threading.Event | None = None) -> None:
+        self._received: int | None = None
+        self.world, self.requested = world, requested
         main = threading.current_thread() is threading.main_thread()
         sigs = (signal.SIGTERM, signal.SIGUSR1) if main else ()
         self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
 
+    @property
+    def received(self) -> int | None:
+        """The signal that asked the run to stop, if one did."""
+        if self._received is None and self.requested is not None and self.requested.is_set():
+            self._received = signal.SIGTERM
+        return self._received
+
     def _handle(self, signum: int, _frame: object) -> None:
-        self.received = signum
+        self._received = signum
 
     def stop_waiting(self, waited: float) -> bool:
         """Whether a wait for data that has lasted ``waited`` seconds ends now: signalled, and alone,
@@ -254,8 +261,14 @@ def build(
     )  # fmt: skip
 
 
-def assemble(parts: Parts, train_state: TrainState, report: Callable[[dict], None] | None) -> Run:
-    """The run, continuing where ``train_state`` says: its schedule, stepping model, logs, uploads."""
+def assemble(
+    parts: Parts,
+    train_state: TrainState,
+    report: Callable[[dict], None] | None,
+    stop_requested: threading.Event | None = None,
+) -> Run:
+    """The run, continuing where ``train_state`` says: its schedule, stepping model, logs,
+    uploads; ``stop_requested`` set stops it as SIGTERM does."""
     cfg, process = parts.cfg, parts.process
     if process.main:
         train_state.run_id = upload.run_id(parts.output, train_state.run_id)
@@ -295,7 +308,7 @@ def assemble(parts: Parts, train_state: TrainState, report: Callable[[dict], Non
         else None
     )
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-    stop = StopSignal(process.world)
+    stop = StopSignal(process.world, stop_requested)
     if isinstance(parts.train_loader, ShardLoader):
         parts.train_loader.stop_waiting_when(stop.stop_waiting)
     return Run(
