@@ -61,7 +61,11 @@
 : "${IMAGE_TAG:=latest}"
 : "${IMAGE:=$REGISTRY/${NGC_ORG:-local}/${NGC_TEAM:+$NGC_TEAM/}$IMAGE_NAME:$IMAGE_TAG}"
 : "${RESULTS:=runs/docker}"       # host directory mounted at /results by shell and docker2
-: "${DOCKER_GPUS:=all}"           # docker run --gpus (podman: CDI devices nvidia.com/gpu=each of these)
+: "${DOCKER_GPUS:=all}"           # docker run --gpus (podman: CDI devices nvidia.com/gpu=each of these); none: no GPU
+# docker/podman run --ulimit each: NGC's for PyTorch (pinned memory uncapped, a 64 MiB stack). Where
+# the engine says "error setting rlimit type N: operation not permitted", give limits the host
+# allows (type 6 nproc, 7 nofile, 8 memlock), e.g. "nofile=4096:4096 nproc=4096:4096 stack=67108864"
+: "${DOCKER_ULIMITS:=memlock=-1 stack=67108864}"
 : "${ENGINE:=auto}"               # container engine: auto (docker if its daemon answers, else podman; buildah to build), docker, podman, buildah
 : "${BUILD_OPTS:=}"               # more options for the image build, e.g. podman/buildah: --volume CA.crt:/etc/ssl/certs/ca-certificates.crt:ro
 

@@ -10,13 +10,16 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY, run_cli, write_shards
+import torch
+from conftest import ROOT, TINY, run_cli, tiny_run_env, write_shards
 
 # the image the tests share (a module fixture): built once, in one of ./run test's processes
 pytestmark = [pytest.mark.xdist_group("container"), pytest.mark.slow]
@@ -102,3 +105,63 @@ def test_a_training_in_the_image_writes_metrics_and_a_checkpoint_to_the_mounted_
     assert [r["step"] for r in records if r["kind"] == "train"] == [2]
     checkpoint = run / "ckpt-00000002.pt"
     assert checkpoint.exists() and f"{checkpoint.stat().st_uid}:{checkpoint.stat().st_gid}" == USER
+
+
+# What this host's podman allows (as root, in a sandbox): its default nproc and memlock limits are
+# refused ("error setting rlimit type 6"), so the settings say which to pass (config.sh)
+ULIMITS = "nofile=4096:4096 nproc=4096:4096 stack=67108864"
+
+
+def test_run_docker2_trains_two_ranks_in_the_image_and_a_sigterm_saves_and_exits_75(image: str, tmp_path: Path) -> None:
+    if not shutil.which("podman"):
+        message = "podman needed to run the image (./run test --install-deps installs it as root on Debian)"
+        pytest.fail(message) if os.environ.get("CI") == "true" else pytest.skip(message)
+    data = tmp_path / "shards"
+    write_shards(data, {"train": [24, 24], "val": [4]})
+    env = {**tiny_run_env(data, tmp_path / "unused"), "ENGINE": "podman", "IMAGE": image, "DOCKER_GPUS": "none"}
+    env.update(DOCKER_ULIMITS=ULIMITS, WORKERS="1", TRAIN_EXTRA="--log-every 1")
+
+    absent = {**env, "IMAGE": "localhost/imagenet-ais-absent:none"}
+    planned = run_cli(ROOT / "run", "-n", "docker2", env=absent)
+    says = "localhost/imagenet-ais-absent:none is not on this host: ./run build makes it"
+    assert f"# {says}" in planned.stdout, planned.stdout
+    refused = run_cli(ROOT / "run", "docker2", env=absent, check=False)
+    assert (
+        refused.returncode == 1
+        and refused.stderr.strip() == f"run: {says} (or podman pull it from where ./run push put it)"
+    )
+
+    done = run_cli(ROOT / "run", "docker2", env={**env, "RESULTS": str(tmp_path / "whole")}, timeout=600)
+    run = tmp_path / "whole" / "docker2"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 7)), done.stderr  # 48 / (2 × 4)
+    checkpoint = run / "last.pt"
+    assert (checkpoint.stat().st_uid, checkpoint.stat().st_gid) == (os.getuid(), os.getgid()), "the caller's"
+    assert " on 2 × cpu" in (run / "train.log").read_text(), "two processes"
+
+    # SIGTERM to ./run's PID: the engine, torchrun and the ranks pass it on; they save, and ./run exits 75
+    run = tmp_path / "stopped" / "docker2"
+    proc = subprocess.Popen(
+        [ROOT / "run", "docker2"], cwd=ROOT, env={**os.environ, **env, "RESULTS": str(tmp_path / "stopped"),
+        "EPOCHS": "100"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline and _steps(run) < 2:
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, out + err
+    assert 2 <= torch.load(run / "last.pt", weights_only=True)["step"] < 100 * 6, "saved where it stopped"
+    left = subprocess.run(["podman", "ps", "-aq", "--filter", f"ancestor={image}"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "no container left"
+
+
+def _steps(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return sum('"kind": "train"' in line for line in lines)
