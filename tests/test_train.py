@@ -655,6 +655,22 @@ def tiny_run(data: Path, output: Path, **changes: object) -> config.TrainConfig:
     return dataclasses.replace(cfg, **changes)
 
 
+def test_epochs_too_short_to_learn_from_are_said_with_a_batch_that_fits(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # 166 images at the default batch 256: one step an epoch, loss 52, top-1 at chance, no word
+    data = tmp_path / "shards"
+    write_shards(data, {"train": [12, 12], "val": [4]})
+    assert loop.train(tiny_run(data, tmp_path / "big", batch_size=32))["exit_code"] == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "too few to learn from" in line]
+    assert warned == [
+        "warning: an epoch is 1 step of 32 images (--batch-size 32; the batch is larger than the 24 samples): too "
+        "few to learn from; for these 24 samples try --batch-size 2, and see --help for a quick CPU run"
+    ]
+    assert loop.train(tiny_run(data, tmp_path / "fits", batch_size=2))["exit_code"] == 0
+    assert "too few to learn from" not in capsys.readouterr().err, "12 steps: said no more"
+
+
 def test_resampled_epochs_count_the_samples_of_shards_that_failed_to_read(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

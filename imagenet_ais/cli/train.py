@@ -48,7 +48,14 @@ def parse_share(value: str) -> float | str:
         raise click.BadParameter(str(e).removeprefix(f"--cpu-share {value}: ")) from None
 
 
-@click.command(context_settings={"show_default": True, "max_content_width": 100})
+QUICK_CPU = (
+    "A quick run on a CPU or a few hundred images (seconds, not hours):\n\n"
+    "\b\n  train.py --data DIR --output runs/quick --arch resnet18 --image-size 64 --batch-size 16 \\\n"
+    "      --epochs 2 --warmup-epochs 0.5"
+)
+
+
+@click.command(context_settings={"show_default": True, "max_content_width": 100}, epilog=QUICK_CPU)
 @click.option(
     "--data", help="shard location holding manifest.json (directory, file://, ais://, gs://, s3://, http(s)://)"
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import random
 import signal
 import sys
@@ -261,6 +262,23 @@ def build(
     )  # fmt: skip
 
 
+FEW_STEPS = 10  # an epoch shorter than this is said: train.py's defaults (batch 256) on a small data set
+
+
+def few_steps(samples: int, steps: int, batch: int, world: int) -> str | None:
+    """The line that says epochs of ``steps`` are too short to learn from, with a batch size that fits."""
+    if steps >= FEW_STEPS:
+        return None
+    fit = 2 ** max(0, math.floor(math.log2(max(1.0, samples / (FEW_STEPS * world)))))
+    ranks = f" × {world} ranks" if world > 1 else ""
+    larger = f"; the batch is larger than the {samples} samples" if batch * world > samples else ""
+    return (
+        f"warning: an epoch is {steps} step{'s' * (steps != 1)} of {batch * world} images (--batch-size {batch}{ranks}"
+        f"{larger}): too few to learn from; for these {samples} samples try --batch-size {fit}, and see --help for "
+        "a quick CPU run"
+    )
+
+
 def assemble(
     parts: Parts,
     train_state: TrainState,
@@ -276,6 +294,10 @@ def assemble(
     if refused := distributed.broadcast_object(claimed(cfg, train_state.run_id) if process.main else None):
         raise upload.Claimed(refused)
     steps_per_epoch = len(parts.train_loader)
+    if isinstance(parts.train_loader, ShardLoader) and (
+        short := few_steps(cfg.epoch_size or parts.train_loader.samples, steps_per_epoch, cfg.batch_size, process.world)
+    ):
+        parts.echo(short, err=True)
     total_steps = steps_per_epoch * cfg.epochs
     # the schedule is a function of the epoch's step (so of how far training is, whatever the
     # topology), so a resumed run picks it up from its epoch and step
