@@ -39,7 +39,9 @@ def test_dry_run_prints_the_commands_with_settings_from_the_environment(tmp_path
     env = {"DATA": str(tmp_path / "my shards"), "ARCH": "resnet34", "NPROC": "3", "WORKERS": "2", "VENV": ".venv"}
     out = run_cli(ROOT / "run", "-n", "local2", "--epochs", "1", env=env).stdout.splitlines()
     cmd = shlex.split(out[-1])
-    assert cmd[:6] == [".venv/bin/python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
+    threads = max(1, (os.cpu_count() or 1) // 3)  # each rank's share of the cores (torchrun's banner set 1)
+    assert cmd[:2] == ["env", f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS') or threads}"]
+    assert cmd[2:8] == [".venv/bin/python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
     assert cmd[cmd.index("--data") + 1] == str(tmp_path / "my shards")
     assert cmd[cmd.index("--arch") + 1] == "resnet34"
     assert cmd[cmd.index("--output") + 1] == "runs/local2"

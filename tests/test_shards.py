@@ -119,7 +119,8 @@ def test_verify_and_summary_refuse_a_missing_manifest(tmp_path: Path) -> None:
     for verb in ("verify", "summary"):
         proc = shards_here(verb, tmp_path, check=False)
         assert proc.returncode == 1
-        assert f"no manifest.json in {tmp_path}" in proc.stderr
+        assert f"no manifest.json in {tmp_path}: give the location of shards made by" in proc.stderr
+        assert "--data" not in proc.stderr, "verify and summary take no --data"
 
 
 def test_killed_conversion_leaves_no_partial_shard_and_resumes(tree: Path, tmp_path: Path) -> None:

@@ -216,7 +216,11 @@ def test_stopped_run_resumes_at_the_right_step(tmp_path: Path) -> None:
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 36
 
     third = train_here(*args)  # nothing left to do, and it says so (it said "epoch 4" first)
-    assert "complete (3/3), step 36" in third.stdout and "already trained 3 epochs" in third.stdout
+    assert "3 epochs trained, as many as --epochs 3 asks or more, step 36" in third.stdout
+    assert "its run has trained 3 epochs, --epochs 3 asks no more: give more --epochs" in third.stdout
+    fewer = train_here(*args, "--epochs", "2")  # it said "complete (3/2)", then "already trained 2 epochs"
+    assert "3 epochs trained, as many as --epochs 2 asks or more" in fewer.stdout
+    assert "its run has trained 3 epochs, --epochs 2 asks no more" in fewer.stdout
 
 
 @pytest.mark.slow
@@ -724,7 +728,11 @@ def test_a_warmup_as_long_as_the_run_is_said(tmp_path: Path, capsys: pytest.Capt
     # the default 5 warmup epochs with --epochs 1: the peak learning rate never came, without a word
     cfg = config.TrainConfig(output=str(tmp_path / "run"), synthetic=True, arch=TINY_ARCH, image_size=32, batch_size=2)
     loop.train(dataclasses.replace(cfg, epochs=1, max_steps=1))
-    assert "warning: --warmup-epochs 5 covers all 1 epochs" in capsys.readouterr().err
+    said = capsys.readouterr()
+    # the rate the optimizer uses, not --lr's per-256 figure (the lines showed 0.00625 beside "--lr 0.1")
+    assert "warning: --warmup-epochs 5 covers all 1 epochs: the learning rate reaches its peak 0.00078125 " in said.err
+    says = "learning rate 0.00078125 after the warm-up: --lr 0.1 is per 256 images, scaled to the global batch of 2"
+    assert says in said.out
     loop.train(dataclasses.replace(cfg, output=str(tmp_path / "short"), epochs=2, warmup_epochs=1, max_steps=1))
     assert "--warmup-epochs" not in capsys.readouterr().err
 

@@ -465,7 +465,7 @@ def test_a_full_upload_location_never_stops_training_and_a_rerun_uploads_what_is
     # the same run again, the location writable now: its missing uploads go up, then it is done
     outcome = loop.train(tiny_synthetic(output, uploads, epochs=2, epoch_size=4))
     said = capsys.readouterr().out
-    assert "already trained 2 epochs" in said and outcome["exit_code"] == 0
+    assert "its run has trained 2 epochs, --epochs 2 asks no more" in said and outcome["exit_code"] == 0
     assert f"uploaded to {uploads} what was missing or behind there: ckpt-00000004.pt, metrics.jsonl" in said
     assert json.loads((uploads / "latest.json").read_text())["checkpoint"] == "ckpt-00000004.pt"
     assert (uploads / "metrics.jsonl").read_bytes() == (output / "metrics.jsonl").read_bytes()

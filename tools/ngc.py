@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -36,13 +37,17 @@ def call(args: list[str], dry_run: bool, capture: bool = True) -> subprocess.Com
     if dry_run:
         click.echo(shlex.join(args))
         return subprocess.CompletedProcess(args, 0, "", "")
-    try:
-        return subprocess.run(args, capture_output=capture, text=True, check=False)
-    except FileNotFoundError:
+    need_ngc()
+    return subprocess.run(args, capture_output=capture, text=True, check=False)
+
+
+def need_ngc() -> None:
+    """A one-line error where the NGC CLI is not installed: before anything else is asked for."""
+    if not shutil.which("ngc"):
         raise click.ClickException(
             "ngc not found: install the NGC CLI (https://org.ngc.nvidia.com/setup/installers/cli) "
             "and run `ngc config set`"
-        ) from None
+        )
 
 
 def ngc(*args: str) -> list[str]:
@@ -163,6 +168,8 @@ def submit(dry_run: bool, multinode: bool, train_args: tuple[str, ...]) -> None:
 @click.pass_obj
 def tail(dry_run: bool, job_id: str | None, poll: float, lines: int) -> None:
     """Follow a job's log (default: the last submitted) until it ends; print its final status."""
+    if not dry_run:
+        need_ngc()  # (it said "give a job id" first, and "ngc not found" only after one)
     if not job_id:
         if LAST_JOB.exists():
             job_id = LAST_JOB.read_text().strip()

@@ -180,7 +180,8 @@ def _check_shards(shards: list[ShardInfo], split: str) -> None:
 def load_manifest(store: Store) -> Manifest:
     if not store.exists(MANIFEST):
         raise NotFound(
-            f"no {MANIFEST} in {store.url}: point --data at a directory made by `imagenet_shards.py convert`"
+            f"no {MANIFEST} in {store.url}: give the location of shards made by `imagenet_shards.py convert` (a "
+            "directory, or its ais://, gs://, s3:// or http(s):// copy)"
         )
     return Manifest.from_json(store.read_bytes(MANIFEST).decode(), f"{store.url}/{MANIFEST}")
 

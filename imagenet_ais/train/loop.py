@@ -122,7 +122,10 @@ def _resume_and_train(
     if cfg.test_only:
         return test_only(parts, train_state)
     if train_state.epoch >= cfg.epochs:
-        echo(f"{output}: already trained {cfg.epochs} epochs; use a new --output or more --epochs")
+        echo(
+            f"{output}: its run has trained {train_state.epoch} epochs, --epochs {cfg.epochs} asks no more: give more "
+            "--epochs to go on, or a new --output for a new run"
+        )
         exit_code = catch_up(cfg, output, train_state, echo) if process.main else 0
         return {"step": train_state.step, "val": train_state.last_val, "complete": True, "exit_code": exit_code}
     run = setup.assemble(parts, train_state, report, stop)

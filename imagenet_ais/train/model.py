@@ -118,11 +118,19 @@ def param_groups(params: list[torch.Tensor], weight_decay: float, norm_weight_de
     return [{"params": decay, "weight_decay": weight_decay}, {"params": norms, "weight_decay": norm_weight_decay}]
 
 
+LR_BATCH = 256  # --lr is per this many images: the optimizer's is scaled to the global batch (Goyal et al.)
+
+
+def peak_lr(cfg: TrainConfig, global_batch: int) -> float:
+    """The learning rate the optimizer steps with after the warm-up."""
+    return cfg.lr * global_batch / LR_BATCH
+
+
 def make_optimizer(
     params: list[torch.Tensor], cfg: TrainConfig, global_batch: int, fused: bool
 ) -> torch.optim.Optimizer:
     """--opt's optimizer; ``fused``: one kernel for the whole update instead of a few per tensor (GPU)."""
-    groups, lr = param_groups(params, cfg.weight_decay, cfg.norm_weight_decay), cfg.lr * global_batch / 256
+    groups, lr = param_groups(params, cfg.weight_decay, cfg.norm_weight_decay), peak_lr(cfg, global_batch)
     if cfg.opt == "adamw":
         return torch.optim.AdamW(groups, lr=lr, fused=fused)
     if cfg.opt == "rmsprop":  # torchvision's reference settings for it

@@ -80,7 +80,9 @@ def from_checkpoint(
     if cfg.log_keys and process.main and "keys_logged" in state:  # (older checkpoints recorded none)
         keys_log.cut_back(Path(cfg.output), state["epoch"], state["keys_logged"])
     where = (
-        f"epoch {state['epoch'] + 1}" if state["epoch"] < cfg.epochs else f"complete ({state['epoch']}/{cfg.epochs})"
+        f"epoch {state['epoch'] + 1}"
+        if state["epoch"] < cfg.epochs
+        else f"{state['epoch']} epochs trained, as many as --epochs {cfg.epochs} asks or more"
     )
     echo(f"resumed from {path}: {where}, step {state['step']}")  # (epochs count from 1 on the console)
     if (before := state["config"].get("epoch_size")) != cfg.epoch_size and not cfg.synthetic:
@@ -109,7 +111,8 @@ def check_fits(state: dict[str, Any], path: Path, arch: str, opt: str, classes: 
     if state["arch"] != arch or len(state["classes"]) != len(classes):
         raise DataError(
             f"{path} was trained as {state['arch']} on {len(state['classes'])} classes, "
-            f"not {arch} on {len(classes)}: use another --output or --resume"
+            f"not {arch} on {len(classes)}: give another --output for a new run (or --resume a checkpoint of "
+            f"this model)"
         )
     if (theirs := state["config"].get("opt", "sgd")) != opt and state["optimizer"]:
         raise DataError(
@@ -119,8 +122,8 @@ def check_fits(state: dict[str, Any], path: Path, arch: str, opt: str, classes: 
     if differ := [(a, b) for a, b in zip(state["classes"], classes, strict=True) if a != b]:
         (theirs, ours), more = differ[0], f" and {len(differ) - 1} more" if len(differ) > 1 else ""
         raise DataError(
-            f"{path} was trained on other classes ({theirs!r} where the data has {ours!r}{more}): "
-            "use another --output or --resume"
+            f"{path} was trained on other classes ({theirs!r} where the data has {ours!r}{more}): give another "
+            "--output for a new run (or --resume a checkpoint trained on these classes)"
         )
 
 

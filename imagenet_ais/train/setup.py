@@ -251,9 +251,12 @@ def build(
     ema = ModelEma(raw_model, decay) if cfg.model_ema else None
     mode = f", compiled ({model.compile_mode(cfg, cuda)})" if compiled else ", eager"
     echo(f"{cfg.arch} on {process.world} × {process.device.type}, {feeding}{mode}")
-    new_optimizer = functools.partial(
-        model.make_optimizer, cfg=cfg, global_batch=cfg.batch_size * process.world, fused=cuda
+    global_batch = cfg.batch_size * process.world
+    echo(
+        f"learning rate {model.peak_lr(cfg, global_batch):g} after the warm-up: --lr {cfg.lr:g} is per "
+        f"{model.LR_BATCH} images, scaled to the global batch of {global_batch}"
     )
+    new_optimizer = functools.partial(model.make_optimizer, cfg=cfg, global_batch=global_batch, fused=cuda)
     optimizer = new_optimizer(list(raw_model.parameters()))  # --dp decent: one per bucket, inside its wrapper
     scaler = torch.amp.GradScaler(process.device.type, enabled=cfg.amp == "fp16")
     return Parts(
@@ -305,8 +308,8 @@ def assemble(
     if warmup and warmup == total_steps:
         parts.echo(
             f"warning: --warmup-epochs {cfg.warmup_epochs:g} covers all {cfg.epochs} epochs: the learning rate reaches "
-            f"--lr {cfg.lr:g} only at the last step and never decays; give fewer (e.g. --warmup-epochs "
-            f"{cfg.epochs / 4:g})",
+            f"its peak {model.peak_lr(cfg, cfg.batch_size * process.world):g} only at the last step and never decays; "
+            f"give fewer (e.g. --warmup-epochs {cfg.epochs / 4:g})",
             err=True,
         )
     start = train_state.epoch * steps_per_epoch + train_state.first_step
