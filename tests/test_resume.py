@@ -139,7 +139,8 @@ def test_an_epoch_stopped_over_other_shards_starts_over_and_says_so(tmp_path: Pa
     run_cli(*launch(1), *args(data, output, 8, 1), "--max-steps", "5")
     write_shards(data, {"train": [*TRAIN, 16], "val": [4]})  # a shard added since
     out = run_cli(*launch(1), *args(data, output, 8, 1), "--epochs", "1")
-    assert "epoch 1 stopped at step 5 of 40 on 1 × 8 over other shards or another --seed: it starts over" in out.stderr
+    said = "epoch 1 stopped at step 5 of 40 on 1 × 8 over other shards or with another seed (ShardLoader's seed=, "
+    assert said + "train.py's --seed): it starts over" in out.stderr
     logged = keys(output, 1)[0]
     assert len(logged) == (5 + 42) * 8, "5 steps trained before, then the whole epoch"
     assert len(set(logged[40:])) == 42 * 8, "the epoch over the new shards, each key once"

@@ -70,7 +70,7 @@ class Continued(NamedTuple):
 
 class ShardLoader:
     """One rank's batches of ``split`` of the shards at ``location`` (a directory, ``ais://``,
-    ``gs://``, ``http(s)://``: wherever ``manifest.json`` is), ready on ``device``.
+    ``gs://``, ``s3://``, ``http(s)://``: wherever ``manifest.json`` is), ready on ``device``.
 
     Iterating gives ``Batch(images, labels, keys)``: normalised float images N × 3 × H × W
     and int64 labels on the device, and the samples' keys. The training split gives ``len(self)``
@@ -291,7 +291,7 @@ class ShardLoader:
             return
         at = str(self.continued)
         if state["plan"] != loader.plan():
-            raise StateMismatch(f"{at} over other shards or another --seed")
+            raise StateMismatch(f"{at} over other shards or with another seed (ShardLoader's seed=, train.py's --seed)")
         if state.get("identity") not in (None, loader.identity()):
             raise StateMismatch(f"{at} over other shards: the same names and counts, other bytes (converted again?)")
         restart = f"{epoch}:{step}"  # names the streams a resampled epoch draws from here on
