@@ -30,8 +30,12 @@ def run_twice(tmp_path: Path, env: dict[str, str], *trackers: str) -> Path:
 def test_mlflow_gets_the_settings_every_record_and_the_result_in_one_run_across_a_resume(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    output = run_twice(tmp_path, {"MLFLOW_TRACKING_URI": uri}, "mlflow", "tensorboard")
+    # no MLFLOW_TRACKING_URI: the store goes in --output (it was ./mlflow.db, in the checkout's root)
+    before = sorted(Path.cwd().iterdir())
+    output = run_twice(tmp_path, {}, "mlflow")
+    assert sorted(Path.cwd().iterdir()) == before, "nothing written where the run was started from"
+    uri = f"sqlite:///{output / 'mlflow.db'}"
+    assert f"MLflow: runs in {uri} (mlflow ui --backend-store-uri {uri})" in (output / "train.log").read_text()
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("imagenet-ais").experiment_id])
     assert run.info.status == "FINISHED" and run.info.run_name == "run", "one run, continued by the resume"
@@ -42,7 +46,7 @@ def test_mlflow_gets_the_settings_every_record_and_the_result_in_one_run_across_
     (final,) = client.get_metric_history(run.info.run_id, "final/top1")
     last = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()][-1]
     assert final.value == pytest.approx(last["top1"]) and final.step == 12
-    assert list(output.glob("events.out.tfevents.*")), "TensorBoard too, as asked"
+    assert list(output.glob("events.out.tfevents.*")), "TensorBoard too, beside it"
 
 
 def wandb_records(run_file: Path) -> list:
@@ -85,7 +89,7 @@ def test_wandb_offline_gets_the_settings_every_record_and_the_result_in_one_run_
     steps = [h["_step"] for h in history if "train/loss" in h]
     assert steps[:2] == [2, 3] and steps[-1] == 12 and 6 in steps, steps
     assert [h["_step"] for h in history if "val/top1" in h] == [6, 12]
-    assert not list(output.glob("events.out.tfevents.*")), "no TensorBoard files where it was not asked for"
+    assert list(output.glob("events.out.tfevents.*")), "TensorBoard stays on beside W&B (it was dropped silently)"
 
 
 def test_a_tracker_that_cannot_start_is_one_line_before_anything_trains(tmp_path: Path) -> None:
@@ -94,6 +98,13 @@ def test_a_tracker_that_cannot_start_is_one_line_before_anything_trains(tmp_path
     proc = train_here(*args, "--tracker", "mlflow", env=bad, check=False)
     assert proc.returncode == 1 and proc.stderr.startswith("Error: --tracker mlflow: "), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists(), "nothing left of the start"
+    both = train_here(*args, "--tracker", "none", "--tracker", "mlflow", check=False)
+    assert (
+        both.returncode == 1
+        and both.stderr.strip() == "Error: --tracker none with another tracker: give one or the other"
+    )
+    train_here(*args, "--tracker", "none")  # metrics.jsonl alone
+    assert (tmp_path / "run" / "metrics.jsonl").exists() and not list((tmp_path / "run").glob("events.out.*"))
 
 
 def test_a_tracker_server_that_never_answers_is_one_line_within_a_minute(tmp_path: Path) -> None:

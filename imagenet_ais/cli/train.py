@@ -254,8 +254,9 @@ QUICK_CPU = (
     multiple=True,
     default=DEFAULTS.trackers,
     type=click.Choice(TRACKERS),
-    help="where records go besides metrics.jsonl (repeatable): TensorBoard event files in --output, MLflow "
-    "(MLFLOW_TRACKING_URI), W&B (WANDB_MODE=offline keeps it local); a resumed run continues their runs",
+    help="where records go besides metrics.jsonl and TensorBoard's files in --output (repeatable): MLflow "
+    "(MLFLOW_TRACKING_URI, else --output's mlflow.db), W&B (WANDB_MODE=offline keeps it local); none: "
+    "metrics.jsonl alone; a resumed run continues their runs",
 )
 @click.option("--log-keys", is_flag=True, help="write every training key per epoch and rank under OUTPUT/keys/")
 @click.option("--upload", help="also upload checkpoints, metrics and log here (gs://, s3://, ais:// or a directory)")

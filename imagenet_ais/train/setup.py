@@ -324,6 +324,8 @@ def assemble(
         if process.main
         else []
     )
+    for tracker in trackers:
+        parts.echo(tracker.where)
     log = MetricsLog(parts.output if process.main else None, step=train_state.step, report=report, trackers=trackers)
     if cfg.log_keys and process.main and train_state.step == 0:  # an attempt that died before its first checkpoint
         keys_log.cut_back(parts.output, 0, {})

@@ -1,12 +1,14 @@
-"""``--tracker``: where a run's records go besides metrics.jsonl: TensorBoard event files (the
-default), MLflow, Weights & Biases (repeatable).
+"""``--tracker``: where a run's records go besides metrics.jsonl: TensorBoard event files in
+--output (always, unless ``--tracker none``), MLflow, Weights & Biases (repeatable).
 
 Each gets, from rank 0, the run's settings at its start, every training record (each
 ``--log-every`` steps) and validation record as ``<kind>/<name>`` at its step, and the outcome at
 the end. MLflow and W&B are imported only when asked for: neither is a dependency (``pip install
-mlflow-skinny sqlalchemy alembic`` for MLflow's default sqlite store, ``pip install wandb``). A
-resumed run continues the same MLflow or W&B run: their ids are kept in the checkpoint. Where a
-tracker fails during the run, it says so once and the run goes on without it.
+mlflow``, whose ``mlflow ui`` shows the runs; ``pip install wandb``). MLflow's store is
+MLFLOW_TRACKING_URI, else a sqlite file in --output (never the current directory's). A resumed
+run continues the same MLflow or W&B run: their ids are kept in the checkpoint. Where a tracker
+fails during the run, it says so once and the run goes on without it. Each says at the start
+where its runs are and how to look at them (``where``).
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from typing import Any, Protocol
 
 from imagenet_ais.errors import ConfigError
 
-TRACKERS = ("tensorboard", "mlflow", "wandb")
+TRACKERS = ("tensorboard", "mlflow", "wandb", "none")  # none: metrics.jsonl alone
 PROJECT = "imagenet-ais"  # MLflow's experiment and W&B's project, unless MLFLOW_EXPERIMENT_NAME / WANDB_PROJECT
 
 
 class Tracker(Protocol):
     name: str
     run_id: str  # what a resumed run continues ("" for TensorBoard: its files are the run's)
+    where: str  # where its runs are and how to look at them, for the run's first lines
 
     def log(self, values: dict[str, float], step: int) -> None: ...
 
@@ -49,6 +52,7 @@ class TensorBoard:
 
         # TensorBoard purges events at or after purge_step; the record at the resume step stays
         self.board = SummaryWriter(str(output), purge_step=step + 1 if step else None)
+        self.where = f"TensorBoard: event files in {output} (tensorboard --logdir {output})"
 
     def log(self, values: dict[str, float], step: int) -> None:
         for name, value in values.items():
@@ -66,26 +70,30 @@ MLFLOW_BOUNDS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_R
 
 
 class MLflow:
-    """A run of MLflow's client (MLFLOW_TRACKING_URI, or MLflow's default ./mlflow.db): no global
-    active run is set in this process."""
+    """A run of MLflow's client (MLFLOW_TRACKING_URI, else OUTPUT/mlflow.db): no global active
+    run is set in this process."""
 
     name = "mlflow"
 
-    def __init__(self, settings: dict[str, Any], title: str, run_id: str):
+    def __init__(self, settings: dict[str, Any], title: str, run_id: str, output: Path):
         try:
             from mlflow import MlflowClient
             from mlflow.entities import Param
         except ImportError:
-            install = "pip install mlflow-skinny sqlalchemy alembic"
+            install = "pip install mlflow: its mlflow ui shows the runs"
             raise ConfigError(f"--tracker mlflow: MLflow is not installed ({install}), or leave it out") from None
         self.bounded = [key for key in MLFLOW_BOUNDS if key not in os.environ]
         os.environ.update({key: MLFLOW_BOUNDS[key] for key in self.bounded})
+        own = Path(output).resolve()  # the store's folder unless MLFLOW_TRACKING_URI names one
+        self.uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{own / 'mlflow.db'}"
+        self.where = f"MLflow: runs in {self.uri} (mlflow ui --backend-store-uri {self.uri})"
         try:
-            self.client = MlflowClient()
+            self.client = MlflowClient(tracking_uri=self.uri)
             if not run_id:
                 experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
                 found = self.client.get_experiment_by_name(experiment)
-                ident = found.experiment_id if found else self.client.create_experiment(experiment)
+                artifacts = None if "MLFLOW_TRACKING_URI" in os.environ else (own / "mlruns").as_uri()
+                ident = found.experiment_id if found else self.client.create_experiment(experiment, artifacts)
                 run_id = self.client.create_run(ident, run_name=title).info.run_id
                 params = [Param(k, str(v)[:500]) for k, v in settings.items()]
                 self.client.log_batch(run_id, params=params)
@@ -93,7 +101,7 @@ class MLflow:
                 self.client.update_run(run_id, status="RUNNING")
         except Exception as e:  # the store's own errors: one line, before anything trains
             self._unbound()
-            raise ConfigError(f"--tracker mlflow: {_first_line(e)} (tracking URI {_mlflow_uri()})") from None
+            raise ConfigError(f"--tracker mlflow: {_first_line(e)} (tracking URI {self.uri})") from None
         self.run_id = run_id
 
     def _unbound(self) -> None:
@@ -134,6 +142,12 @@ class Wandb:
         except Exception as e:  # no API key, no server: one line, before anything trains
             raise ConfigError(f"--tracker wandb: {_first_line(e)} (wandb login, or WANDB_MODE=offline)") from None
         self.run_id = self.run.id
+        offline = os.environ.get("WANDB_MODE") == "offline"
+        self.where = (
+            f"W&B: offline run {self.run_id} in {output}/wandb (wandb sync uploads it)"
+            if offline
+            else f"W&B: {self.run.url or f'run {self.run_id} of project {project}'}"
+        )
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
@@ -146,16 +160,20 @@ class Wandb:
 def open_trackers(
     names: tuple[str, ...], output: Path, settings: dict[str, Any], step: int, resumed: dict[str, str]
 ) -> list[Tracker]:
-    """The trackers ``names`` asks for, continuing the runs ``resumed`` names (from the checkpoint)."""
+    """The trackers ``names`` asks for, TensorBoard's beside them unless "none", continuing the
+    runs ``resumed`` names (from the checkpoint)."""
     if unknown := [n for n in names if n not in TRACKERS]:
         raise ConfigError(f"--tracker {unknown[0]!r}: one of {', '.join(TRACKERS)}")
+    if "none" in names and set(names) != {"none"}:
+        raise ConfigError("--tracker none with another tracker: give one or the other")
     opened: list[Tracker] = []
     try:
-        for name in dict.fromkeys(names):
+        # TensorBoard last: a tracker that cannot start then leaves no event file in --output
+        for name in dict.fromkeys((*names, "tensorboard") if "none" not in names else ()):
             if name == "tensorboard":
                 opened.append(TensorBoard(output, step))
             elif name == "mlflow":
-                opened.append(MLflow(settings, output.name, resumed.get(name, "")))
+                opened.append(MLflow(settings, output.name, resumed.get(name, ""), output))
             else:
                 opened.append(Wandb(settings, output.name, resumed.get(name, ""), output))
     except BaseException:
@@ -177,9 +195,3 @@ def warn_once(tracker: Tracker, e: Exception) -> None:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0][:200] if text else type(e).__name__
-
-
-def _mlflow_uri() -> str:
-    from mlflow import get_tracking_uri
-
-    return str(get_tracking_uri())
