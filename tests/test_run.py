@@ -49,6 +49,16 @@ def test_dry_run_prints_the_commands_with_settings_from_the_environment(tmp_path
     assert not (tmp_path / "my shards").exists()
 
 
+def test_a_dry_runs_plan_is_whole_on_stdout(tmp_path: Path) -> None:
+    # `./run -n local1 > plan.sh` lost the demo's synth and convert steps: they went to stderr
+    env = {"DEMO_DIR": str(tmp_path / "demo"), "VENV": str(tmp_path / "venv")}  # neither made yet
+    planned = run_cli(ROOT / "run", "-n", "local1", env=env)
+    steps = [line.split()[1:3] for line in planned.stdout.splitlines() if "imagenet_shards.py" in line]
+    assert steps == [["imagenet_shards.py", "synth"], ["imagenet_shards.py", "convert"]], planned.stdout
+    assert "-m venv" in planned.stdout and "train.py" in planned.stdout.splitlines()[-1]
+    assert planned.stderr == "", "nothing of the plan elsewhere"
+
+
 def test_the_launchers_demo_settings_give_way_to_the_users_options() -> None:
     # `./run -n local1 --epochs 2` printed --epochs 8 ... --epochs 2; DATA=./data/demo/shards got ResNet-50 at 224 px
     out = run_cli(ROOT / "run", "-n", "local1", "--epochs", "2", env={"DATA": "./data/demo/shards", "VENV": ".venv"})
