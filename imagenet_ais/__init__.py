@@ -22,6 +22,7 @@ __all__ = [
     "Stalled",
     "StateMismatch",
     "StorageError",
+    "TransformFailed",
     "UnreadableData",
     "WorkerDied",
 ]

@@ -16,10 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_ARCH, write_shards
+from PIL import Image
 from torch import nn
+from torchvision.transforms import v2
 
-from imagenet_ais import ShardLoader, Stalled, StateMismatch
+from imagenet_ais import ShardLoader, Stalled, StateMismatch, TransformFailed
 from imagenet_ais.errors import ConfigError, DataError
+from imagenet_ais.loader.augment import Augment
 from imagenet_ais.loader.shard_loader import few_queues
 from imagenet_ais.shards.manifest import load_manifest
 from imagenet_ais.storage import LocalStore
@@ -118,6 +121,92 @@ def test_a_pass_ended_before_its_end_says_so_rather_than_stop_as_if_whole(data: 
         next(third)
     with pytest.raises(ConfigError, match="the loader was closed during this pass"):
         next(third)
+
+
+def _solid_red(img: Image.Image) -> Image.Image:
+    return Image.new("RGB", (8, 8), (255, 0, 0))
+
+
+def _sevens(img: Image.Image) -> torch.Tensor:
+    return torch.full((3, 8, 8), 7.0)
+
+
+def _raising(img: Image.Image) -> torch.Tensor:
+    raise ValueError(f"no crop of {img.width}×{img.height}\nsecond line")
+
+
+def _as_big_as_given(img: Image.Image) -> torch.Tensor:
+    return v2.functional.pil_to_tensor(img)  # the pictures' own sizes: no batch of them
+
+
+def _a_number(img: Image.Image) -> int:
+    return 3
+
+
+def test_your_own_transforms_with_torchvision_v2(data: str) -> None:
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    crop = v2.Compose([
+        v2.RandomResizedCrop(24), v2.RandomHorizontalFlip(), v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
+        v2.Normalize(mean, std),
+    ])  # fmt: skip
+    with ShardLoader(data, "train", 8, **OPTIONS, transform=crop) as loader:
+        batches = list(loader)
+    assert len(batches) == len(loader) and {k for b in batches for k in b.keys} == ALL, "every sample, once"
+    images = torch.cat([b.images for b in batches])
+    assert images.shape == (64, 3, 24, 24) and images.dtype == torch.float32
+    assert images.min() > -2.2 and images.max() < 2.7, "normalised once, by the transform (not again)"
+    with ShardLoader(data, "train", 8, **OPTIONS, transform=_sevens) as loader:
+        assert bool((next(iter(loader)).images == 7).all()), "a float tensor is taken as it is"
+    with ShardLoader(data, "val", 4, **OPTIONS, transform=_solid_red) as loader:  # a PIL image: as the loader's own
+        pixel = next(iter(loader)).images[0, :, 0, 0]
+    assert pixel.tolist() == pytest.approx([(c - m) / s for c, m, s in zip((1, 0, 0), mean, std, strict=True)])
+    # on the device batch, any decode
+    with ShardLoader(data, "train", 8, **OPTIONS, batch_transform=v2.RandomErasing(p=1.0, value=0)) as loader:
+        erased = next(iter(loader)).images
+    assert erased.shape == (8, 3, 32, 32) and bool((erased == 0).any())
+
+
+@pytest.mark.parametrize(
+    ("transform", "says"),
+    [
+        (_raising, r"the transform raised on sample 'train-\d+-\d+': ValueError: no crop of \d+×\d+$"),
+        (_as_big_as_given, r"samples 'train-\d+-\d+' and 'train-\d+-\d+' of a batch are \(\d+, \d+, 3\) and "),
+        (_a_number, r"the transform gave int for sample 'train-\d+-\d+': return a PIL image or a 3×H×W tensor$"),
+    ],
+    ids=["raises", "sizes", "kind"],
+)
+def test_a_transform_that_fails_names_the_sample_in_one_line(transform, says: str, data: str) -> None:
+    with (
+        ShardLoader(data, "train", 8, **OPTIONS, transform=transform) as loader,
+        pytest.raises(TransformFailed, match=says) as raised,
+    ):
+        next(iter(loader))
+    assert "\n" not in str(raised.value)
+    if transform is not _as_big_as_given:  # (a batch's samples come from several shards)
+        assert re.match(rf"{re.escape(data)}/imagenet-train-\d+\.tar: the transform ", str(raised.value))
+    says = r"the batch_transform raised on the batch of 'train-\d+-\d+' and 7 more: IndexError: index 8 is out"
+    with (
+        ShardLoader(data, "train", 8, **OPTIONS, batch_transform=lambda x: x[8]) as loader,
+        pytest.raises(TransformFailed, match=says),
+    ):
+        next(iter(loader))
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        (
+            {"transform": _sevens, "decode": "gpu"},
+            "transform= runs in the workers on PIL images, not with decode='gpu'",
+        ),
+        ({"transform": _sevens, "augment": Augment("ra")}, "transform= replaces the loader's crop, flip and augment"),
+        ({"transform": "v2.RandomResizedCrop(24)"}, "transform='v2.RandomResizedCrop(24)': give a callable"),
+        ({"batch_transform": 3}, "batch_transform=3: give a callable"),
+    ],
+)
+def test_transforms_a_loader_cannot_use_are_one_line(given: dict, says: str, data: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        ShardLoader(data, "train", 8, **{**OPTIONS, **given})
 
 
 def test_a_state_of_other_shards_or_seed_starts_its_epoch_over(data: str) -> None:

@@ -21,7 +21,14 @@ from __future__ import annotations
 
 from imagenet_ais.errors import ConfigError, DataError, NotFound, Refused, StorageError
 from imagenet_ais.loader.engine import Batch
-from imagenet_ais.loader.failures import Interrupted, Stalled, StateMismatch, UnreadableData, WorkerDied
+from imagenet_ais.loader.failures import (
+    Interrupted,
+    Stalled,
+    StateMismatch,
+    TransformFailed,
+    UnreadableData,
+    WorkerDied,
+)
 from imagenet_ais.loader.shard_loader import ShardLoader
 
 __all__ = [
@@ -35,6 +42,7 @@ __all__ = [
     "Stalled",
     "StateMismatch",
     "StorageError",
+    "TransformFailed",
     "UnreadableData",
     "WorkerDied",
 ]

@@ -45,7 +45,7 @@ from imagenet_ais.loader.cpu_share import AUTO, LIMIT
 from imagenet_ais.loader.dali_decode import DaliCrops, DaliFailed
 from imagenet_ais.loader.device_decode import Decoded, crop_decoded, decode_encoded
 from imagenet_ais.loader.device_feed import DeviceFeed, Stage, close_all
-from imagenet_ais.loader.failures import Stalled, UnreadableData, WorkerDied
+from imagenet_ais.loader.failures import Stalled, TransformFailed, UnreadableData, WorkerDied
 from imagenet_ais.loader.sampling import Done, exact_assignment, trained
 from imagenet_ais.loader.transforms import normalize
 from imagenet_ais.loader.wire import Encoded, HostBatch, Slots
@@ -121,7 +121,12 @@ class _OnDevice:
         return [("decode", self.decode), ("crop", self.crop)]
 
     def copy(self, batch: HostBatch) -> tuple[Batch, torch.Tensor]:
-        x = normalize(batch.images, self.device, self.channels_last)  # type: ignore[arg-type]
+        images: torch.Tensor = batch.images  # type: ignore[assignment]
+        if images.is_floating_point():  # a caller's transform made them whole (worker._transformed)
+            fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+            x = images.to(self.device, non_blocking=True).contiguous(memory_format=fmt)
+        else:
+            x = normalize(images, self.device, self.channels_last)
         return Batch(x, batch.labels.to(self.device, non_blocking=True), batch.keys), batch.ids
 
     def decode(self, batch: HostBatch) -> tuple[Decoded, HostBatch]:
@@ -221,9 +226,9 @@ class _ShardLoader:
             if self.slots and self.pin:
                 self.slots.pin()
             yield from map(functools.partial(wire.unpack, self.slots), batches)
-        except UnreadableData as e:  # a worker's, which torch raises again with its traceback as the message
-            raised = f"{UnreadableData.__module__}.UnreadableData: "  # (where the worker's message starts)
-            raise UnreadableData(str(e).rpartition(raised)[2].strip()) from None
+        except (UnreadableData, TransformFailed) as e:  # a worker's: torch raises it again, its traceback the message
+            raised = f"{type(e).__module__}.{type(e).__name__}: "  # (where the worker's message starts)
+            raise type(e)(str(e).rpartition(raised)[2].strip()) from None
         except RuntimeError as e:  # torch's "DataLoader worker (pid(s) 1234) exited unexpectedly"
             if not str(e).startswith("DataLoader worker"):
                 raise

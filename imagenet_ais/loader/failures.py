@@ -20,6 +20,11 @@ class UnreadableData(RuntimeError):
     """Nothing of a location could be read: training would wait for ever (a run stops with exit 4)."""
 
 
+class TransformFailed(RuntimeError):
+    """A caller's ``transform`` or ``batch_transform`` raised, or gave what cannot be an image of a
+    batch: the line names the sample (its key and shard) or the batch."""
+
+
 class Stalled(UnreadableData):
     """No batch came for the loader's ``data_timeout``: a worker stopped, or its reads hang."""
 

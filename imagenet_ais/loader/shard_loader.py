@@ -23,11 +23,12 @@ import dataclasses
 import inspect
 import os
 import warnings
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from PIL import Image
 
 from imagenet_ais.distributed import WORK_QUEUES, auto_workers, gather_objects
 from imagenet_ais.errors import ConfigError, DataError
@@ -35,7 +36,7 @@ from imagenet_ais.loader.augment import NO_AUGMENT, Augment
 from imagenet_ais.loader.cpu_share import AUTO, checked
 from imagenet_ais.loader.dali_decode import available as dali_available
 from imagenet_ais.loader.engine import Batch, Feeding, TrainLoader, ValLoader
-from imagenet_ais.loader.failures import StateMismatch
+from imagenet_ais.loader.failures import StateMismatch, TransformFailed
 from imagenet_ais.loader.sampling import merge_positions
 from imagenet_ais.loader.transforms import VAL_CROP
 from imagenet_ais.loader.worker import CacheSpec, LoaderSpec
@@ -92,6 +93,12 @@ class ShardLoader:
       worker stopped, or reads that hang); None: for ever.
     - ``augment``: RandAugment-style policies and random erasing (augment.Augment), training only.
       ``val_resize_size``: validation resizes the short side to it, then takes the centre crop.
+    - ``transform``: your own, in the workers, on each decoded PIL image (RGB), in place of the
+      loader's crop, flip and augment (decode on the CPU; ``image_size`` does not apply). It gives
+      a PIL image or a uint8 3×H×W tensor (normalised then as the loader's own crops are), or a
+      float 3×H×W tensor (taken as it is); one size for all. Its random draws are the workers'
+      own, not the loader's seed. ``batch_transform``: your own on each batch's images on the
+      device, as iterating would give them (any decode).
 
     Its state (``state_dict()``, training only; a plain dict, for ``torch.save``):
 
@@ -130,6 +137,8 @@ class ShardLoader:
         cpu_share: float | str = AUTO,
         manifest: Manifest | None = None,
         data_timeout: float | None = 600.0,
+        transform: Callable[[Image.Image], Any] | None = None,
+        batch_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         _check_sizes(batch_size=batch_size, image_size=image_size, epoch_size=epoch_size, shuffle_buffer=shuffle_buffer)
         _check_kinds(location, manifest, augment, workers, seed, data_timeout)
@@ -138,7 +147,8 @@ class ShardLoader:
         device = _device(device)
         if epoch_mode not in EPOCH_MODES:
             raise ConfigError(f"epoch mode {epoch_mode!r}: use one of {', '.join(EPOCH_MODES)}")
-        self.decode = _decode(decode, device)
+        self.decode = _decode(_own_transforms(decode, augment, transform, batch_transform), device)
+        self.batch_transform = batch_transform
         if device.type == "cuda" and self.decode != "cpu" and (warning := few_queues()):
             warnings.warn(warning, stacklevel=2)
         if cache_size is not None and not cache_dir:
@@ -149,7 +159,7 @@ class ShardLoader:
         self.workers = workers if workers is not None else auto_workers(device)
         spec = LoaderSpec(
             world_size, rank, batch_size, seed, image_size, self.decode, len(manifest.classes),
-            CacheSpec(cache_dir, cache_size) if cache_dir else None, augment=augment,
+            CacheSpec(cache_dir, cache_size) if cache_dir else None, augment=augment, transform=transform,
         )  # fmt: skip
         feeding = Feeding(self.workers, device, channels_last, cpu_share=checked(cpu_share), data_timeout=data_timeout)
         data = manifest.split(split)
@@ -219,7 +229,17 @@ class ShardLoader:
         self._pending = False
         for batch in self._loader:
             self._step += 1
-            yield batch
+            yield self._transformed(batch) if self.batch_transform else batch
+
+    def _transformed(self, batch: Batch) -> Batch:
+        try:
+            return batch._replace(images=self.batch_transform(batch.images))  # type: ignore[misc]
+        except Exception as e:
+            what = (str(e).strip().splitlines() or [""])[0]
+            raise TransformFailed(
+                f"{self.location}: the batch_transform raised on the batch of {batch.keys[0]!r} and "
+                f"{len(batch.keys) - 1} more: {type(e).__name__}: {what}"
+            ) from None
 
     def state_dict(self) -> dict[str, Any]:
         """Where training stands in its epochs (the class's docstring says what it holds), for
@@ -412,6 +432,26 @@ def max_workers() -> int:
     """The most DataLoader workers a process may start: 4 a CPU (more only wait on each other and
     exhaust the task and file limits)."""
     return 4 * (os.cpu_count() or 1)
+
+
+def _own_transforms(decode: str, augment: Augment, transform: object, batch_transform: object) -> str:
+    """The decode to use with the caller's transforms (``transform`` needs the CPU's), else a
+    one-line ConfigError."""
+    for name, given in (("transform", transform), ("batch_transform", batch_transform)):
+        if given is not None and not callable(given):
+            raise ConfigError(f"{name}={given!r}: give a callable (e.g. a torchvision.transforms.v2 Compose)")
+    if transform is None:
+        return decode
+    if decode not in ("auto", "cpu"):
+        raise ConfigError(
+            f"transform= runs in the workers on PIL images, not with decode={decode!r}: give decode='cpu', or "
+            "batch_transform= for the batch on the device"
+        )
+    if augment != NO_AUGMENT:
+        raise ConfigError(
+            "transform= replaces the loader's crop, flip and augment: give one of transform= and augment="
+        )
+    return "cpu"
 
 
 def _device(device: torch.device | str | None) -> torch.device:

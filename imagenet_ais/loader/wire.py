@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from imagenet_ais.loader.failures import TransformFailed
 from imagenet_ais.loader.transforms import Box
 
 NO_PIXELS = torch.empty(0, 0, 0, 3, dtype=torch.uint8)
@@ -192,6 +193,11 @@ def pack(samples: list[tuple], slots: Slots | None = None) -> WorkerBatch:
     ids = np.stack([np.array(shards, dtype=np.int64), np.array(indices, dtype=np.int64)], axis=1)
     crossing: np.ndarray | Jpegs
     if isinstance(images[0], torch.Tensor):
+        if odd := next((i for i, image in enumerate(images) if image.shape != images[0].shape), None):
+            raise TransformFailed(
+                f"samples {keys[0]!r} and {keys[odd]!r} of a batch are {tuple(images[0].shape)} and "
+                f"{tuple(images[odd].shape)}: a batch needs one shape (end the transform with a fixed-size crop)"
+            )
         crossing = np.stack([image.numpy() for image in images])
     else:
         encoded, plans = [(raw, box) for raw, box, _ in images], [p for *_, p in images]

@@ -11,9 +11,10 @@ Only image and ``.cls`` members are read: nothing in a shard is unpickled.
 from __future__ import annotations
 
 import hashlib
+import io
 import itertools
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.sharedctypes import Synchronized
 from typing import BinaryIO, cast
@@ -28,7 +29,7 @@ from imagenet_ais.children import exit_with_parent
 from imagenet_ais.errors import ConfigError, DataError, StorageError
 from imagenet_ais.loader.augment import NO_AUGMENT, Augment
 from imagenet_ais.loader.cpu_share import CpuShare, offload
-from imagenet_ais.loader.failures import UnreadableData
+from imagenet_ais.loader.failures import TransformFailed, UnreadableData
 from imagenet_ais.loader.sampling import (
     Done,
     Piece,
@@ -114,6 +115,8 @@ class LoaderSpec:
     shuffle: int = field(default=0, kw_only=True)  # samples each worker mixes before batching (0: stored order)
     # of training's samples, cropped in the workers (cpu_share.py): a share or "auto"
     cpu_share: float | str = field(default=0.0, kw_only=True)
+    # the caller's own, in place of the crop, flip and augment: the decoded PIL image → the sample's
+    transform: Callable[[Image.Image], object] | None = field(default=None, kw_only=True)
 
 
 class ShardStream(IterableDataset):
@@ -261,7 +264,27 @@ class ShardStream(IterableDataset):
                         ) from None
                     continue
                 skipped = 0
+                if self.spec.transform:
+                    image = self._transformed(image, sample["__key__"], piece.shard)  # type: ignore[arg-type]
                 yield image, label, sample["__key__"], piece.shard, index
+
+    def _transformed(self, image: Image.Image, key: str, shard: int) -> torch.Tensor:
+        """The caller's transform of a decoded image, as the batch takes it: uint8 H×W×3 (from a
+        PIL image or a uint8 3×H×W tensor: normalised later as the loader's own crops are), or a
+        float 3×H×W tensor, taken as it is."""
+        where = f"{self.spec.location}/{self.spec.names[shard]}: the transform"
+        try:
+            out = self.spec.transform(image)  # type: ignore[misc]
+        except Exception as e:
+            what = (str(e).strip().splitlines() or [""])[0]
+            raise TransformFailed(f"{where} raised on sample {key!r}: {type(e).__name__}: {what}") from None
+        if isinstance(out, Image.Image):
+            rgb = out.convert("RGB")
+            return torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(rgb.height, rgb.width, 3)
+        if isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[0] == 3:
+            return out.permute(1, 2, 0).contiguous() if out.dtype == torch.uint8 else out.float().contiguous()
+        shown = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise TransformFailed(f"{where} gave {shown} for sample {key!r}: return a PIL image or a 3×H×W tensor")
 
     def _skip(self, shard: int, key: str, what: str) -> None:
         """A sample that cannot be decoded: named once, counted, not trained on."""
@@ -279,6 +302,9 @@ class ShardStream(IterableDataset):
             raise DataError(f"label {label} is not among the manifest's {self.spec.classes} classes")
         rng = augment_rng(self.spec.seed, self.signals.epoch.value, sample["__key__"]) if train else None
         augment = self.spec.augment  # drawn and applied only with rng, i.e. in training
+        if self.spec.transform:  # the whole picture: the caller's transform crops
+            with Image.open(io.BytesIO(data)) as img:
+                return img.convert("RGB"), label
         if self.spec.decode != "cpu":
             raw, box = encode_for_device(data, rng, self.spec.val_crop)
             # drawn after the crop, from the same generator, as on the CPU path
