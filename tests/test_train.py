@@ -50,7 +50,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from imagenet_ais import distributed
 from imagenet_ais.cli import train as train_cli
-from imagenet_ais.errors import DataError
+from imagenet_ais.errors import ConfigError, DataError
 from imagenet_ais.shards import synth
 from imagenet_ais.shards.manifest import MIN_SAMPLE_BYTES
 from imagenet_ais.storage import locks
@@ -673,6 +673,36 @@ def test_epochs_too_short_to_learn_from_are_said_with_a_batch_that_fits(
     ]
     assert loop.train(tiny_run(data, tmp_path / "fits", batch_size=2))["exit_code"] == 0
     assert "too few to learn from" not in capsys.readouterr().err, "12 steps: said no more"
+
+
+@pytest.mark.parametrize("opt", ["sgd", "lamb", "lars"])
+def test_a_timm_model_trains_resumes_and_loads_back_into_timm(opt: str, tmp_path: Path) -> None:
+    import timm
+
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [12, 12], "val": [4]})
+    cfg = tiny_run(data, output, arch="timm/test_convnext", opt=opt, epochs=2, batch_size=2, resume="auto")
+    stopped = loop.train(dataclasses.replace(cfg, max_steps=3))
+    assert stopped["step"] == 3 and stopped["exit_code"] == 0
+    done = loop.train(cfg)  # resumed: the model, its optimizer's state (LAMB's, LARS's), the data
+    assert done["complete"] and done["step"] == 24
+    state = torch.load(output / "last.pt", weights_only=True)
+    assert state["arch"] == "timm/test_convnext" and state["config"]["opt"] == opt
+    again = timm.create_model("test_convnext", num_classes=4)
+    again.load_state_dict(state["model"], strict=True)  # timm's own model takes the weights as they are
+    assert not torch.isnan(next(iter(again.parameters()))).any()
+
+
+def test_timm_names_are_checked_and_a_missing_timm_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    cfg = config.TrainConfig(output=str(tmp_path / "run"), synthetic=True, arch="timm/no_such_net", image_size=32)
+    with pytest.raises(ConfigError, match=r"^--arch 'timm/no_such_net': timm has no model 'no_such_net' \(timm"):
+        loop.train(cfg)
+    monkeypatch.setitem(sys.modules, "timm", None)  # as where the extra is not installed
+    with pytest.raises(ConfigError, match=r"^--arch timm/test_convnext needs timm: pip install \.\[timm\]"):
+        loop.train(dataclasses.replace(cfg, arch="timm/test_convnext"))
+    with pytest.raises(ConfigError, match=r"^--opt lamb needs timm: pip install \.\[timm\]"):
+        loop.train(dataclasses.replace(cfg, arch=TINY_ARCH, opt="lamb", max_steps=1))
+    assert not (tmp_path / "run").exists(), "refused before anything was made"
 
 
 def test_resampled_epochs_count_the_samples_of_shards_that_failed_to_read(

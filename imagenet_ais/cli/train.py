@@ -72,10 +72,17 @@ QUICK_CPU = (
 )
 # torchvision's reference names work too: --output-dir, --model, -b, -j, --print-freq, --train-crop-size, ...
 @click.option("--output", "--output-dir", default=DEFAULTS.output, help="checkpoints, metrics.jsonl and logs go here")
-@click.option("--arch", "--model", default=DEFAULTS.arch, help="any torchvision classification model")
+@click.option(
+    "--arch", "--model", default=DEFAULTS.arch, help="any torchvision classification model, or timm/NAME: timm's"
+)
 @click.option("--epochs", default=DEFAULTS.epochs, type=click.IntRange(min=1))
 @click.option("--batch-size", "-b", default=DEFAULTS.batch_size, type=click.IntRange(min=1), help="per process")
-@click.option("--opt", default=DEFAULTS.opt, type=click.Choice(OPTIMIZERS), help="sgd: with Nesterov momentum")
+@click.option(
+    "--opt",
+    default=DEFAULTS.opt,
+    type=click.Choice(OPTIMIZERS),
+    help="sgd: with Nesterov momentum; lamb, lars: timm's (for large global batches; pip install .[timm])",
+)
 @click.option(
     "--lr", default=DEFAULTS.lr, type=float, help="peak learning rate per 256 images (scaled by global batch)"
 )

@@ -81,7 +81,8 @@ class TrainConfig:
 
 # sgd: with Nesterov momentum (plain where --momentum is 0); rmsprop with torchvision's settings.
 # (LAMB and LARS are not in torch.optim.)
-OPTIMIZERS = ("sgd", "adamw", "rmsprop")
+TIMM_OPTIMIZERS = ("lamb", "lars")  # timm's (the timm extra)
+OPTIMIZERS = ("sgd", "adamw", "rmsprop", *TIMM_OPTIMIZERS)
 # cosine to zero, step (× --lr-gamma every --lr-step-size epochs), onecycle (torch's OneCycleLR
 # shape: a cosine rise over the warmup from 1/25 of the peak, then a cosine fall to 1/250,000)
 SCHEDULES = ("cosine", "step", "onecycle")
@@ -116,7 +117,7 @@ def check(cfg: TrainConfig) -> None:
         if not math.isfinite(value) or value < 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: give a finite number, 0 or more")
     if cfg.opt not in OPTIMIZERS:
-        raise ConfigError(f"--opt {cfg.opt!r}: one of {', '.join(OPTIMIZERS)} (torch.optim has no LAMB or LARS)")
+        raise ConfigError(f"--opt {cfg.opt!r}: one of {', '.join(OPTIMIZERS)} (lamb and lars: timm's)")
     if cfg.lr_scheduler not in SCHEDULES:
         raise ConfigError(f"--lr-scheduler {cfg.lr_scheduler!r}: one of {', '.join(SCHEDULES)}")
     if cfg.lr_step_size < 1:

@@ -22,18 +22,41 @@ from torch.nn.parallel import DistributedDataParallel
 from imagenet_ais import distributed
 from imagenet_ais.errors import ConfigError, DataError
 from imagenet_ais.train import checkpoint, decentralized
-from imagenet_ais.train.config import TrainConfig
+from imagenet_ais.train.config import TIMM_OPTIMIZERS, TrainConfig
+
+TIMM = "timm/"  # --arch timm/NAME: one of timm's models (as its own Hugging Face names begin)
+
+
+def timm_module(wanted: str) -> Any:
+    """timm, or a one-line ConfigError naming what ``wanted`` it (timm is the ``timm`` extra)."""
+    try:
+        import timm
+        import timm.optim
+    except ImportError:
+        raise ConfigError(f"{wanted} needs timm: pip install .[timm] (or pip install timm)") from None
+    return timm
 
 
 def check_arch(arch: str) -> None:
-    """Only the classifiers: a detection model would fetch its backbone's weights from the network."""
+    """torchvision's classifiers (a detection model would fetch its backbone's weights from the
+    network) or timm's models."""
+    if arch.startswith(TIMM):
+        if not timm_module(f"--arch {arch}").is_model(name := arch.removeprefix(TIMM)):
+            raise ConfigError(f"--arch {arch!r}: timm has no model {name!r} (timm.list_models() names them)")
+        return
     known = torchvision.models.list_models(module=torchvision.models)
     if arch not in known:
-        raise ConfigError(f"--arch {arch!r} is not a torchvision classification model; one of: {', '.join(known)}")
+        raise ConfigError(
+            f"--arch {arch!r} is not a torchvision classification model (nor timm/NAME, one of timm's); one of: "
+            f"{', '.join(known)}"
+        )
 
 
 def build_model(arch: str, num_classes: int) -> nn.Module:
     check_arch(arch)
+    if arch.startswith(TIMM):
+        timm = timm_module(f"--arch {arch}")
+        return cast(nn.Module, timm.create_model(arch.removeprefix(TIMM), pretrained=False, num_classes=num_classes))
     return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
 
 
@@ -135,6 +158,11 @@ def make_optimizer(
         return torch.optim.AdamW(groups, lr=lr, fused=fused)
     if cfg.opt == "rmsprop":  # torchvision's reference settings for it
         return torch.optim.RMSprop(groups, lr=lr, momentum=cfg.momentum, eps=0.0316, alpha=0.9)
+    if cfg.opt in TIMM_OPTIMIZERS:  # layer-wise trust ratios for large global batches; torch has none
+        optim = timm_module(f"--opt {cfg.opt}").optim
+        if cfg.opt == "lamb":
+            return cast(torch.optim.Optimizer, optim.Lamb(groups, lr=lr))
+        return cast(torch.optim.Optimizer, optim.Lars(groups, lr=lr, momentum=cfg.momentum))
     return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0, fused=fused)
 
 
