@@ -40,7 +40,8 @@ cmd_serve() {
   fi
   if [ -z "$dir" ]; then
     ensure_venv requirements.txt
-    dir=$(data_location)
+    data_location
+    dir=$DATA_AT
   fi
   [[ "$dir" != *://* ]] || die "serve: $dir is not a local directory (serve serves shards on this machine's disk)"
   # (a dry run's demo was only promised: it has no manifest yet)
