@@ -15,7 +15,7 @@ from importlib.metadata import distributions
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli, shards_here
+from conftest import ROOT, run_cli, shards_here, write_shards
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -57,6 +57,27 @@ def test_a_dry_runs_plan_is_whole_on_stdout(tmp_path: Path) -> None:
     assert steps == [["imagenet_shards.py", "synth"], ["imagenet_shards.py", "convert"]], planned.stdout
     assert "-m venv" in planned.stdout and "train.py" in planned.stdout.splitlines()[-1]
     assert planned.stderr == "", "nothing of the plan elsewhere"
+
+
+def test_relative_paths_are_the_callers(tmp_path: Path) -> None:
+    # from another directory, `CHECKOUT/run shards summary mytree/shards` said there was no manifest:
+    # ./run works in the checkout, and the relative path was taken from there
+    write_shards(tmp_path / "mine" / "shards", {"train": [3], "val": [2]})
+    env = {**os.environ, "VENV": str(VENV_BIN.parent)}
+
+    def run_here(*args: str, **settings: str) -> subprocess.CompletedProcess:
+        cmd = [ROOT / "run", *args]
+        return subprocess.run(cmd, cwd=tmp_path, env={**env, **settings}, capture_output=True, text=True)
+
+    summary = run_here("shards", "summary", "mine/shards")
+    assert summary.returncode == 0 and "samples=3" in summary.stdout, summary.stderr
+    planned = run_here("-n", "local1", "--output", "out", "--resume", "auto", DATA="mine/shards", UPLOAD="up")
+    cmd = shlex.split(planned.stdout.splitlines()[-1])
+    assert cmd[cmd.index("--data") + 1] == str(tmp_path / "mine" / "shards")
+    assert cmd[len(cmd) - 1 - cmd[::-1].index("--output") + 1] == str(tmp_path / "out"), "the caller's --output"
+    assert cmd[cmd.index("--upload") + 1] == str(tmp_path / "up") and cmd[cmd.index("--resume") + 1] == "auto"
+    plotted = run_here("-n", "plot", "runs/x", "--out=p.png")
+    assert shlex.split(plotted.stdout.splitlines()[-1])[-2:] == [str(tmp_path / "runs/x"), f"--out={tmp_path}/p.png"]
 
 
 def test_the_launchers_demo_settings_give_way_to_the_users_options() -> None:

@@ -17,7 +17,7 @@ cmd_serve() {
       --addr) addr=${2:?--addr needs an address}; shift 2 ;;
       --stop) stop=1; shift ;;
       -*) die "serve: unknown option $1 (serve [DIR] [--port P] [--addr A] | serve --stop [--port P])" ;;
-      *) dir=$1; shift ;;
+      *) dir=$(callers_path "$1"); shift ;;
     esac
   done
   [[ "$port" =~ ^[0-9]+$ ]] || die "serve: --port $port is not a port number"
