@@ -295,6 +295,8 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 1 and f"was trained as {TINY_ARCH}" in proc.stderr
+    # says what to do (it said "use another --output or --resume": resume what?)
+    assert "give another --output for a new run (or --resume a checkpoint of this model)" in proc.stderr
 
 
 def test_a_checkpoint_made_on_other_shards_goes_on_only_where_resume_names_it(
@@ -866,7 +868,10 @@ def test_a_start_that_fails_leaves_no_output_folder(tmp_path: Path) -> None:
             lambda s: s["model"].update({"fc.weight": torch.zeros(7, 512), "fc.bias": torch.zeros(7)}),
             "its weights do not fit resnet18 (size mismatch for fc.weight: copying a param with shape",
         ),
-        (lambda s: s["classes"].__setitem__(2, "other"), "was trained on other classes ('other' where the data has"),
+        (
+            lambda s: s["classes"].__setitem__(2, "other"),
+            "was trained on other classes ('other' where the data has '2'): give another --output for a new run",
+        ),
     ],
 )
 def test_a_checkpoint_with_a_valid_digest_that_cannot_continue_this_run_is_one_line(
