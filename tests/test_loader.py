@@ -117,6 +117,10 @@ def test_a_pass_ended_before_its_end_says_so_rather_than_stop_as_if_whole(data: 
             next(second)  # a pass handed out whole ends as any iterator does
         assert len(train_steps(loader, tiny_model(), steps=3)) == 24  # a pass left by break is simply dropped
         assert len(list(loader)) == len(loader)
+        fourth = iter(loader)
+        next(fourth)
+        fourth.close()  # as a generator's: its feed stops, and it ends
+        assert next(fourth, None) is None
         third = iter(loader)
         next(third)
     with pytest.raises(ConfigError, match="the loader was closed during this pass"):
@@ -141,6 +145,10 @@ def _as_big_as_given(img: Image.Image) -> torch.Tensor:
 
 def _a_number(img: Image.Image) -> int:
     return 3
+
+
+def _sixteen_bits(img: Image.Image) -> torch.Tensor:
+    return torch.zeros((3, 8, 8), dtype=torch.int16)  # (it was taken as floats, never normalised)
 
 
 def test_your_own_transforms_with_torchvision_v2(data: str) -> None:
@@ -170,10 +178,17 @@ def test_your_own_transforms_with_torchvision_v2(data: str) -> None:
     ("transform", "says"),
     [
         (_raising, r"the transform raised on sample 'train-\d+-\d+': ValueError: no crop of \d+×\d+$"),
-        (_as_big_as_given, r"samples 'train-\d+-\d+' and 'train-\d+-\d+' of a batch are \(\d+, \d+, 3\) and "),
-        (_a_number, r"the transform gave int for sample 'train-\d+-\d+': return a PIL image or a 3×H×W tensor$"),
+        (
+            _as_big_as_given,
+            r"samples 'train-\d+-\d+' and 'train-\d+-\d+' of a batch are torch.uint8 \(\d+, \d+, 3\)",
+        ),
+        (
+            _a_number,
+            r"the transform gave int for sample 'train-\d+-\d+': return a PIL image, or a uint8 or float",
+        ),
+        (_sixteen_bits, r"the transform gave a torch.int16 tensor of shape \(3, 8, 8\) for sample 'train-\d+-\d+'"),
     ],
-    ids=["raises", "sizes", "kind"],
+    ids=["raises", "sizes", "kind", "dtype"],
 )
 def test_a_transform_that_fails_names_the_sample_in_one_line(transform, says: str, data: str) -> None:
     with (

@@ -763,7 +763,7 @@ def test_a_warmup_as_long_as_the_run_is_said(tmp_path: Path, capsys: pytest.Capt
     said = capsys.readouterr()
     # the rate the optimizer uses, not --lr's per-256 figure (the lines showed 0.00625 beside "--lr 0.1")
     assert "warning: --warmup-epochs 5 covers all 1 epochs: the learning rate reaches its peak 0.00078125 " in said.err
-    says = "learning rate 0.00078125 after the warm-up: --lr 0.1 is per 256 images, scaled to the global batch of 2"
+    says = "learning rate 0.00078125 at its peak: --lr 0.1 is per 256 images, scaled to the global batch of 2"
     assert says in said.out
     loop.train(dataclasses.replace(cfg, output=str(tmp_path / "short"), epochs=2, warmup_epochs=1, max_steps=1))
     assert "--warmup-epochs" not in capsys.readouterr().err

@@ -14,10 +14,11 @@ The workers get the
 ``imagenet_ais`` package shipped by Ray; its dependencies (requirements.txt) must be installed
 on the cluster's nodes, and --data and --output must be reachable from all of them.
 
-SIGTERM, SIGINT or SIGUSR1 to this driver stops the run as they stop train.py: the driver
-leaves STOP_FILE in --output, where every worker looks each second (Ray runs training in a
-thread, which cannot take signals); the workers save together and end, and the driver exits 75
-once they have saved (1 if they could not). A second SIGINT aborts at once.
+SIGTERM or SIGUSR1 to this driver stops the run as they stop train.py: the driver leaves
+STOP_FILE in --output, where every worker looks each second (Ray runs training in a thread,
+which cannot take signals); the workers save together and end, and the driver exits 75 once
+they have saved (1 if they could not). SIGINT (Ctrl-C) is Ray Train's own: it aborts the run,
+which continues from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import click
+import torch
 
 import imagenet_ais
 from imagenet_ais.cli import train as train_cli
@@ -79,24 +81,28 @@ def worker(config: dict) -> None:
     from imagenet_ais.train.loop import train
 
     cfg = TrainConfig(**config)
-    stop = threading.Event()
-    threading.Thread(target=_watch, args=(Path(cfg.output, STOP_FILE), stop), daemon=True).start()
-    outcome = train(cfg, report=ray.train.report, stop=stop)
+    stop, done = threading.Event(), threading.Event()
+    threading.Thread(target=_watch, args=(Path(cfg.output, STOP_FILE), stop, done), daemon=True).start()
+    try:
+        outcome = train(cfg, report=ray.train.report, stop=stop)
+    finally:
+        done.set()
     if outcome["exit_code"] not in (0, EXIT_PREEMPTED):
         raise RuntimeError(f"training ended with status {outcome['exit_code']} (see {cfg.output}/train.log)")
 
 
-def _watch(path: Path, stop: threading.Event) -> None:
-    """Sets ``stop`` once the driver has left ``path`` (it was signalled)."""
-    while not stop.wait(1.0):
+def _watch(path: Path, stop: threading.Event, done: threading.Event) -> None:
+    """Sets ``stop`` once the driver has left ``path`` (it was signalled), until ``done``."""
+    while not done.wait(1.0):
         if path.exists():
             stop.set()
+            return
 
 
 class Stopping:
     """The driver's signal handlers while the run lasts: the first signal leaves the stop file."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # (SIGINT: Ray Train's fit() takes it, to abort)
 
     def __init__(self, output: Path):
         self.path = output / STOP_FILE
@@ -105,13 +111,11 @@ class Stopping:
         self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
     def _handle(self, signum: int, _frame: object) -> None:
-        if self.at is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
         if self.at is None:
             self.at = time.time()
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.touch()
-            click.echo(f"{signal.Signals(signum).name}: the workers save and stop (SIGINT again aborts)", err=True)
+            click.echo(f"{signal.Signals(signum).name}: the workers save and stop (Ctrl-C aborts)", err=True)
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():
@@ -122,6 +126,12 @@ class Stopping:
         """Whether the workers saved after the signal."""
         last = output / "last.pt"
         return self.at is not None and last.exists() and last.stat().st_mtime >= self.at
+
+
+def finished(output: Path, epochs: int) -> bool:
+    """Whether the run in ``output`` has trained all its epochs (a signal may come after its end)."""
+    last = output / "last.pt"
+    return last.exists() and torch.load(last, map_location="cpu", weights_only=True)["epoch"] >= epochs
 
 
 @click.command(context_settings={"show_default": True})
@@ -159,7 +169,7 @@ def main(
         os.environ["RAY_AUTH_MODE"] = "token"  # Ray itself does not use a token it finds when connecting
 
     import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchTrainer
 
     try:
@@ -181,14 +191,15 @@ def main(
         )
         stopping = Stopping(Path(cfg.output))
         try:
-            result = trainer.fit()
+            trainer.fit()
+        except TrainingFailedError as e:  # a worker's failure, retried --max-failures times
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise click.ClickException(f"Ray training failed: {first} (see {cfg.output}/train.log)") from None
         finally:
             stopping.restore()
     finally:
         ray.shutdown()  # a private cluster stops here; a connected one is only left
-    if result.error:
-        raise click.ClickException(f"Ray training failed: {result.error}")
-    if stopping.at is not None:
+    if stopping.at is not None and not finished(Path(cfg.output), cfg.epochs):
         if not stopping.saved(Path(cfg.output)):
             raise click.ClickException(f"stopped by a signal, but no checkpoint was saved after it in {cfg.output}")
         click.echo(f"stopped by a signal, checkpoint saved in {cfg.output}: continue with the same command")

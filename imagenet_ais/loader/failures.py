@@ -22,7 +22,7 @@ class UnreadableData(RuntimeError):
 
 class TransformFailed(RuntimeError):
     """A caller's ``transform`` or ``batch_transform`` raised, or gave what cannot be an image of a
-    batch: the line names the sample (its key and shard) or the batch."""
+    batch: the line names the sample (its key, and its shard where one sample is at fault) or the batch."""
 
 
 class Stalled(UnreadableData):

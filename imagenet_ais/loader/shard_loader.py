@@ -229,7 +229,7 @@ class ShardLoader:
         self._pending = False
         for batch in self._loader:
             self._step += 1
-            yield self._transformed(batch) if self.batch_transform else batch
+            yield self._transformed(batch) if self.batch_transform is not None else batch
 
     def _transformed(self, batch: Batch) -> Batch:
         try:
@@ -440,7 +440,7 @@ def _own_transforms(decode: str, augment: Augment, transform: object, batch_tran
     for name, given in (("transform", transform), ("batch_transform", batch_transform)):
         if given is not None and not callable(given):
             raise ConfigError(f"{name}={given!r}: give a callable (e.g. a torchvision.transforms.v2 Compose)")
-    if transform is None:
+    if transform is None or decode not in DECODES:  # (_decode names the decodes there are)
         return decode
     if decode not in ("auto", "cpu"):
         raise ConfigError(
@@ -500,6 +500,10 @@ class _Pass(Iterator[Batch]):
         if self.ended:
             raise ConfigError(self.ended)
         return next(self.batches)
+
+    def close(self) -> None:
+        """Stop this pass's feed now (as a generator's ``close``)."""
+        self.batches.close()
 
     def end(self, why: str) -> None:
         """Stop its feed now; ``why`` is what a later ``next`` says, unless it had handed out all."""

@@ -193,10 +193,12 @@ def pack(samples: list[tuple], slots: Slots | None = None) -> WorkerBatch:
     ids = np.stack([np.array(shards, dtype=np.int64), np.array(indices, dtype=np.int64)], axis=1)
     crossing: np.ndarray | Jpegs
     if isinstance(images[0], torch.Tensor):
-        if odd := next((i for i, image in enumerate(images) if image.shape != images[0].shape), None):
+        first = images[0]
+        if odd := next((i for i, im in enumerate(images) if (im.shape, im.dtype) != (first.shape, first.dtype)), None):
             raise TransformFailed(
-                f"samples {keys[0]!r} and {keys[odd]!r} of a batch are {tuple(images[0].shape)} and "
-                f"{tuple(images[odd].shape)}: a batch needs one shape (end the transform with a fixed-size crop)"
+                f"samples {keys[0]!r} and {keys[odd]!r} of a batch are {first.dtype} {tuple(first.shape)} and "
+                f"{images[odd].dtype} {tuple(images[odd].shape)}: a batch needs one kind and size (end the transform "
+                "with a fixed-size crop, and give every sample the same type)"
             )
         crossing = np.stack([image.numpy() for image in images])
     else:

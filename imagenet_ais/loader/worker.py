@@ -264,7 +264,7 @@ class ShardStream(IterableDataset):
                         ) from None
                     continue
                 skipped = 0
-                if self.spec.transform:
+                if self.spec.transform is not None:
                     image = self._transformed(image, sample["__key__"], piece.shard)  # type: ignore[arg-type]
                 yield image, label, sample["__key__"], piece.shard, index
 
@@ -282,9 +282,16 @@ class ShardStream(IterableDataset):
             rgb = out.convert("RGB")
             return torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(rgb.height, rgb.width, 3)
         if isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[0] == 3:
-            return out.permute(1, 2, 0).contiguous() if out.dtype == torch.uint8 else out.float().contiguous()
-        shown = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise TransformFailed(f"{where} gave {shown} for sample {key!r}: return a PIL image or a 3×H×W tensor")
+            if out.dtype == torch.uint8:
+                return out.permute(1, 2, 0).contiguous()
+            if out.is_floating_point():
+                return out.float().contiguous()
+        shown = (
+            f"a {out.dtype} tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        )
+        raise TransformFailed(
+            f"{where} gave {shown} for sample {key!r}: return a PIL image, or a uint8 or float 3×H×W tensor"
+        )
 
     def _skip(self, shard: int, key: str, what: str) -> None:
         """A sample that cannot be decoded: named once, counted, not trained on."""
@@ -302,7 +309,7 @@ class ShardStream(IterableDataset):
             raise DataError(f"label {label} is not among the manifest's {self.spec.classes} classes")
         rng = augment_rng(self.spec.seed, self.signals.epoch.value, sample["__key__"]) if train else None
         augment = self.spec.augment  # drawn and applied only with rng, i.e. in training
-        if self.spec.transform:  # the whole picture: the caller's transform crops
+        if self.spec.transform is not None:  # the whole picture: the caller's transform crops
             with Image.open(io.BytesIO(data)) as img:
                 return img.convert("RGB"), label
         if self.spec.decode != "cpu":

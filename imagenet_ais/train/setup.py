@@ -253,7 +253,7 @@ def build(
     echo(f"{cfg.arch} on {process.world} × {process.device.type}, {feeding}{mode}")
     global_batch = cfg.batch_size * process.world
     echo(
-        f"learning rate {model.peak_lr(cfg, global_batch):g} after the warm-up: --lr {cfg.lr:g} is per "
+        f"learning rate {model.peak_lr(cfg, global_batch):g} at its peak: --lr {cfg.lr:g} is per "
         f"{model.LR_BATCH} images, scaled to the global batch of {global_batch}"
     )
     new_optimizer = functools.partial(model.make_optimizer, cfg=cfg, global_batch=global_batch, fused=cuda)
@@ -275,10 +275,12 @@ def few_steps(samples: int, steps: int, batch: int, world: int) -> str | None:
     fit = 2 ** max(0, math.floor(math.log2(max(1.0, samples / (FEW_STEPS * world)))))
     ranks = f" × {world} ranks" if world > 1 else ""
     larger = f"; the batch is larger than the {samples} samples" if batch * world > samples else ""
+    # (with fewer samples than FEW_STEPS batches of one, only a longer resampled epoch helps)
+    better = f"--batch-size {fit}" if fit < batch and samples >= FEW_STEPS * world else "more samples or --epoch-size"
     return (
         f"warning: an epoch is {steps} step{'s' * (steps != 1)} of {batch * world} images (--batch-size {batch}{ranks}"
-        f"{larger}): too few to learn from; for these {samples} samples try --batch-size {fit}, and see --help for "
-        "a quick CPU run"
+        f"{larger}): too few to learn from; for these {samples} samples try {better}, and see --help for a quick "
+        "CPU run"
     )
 
 

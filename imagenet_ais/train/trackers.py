@@ -85,14 +85,15 @@ class MLflow:
         self.bounded = [key for key in MLFLOW_BOUNDS if key not in os.environ]
         os.environ.update({key: MLFLOW_BOUNDS[key] for key in self.bounded})
         own = Path(output).resolve()  # the store's folder unless MLFLOW_TRACKING_URI names one
-        self.uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{own / 'mlflow.db'}"
+        given = os.environ.get("MLFLOW_TRACKING_URI")
+        self.uri = given or f"sqlite:///{own / 'mlflow.db'}"
         self.where = f"MLflow: runs in {self.uri} (mlflow ui --backend-store-uri {self.uri})"
         try:
             self.client = MlflowClient(tracking_uri=self.uri)
             if not run_id:
                 experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
                 found = self.client.get_experiment_by_name(experiment)
-                artifacts = None if "MLFLOW_TRACKING_URI" in os.environ else (own / "mlruns").as_uri()
+                artifacts = None if given else (own / "mlruns").as_uri()
                 ident = found.experiment_id if found else self.client.create_experiment(experiment, artifacts)
                 run_id = self.client.create_run(ident, run_name=title).info.run_id
                 params = [Param(k, str(v)[:500]) for k, v in settings.items()]
@@ -101,7 +102,9 @@ class MLflow:
                 self.client.update_run(run_id, status="RUNNING")
         except Exception as e:  # the store's own errors: one line, before anything trains
             self._unbound()
-            raise ConfigError(f"--tracker mlflow: {_first_line(e)} (tracking URI {self.uri})") from None
+            # runs started before the store moved into --output kept their MLflow run in ./mlflow.db
+            earlier = "" if given or not run_id else "; a run begun in ./mlflow.db: MLFLOW_TRACKING_URI=sqlite:///PATH"
+            raise ConfigError(f"--tracker mlflow: {_first_line(e)} (tracking URI {self.uri}{earlier})") from None
         self.run_id = run_id
 
     def _unbound(self) -> None:
@@ -169,7 +172,8 @@ def open_trackers(
     opened: list[Tracker] = []
     try:
         # TensorBoard last: a tracker that cannot start then leaves no event file in --output
-        for name in dict.fromkeys((*names, "tensorboard") if "none" not in names else ()):
+        wanted = [n for n in dict.fromkeys(names) if n not in ("tensorboard", "none")]
+        for name in [*wanted, "tensorboard"] if "none" not in names else []:
             if name == "tensorboard":
                 opened.append(TensorBoard(output, step))
             elif name == "mlflow":
