@@ -6,6 +6,7 @@ What only a real NGC run shows: NGC's own base image and torch build, GPUs, the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -165,3 +166,30 @@ def _steps(run: Path) -> int:
     path = run / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
     return sum('"kind": "train"' in line for line in lines)
+
+
+def test_run_shell_ends_with_its_container_on_sigterm(image: str, tmp_path: Path) -> None:
+    # bash as the container's first process ignored SIGTERM: ./run shell waited for whatever ran in it
+    if not shutil.which("podman"):
+        message = "podman needed to run the image (./run test --install-deps installs it as root on Debian)"
+        pytest.fail(message) if os.environ.get("CI") == "true" else pytest.skip(message)
+    write_shards(tmp_path / "shards", {"train": [4], "val": [2]})
+    env = {**os.environ, "ENGINE": "podman", "IMAGE": image, "DOCKER_GPUS": "none", "DOCKER_ULIMITS": ULIMITS}
+    env.update(RESULTS=str(tmp_path / "results"), DATA=str(tmp_path / "shards"))
+    proc = subprocess.Popen(
+        [ROOT / "run", "shell", "-c", "echo started; sleep 300"], cwd=ROOT, env=env, text=True,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+        for _ in range(12):  # again if it came before the engine passed signals on (seen once under load)
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+                break
+        assert proc.poll() == 143, "ended by the signal, not by the shell's command (sleep 300)"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    left = subprocess.run(["podman", "ps", "-aq", "--filter", f"ancestor={image}"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "no container left"
