@@ -426,15 +426,7 @@ def main(
                         single[f"{name} {variant}"] = r["img_per_s"]
                     one = single.get(f"{name} {variant}")
                     scaling = r["img_per_s"] / (n * one) if one else float("nan")
-                    busy = "  ".join(f"{k[5:]} {v:.2f}" for k, v in r.items() if k.startswith("busy_"))
-                    invalid = r.get("invalid") or (ceiling.get("invalid") and f"its ceiling: {ceiling['invalid']}")
-                    click.echo(
-                        f"{name:34} {n:4} {variant:12} {r['img_per_s']:8.1f} {r['data_wait']:10.3f} {ratio:6.3f} "
-                        f"{scaling:8.3f} {r['seconds']:5.0f} {r['epoch_start']:+10.2f}s {r.get('host_cpu', 0):8.2f}"
-                        + (f"  busy: {busy}" if busy else "")
-                        + (f"  cropped in workers {r['cropped']:.2f}" if r.get("cropped") else "")
-                        + (f"  INVALID ({invalid})" if invalid else "")
-                    )
+                    click.echo(row_line(f"{name:34} {n:4} {variant:12}", r, ceiling, ratio, scaling))
                     if r.get("ranks"):
                         click.echo(describe_ranks(r["ranks"]))
                     results["models"].append(
@@ -450,6 +442,19 @@ def main(
                 click.echo(f"  {k:50} {v:10.0f}")
         if json_out:
             json_out.write_text(json.dumps(results, indent=2))
+
+
+def row_line(what: str, r: dict[str, Any], ceiling: dict[str, Any], ratio: float, scaling: float) -> str:
+    """A measured row of the table: ``what`` (model, GPUs, variant), then the run's figures."""
+    busy = "  ".join(f"{k[5:]} {v:.2f}" for k, v in r.items() if k.startswith("busy_"))
+    invalid = r.get("invalid") or (ceiling.get("invalid") and f"its ceiling: {ceiling['invalid']}")
+    return (
+        f"{what} {r['img_per_s']:8.1f} {r['data_wait']:10.3f} {ratio:6.3f} "
+        f"{scaling:8.3f} {r['seconds']:5.0f} {r['epoch_start']:+10.2f}s {r.get('host_cpu', 0):8.2f}"
+        + (f"  busy: {busy}" if busy else "")
+        + (f"  cropped in workers {r['cropped']:.2f}" if r.get("cropped") else "")
+        + (f"  INVALID ({invalid})" if invalid else "")
+    )
 
 
 def _device() -> str:

@@ -8,6 +8,12 @@ Each is also the built-in exception it used to be, so ``except ValueError`` stil
 from __future__ import annotations
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message ("" where it has none), for a one-line report."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else ""
+
+
 class Refused(Exception):
     """Something given or found cannot work; the message names it and what to do."""
 

@@ -37,6 +37,7 @@ import torch
 
 import imagenet_ais
 from imagenet_ais.cli import train as train_cli
+from imagenet_ais.errors import first_line
 from imagenet_ais.train import setup
 from imagenet_ais.train.loop import EXIT_PREEMPTED
 
@@ -122,9 +123,9 @@ class Stopping:
             signal.signal(sig, handler)
         self.path.unlink(missing_ok=True)
 
-    def saved(self, output: Path) -> bool:
+    def saved(self) -> bool:
         """Whether the workers saved after the signal."""
-        last = output / "last.pt"
+        last = self.path.parent / "last.pt"
         return self.at is not None and last.exists() and last.stat().st_mtime >= self.at
 
 
@@ -193,14 +194,14 @@ def main(
         try:
             trainer.fit()
         except TrainingFailedError as e:  # a worker's failure, retried --max-failures times
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            first = first_line(e) or type(e).__name__
             raise click.ClickException(f"Ray training failed: {first} (see {cfg.output}/train.log)") from None
         finally:
             stopping.restore()
     finally:
         ray.shutdown()  # a private cluster stops here; a connected one is only left
     if stopping.at is not None and not finished(Path(cfg.output), cfg.epochs):
-        if not stopping.saved(Path(cfg.output)):
+        if not stopping.saved():
             raise click.ClickException(f"stopped by a signal, but no checkpoint was saved after it in {cfg.output}")
         click.echo(f"stopped by a signal, checkpoint saved in {cfg.output}: continue with the same command")
         sys.exit(EXIT_PREEMPTED)

@@ -14,7 +14,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.ops import roi_align
 
 from imagenet_ais.loader.augment import NO_AUGMENT, Augment
-from imagenet_ais.loader.transforms import mean_std
+from imagenet_ais.loader.transforms import mean_std, memory_format
 from imagenet_ais.loader.wire import NO_PIXELS, Encoded
 
 PAD_LIMIT = 1024  # device decode: pictures up to this many pixels a side are resized as one batch
@@ -63,8 +63,7 @@ def crop_decoded(
     out = augment.apply(torch.where(flip, out.flip(-1), out).float(), decoded.plans)
     mean, std = mean_std(device)
     out = augment.erase_boxes((out - mean) / std, decoded.plans, 0.0)
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    return out.contiguous(memory_format=fmt)
+    return out.contiguous(memory_format=memory_format(channels_last))
 
 
 def _resize_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: int, device: torch.device) -> torch.Tensor:

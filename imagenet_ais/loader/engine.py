@@ -47,7 +47,7 @@ from imagenet_ais.loader.device_decode import Decoded, crop_decoded, decode_enco
 from imagenet_ais.loader.device_feed import DeviceFeed, Stage, close_all
 from imagenet_ais.loader.failures import Stalled, TransformFailed, UnreadableData, WorkerDied
 from imagenet_ais.loader.sampling import Done, exact_assignment, trained
-from imagenet_ais.loader.transforms import normalize
+from imagenet_ais.loader.transforms import memory_format, normalize
 from imagenet_ais.loader.wire import Encoded, HostBatch, Slots
 from imagenet_ais.loader.worker import (
     LoaderSpec,
@@ -123,8 +123,7 @@ class _OnDevice:
     def copy(self, batch: HostBatch) -> tuple[Batch, torch.Tensor]:
         images: torch.Tensor = batch.images  # type: ignore[assignment]
         if images.is_floating_point():  # a caller's transform made them whole (worker._transformed)
-            fmt = torch.channels_last if self.channels_last else torch.contiguous_format
-            x = images.to(self.device, non_blocking=True).contiguous(memory_format=fmt)
+            x = images.to(self.device, non_blocking=True).contiguous(memory_format=memory_format(self.channels_last))
         else:
             x = normalize(images, self.device, self.channels_last)
         return Batch(x, batch.labels.to(self.device, non_blocking=True), batch.keys), batch.ids

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from PIL import Image
 
 from imagenet_ais.distributed import WORK_QUEUES, auto_workers, gather_objects
-from imagenet_ais.errors import ConfigError, DataError
+from imagenet_ais.errors import ConfigError, DataError, first_line
 from imagenet_ais.loader.augment import NO_AUGMENT, Augment
 from imagenet_ais.loader.cpu_share import AUTO, checked
 from imagenet_ais.loader.dali_decode import available as dali_available
@@ -235,10 +235,9 @@ class ShardLoader:
         try:
             return batch._replace(images=self.batch_transform(batch.images))  # type: ignore[misc]
         except Exception as e:
-            what = (str(e).strip().splitlines() or [""])[0]
             raise TransformFailed(
                 f"{self.location}: the batch_transform raised on the batch of {batch.keys[0]!r} and "
-                f"{len(batch.keys) - 1} more: {type(e).__name__}: {what}"
+                f"{len(batch.keys) - 1} more: {type(e).__name__}: {first_line(e)}"
             ) from None
 
     def state_dict(self) -> dict[str, Any]:

@@ -6,6 +6,8 @@ from collections.abc import Iterator
 
 import torch
 
+from imagenet_ais.loader.transforms import memory_format
+
 SYNTHETIC_CLASSES = 1000
 SYNTHETIC_STEPS = 100  # steps per "epoch" of --synthetic
 
@@ -16,7 +18,7 @@ class SyntheticLoader:
     restored = None  # no data position to continue from: every synthetic step is alike
 
     def __init__(self, batch: int, size: int, device: torch.device, channels_last: bool, steps: int = SYNTHETIC_STEPS):
-        self.fmt = torch.channels_last if channels_last else torch.contiguous_format
+        self.fmt = memory_format(channels_last)
         self.x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=self.fmt)
         self.y = torch.randint(0, SYNTHETIC_CLASSES, (batch,), device=device)
         self.steps = steps

@@ -92,7 +92,12 @@ def decode_on_cpu(data: bytes, size: int, augment: random.Random | None, val_cro
     out = _crop_resize(img, box, size)
     if box.flip:
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    return torch.frombuffer(bytearray(out.tobytes()), dtype=torch.uint8).view(size, size, 3)
+    return pixels_of(out)
+
+
+def pixels_of(img: Image.Image) -> torch.Tensor:
+    """An RGB image's pixels, uint8 H × W × 3: how a sample decoded on the CPU crosses."""
+    return torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(img.height, img.width, 3)
 
 
 def augment_on_cpu(pixels: torch.Tensor, augment: Augment, plan: list[float]) -> torch.Tensor:
@@ -126,7 +131,12 @@ def normalize(images: torch.Tensor, device: torch.device, channels_last: bool) -
     x = images.to(device, non_blocking=True).permute(0, 3, 1, 2).float()
     mean, std = mean_std(device)
     x = (x - mean) / std
-    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    return x.contiguous(memory_format=memory_format(channels_last))
+
+
+def memory_format(channels_last: bool) -> torch.memory_format:
+    """The layout batches are handed out in."""
+    return torch.channels_last if channels_last else torch.contiguous_format
 
 
 @functools.cache

@@ -26,7 +26,7 @@ from webdataset.filters import shuffle
 from webdataset.tariterators import group_by_keys
 
 from imagenet_ais.children import exit_with_parent
-from imagenet_ais.errors import ConfigError, DataError, StorageError
+from imagenet_ais.errors import ConfigError, DataError, StorageError, first_line
 from imagenet_ais.loader.augment import NO_AUGMENT, Augment
 from imagenet_ais.loader.cpu_share import CpuShare, offload
 from imagenet_ais.loader.failures import TransformFailed, UnreadableData
@@ -39,7 +39,14 @@ from imagenet_ais.loader.sampling import (
     split_among_workers,
 )
 from imagenet_ais.loader.signals import Signals
-from imagenet_ais.loader.transforms import VAL_CROP, augment_on_cpu, augment_rng, decode_on_cpu, encode_for_device
+from imagenet_ais.loader.transforms import (
+    VAL_CROP,
+    augment_on_cpu,
+    augment_rng,
+    decode_on_cpu,
+    encode_for_device,
+    pixels_of,
+)
 from imagenet_ais.shards.cache import ShardCache
 from imagenet_ais.shards.members import members
 from imagenet_ais.storage import process_store
@@ -276,11 +283,9 @@ class ShardStream(IterableDataset):
         try:
             out = self.spec.transform(image)  # type: ignore[misc]
         except Exception as e:
-            what = (str(e).strip().splitlines() or [""])[0]
-            raise TransformFailed(f"{where} raised on sample {key!r}: {type(e).__name__}: {what}") from None
+            raise TransformFailed(f"{where} raised on sample {key!r}: {type(e).__name__}: {first_line(e)}") from None
         if isinstance(out, Image.Image):
-            rgb = out.convert("RGB")
-            return torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(rgb.height, rgb.width, 3)
+            return pixels_of(out.convert("RGB"))
         if isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[0] == 3:
             if out.dtype == torch.uint8:
                 return out.permute(1, 2, 0).contiguous()

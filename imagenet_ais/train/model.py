@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from imagenet_ais import distributed
-from imagenet_ais.errors import ConfigError, DataError
+from imagenet_ais.errors import ConfigError, DataError, first_line
 from imagenet_ais.train import checkpoint, decentralized
 from imagenet_ais.train.config import TIMM_OPTIMIZERS, TrainConfig
 
@@ -88,7 +88,7 @@ def released_weights(name: str) -> dict[str, torch.Tensor]:
         return weights.get_state_dict(progress=False, check_hash=True)
     except (OSError, RuntimeError) as e:  # no network (URLError is an OSError), or a damaged download
         raise DataError(
-            f"--weights {name}: could not fetch {weights.url} ({str(e).splitlines()[0][:120]}); without a network, put "
+            f"--weights {name}: could not fetch {weights.url} ({first_line(e)[:120]}); without a network, put "
             f"that file at {cached} (torch hub's cache, under TORCH_HOME)"
         ) from None
 

@@ -96,6 +96,10 @@ class Parts:
     compiled: bool
     ema: ModelEma | None  # --model-ema
 
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.batch_size * self.process.world
+
     def close(self) -> None:
         """The loaders' workers and feed threads ended: a run leaves no process of its own behind."""
         for loader in (self.train_loader, self.val_loader):
@@ -116,10 +120,6 @@ class Run(Parts):
     uploader: upload.Uploader | None
     stop: StopSignal
     nonfinite_steps: int = 0  # the last steps in a row whose loss was NaN or infinite (on any rank)
-
-    @property
-    def global_batch(self) -> int:
-        return self.cfg.batch_size * self.process.world
 
 
 def prepare(cfg: TrainConfig, process: distributed.Process) -> Path:
@@ -247,11 +247,11 @@ def build(
     decent, compiled = model.parallelism(cfg, process, echo)
     if decent and cfg.clip_grad_norm:
         raise ConfigError("--clip-grad-norm with --dp decent: its wrapper steps inside backward; leave one out")
-    decay = ema_decay(cfg.model_ema_decay, cfg.model_ema_steps, cfg.batch_size * process.world, cfg.epochs)
+    global_batch = cfg.batch_size * process.world
+    decay = ema_decay(cfg.model_ema_decay, cfg.model_ema_steps, global_batch, cfg.epochs)
     ema = ModelEma(raw_model, decay) if cfg.model_ema else None
     mode = f", compiled ({model.compile_mode(cfg, cuda)})" if compiled else ", eager"
     echo(f"{cfg.arch} on {process.world} × {process.device.type}, {feeding}{mode}")
-    global_batch = cfg.batch_size * process.world
     echo(
         f"learning rate {model.peak_lr(cfg, global_batch):g} at its peak: --lr {cfg.lr:g} is per "
         f"{model.LR_BATCH} images, scaled to the global batch of {global_batch}"
@@ -310,7 +310,7 @@ def assemble(
     if warmup and warmup == total_steps:
         parts.echo(
             f"warning: --warmup-epochs {cfg.warmup_epochs:g} covers all {cfg.epochs} epochs: the learning rate reaches "
-            f"its peak {model.peak_lr(cfg, cfg.batch_size * process.world):g} only at the last step and never decays; "
+            f"its peak {model.peak_lr(cfg, parts.global_batch):g} only at the last step and never decays; "
             f"give fewer (e.g. --warmup-epochs {cfg.epochs / 4:g})",
             err=True,
         )

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from imagenet_ais.errors import ConfigError
+from imagenet_ais.errors import ConfigError, first_line
 
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")  # none: metrics.jsonl alone
 PROJECT = "imagenet-ais"  # MLflow's experiment and W&B's project, unless MLFLOW_EXPERIMENT_NAME / WANDB_PROJECT
@@ -167,13 +167,14 @@ def open_trackers(
     runs ``resumed`` names (from the checkpoint)."""
     if unknown := [n for n in names if n not in TRACKERS]:
         raise ConfigError(f"--tracker {unknown[0]!r}: one of {', '.join(TRACKERS)}")
-    if "none" in names and set(names) != {"none"}:
-        raise ConfigError("--tracker none with another tracker: give one or the other")
+    if "none" in names:
+        if set(names) != {"none"}:
+            raise ConfigError("--tracker none with another tracker: give one or the other")
+        return []
     opened: list[Tracker] = []
     try:
         # TensorBoard last: a tracker that cannot start then leaves no event file in --output
-        wanted = [n for n in dict.fromkeys(names) if n not in ("tensorboard", "none")]
-        for name in [*wanted, "tensorboard"] if "none" not in names else []:
+        for name in [*(n for n in dict.fromkeys(names) if n != "tensorboard"), "tensorboard"]:
             if name == "tensorboard":
                 opened.append(TensorBoard(output, step))
             elif name == "mlflow":
@@ -197,5 +198,4 @@ def warn_once(tracker: Tracker, e: Exception) -> None:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else type(e).__name__
+    return (first_line(e) or type(e).__name__)[:200]
