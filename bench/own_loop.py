@@ -8,7 +8,7 @@ batches already on the GPU (so the compiled graph copies its inputs as it does w
 first; then the loader's batches, timed after ``--warmup`` steps inside an epoch as long as
 ImageNet's (the rows of bench/RESULTS.md run AQ had short epochs of 510-710 steps). Prints both
 rates and their ratio as one JSON line (also written to ``--json-out``). The environment is the
-caller's: the docs' loop does not set ``CUDA_DEVICE_MAX_CONNECTIONS``, so neither does this.
+caller's, with ``CUDA_DEVICE_MAX_CONNECTIONS`` 32 unless set, as the docs' loop sets it.
 
 ``--profile FILE`` also samples the fed steady state with py-spy (``--gil --threads``, not
 pausing the process) into FILE in py-spy's raw (collapsed) format.
@@ -115,7 +115,8 @@ def fed(
 @click.option("--batch-size", default=256, show_default=True)
 @click.option("--image-size", default=224, show_default=True)
 @click.option("--compile", "mode", default="none", type=click.Choice(["none", "default", "reduce-overhead"]))
-@click.option("--steps", default=1000, show_default=True, help="timed steps, each of ceiling and fed")
+@click.option("--steps", default=1000, show_default=True, help="timed fed steps")
+@click.option("--ceiling-steps", default=500, show_default=True, help="timed steps on batches already on the GPU")
 @click.option("--warmup", default=300, show_default=True, help="fed steps before the timing starts")
 @click.option("--cpu-share", default="auto", show_default=True, help="ShardLoader's cpu_share (a diagnosis)")
 @click.option("--switch-interval", type=float, help="sys.setswitchinterval for the run, in ms (a diagnosis)")
@@ -128,12 +129,14 @@ def main(
     image_size: int,
     mode: str,
     steps: int,
+    ceiling_steps: int,
     warmup: int,
     cpu_share: str,
     switch_interval: float | None,
     profile: Path | None,
     json_out: Path | None,
 ) -> None:
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # as docs/library.md's loop, before CUDA starts
     if switch_interval:
         sys.setswitchinterval(switch_interval / 1000)
     dist.init_process_group("nccl")
@@ -155,7 +158,7 @@ def main(
         model = torch.compile(model, mode=mode)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     shape = (batch_size, 3, image_size, image_size)
-    top = ceiling(model, optimizer, shape, len(loader.classes), steps)
+    top = ceiling(model, optimizer, shape, len(loader.classes), ceiling_steps)
     got = fed(model, optimizer, loader, warmup, steps, profile if dist.get_rank() == 0 else None)
     loader.close()
     row = {
