@@ -21,6 +21,7 @@ from imagenet_ais.errors import ConfigError
 from imagenet_ais.loader.cpu_share import AUTO, GAIN, HOST_BUSY, IDLE, LIMIT, STEP_WAIT, CpuShare, checked, offload
 from imagenet_ais.loader.cpu_time import cpu_jiffies, own_cpu_jiffies
 from imagenet_ais.loader.engine import Feeding, TrainLoader
+from imagenet_ais.loader.mixture import one_source
 from imagenet_ais.loader.transforms import encode_for_device
 from imagenet_ais.loader.wire import Encoded
 from imagenet_ais.loader.worker import LoaderSpec
@@ -38,7 +39,7 @@ def shards(tmp_path: Path, pictures: dict[str, bytes] | None = None) -> SplitInf
 def epoch(split: SplitInfo, root: str, feeding: Feeding, decode: str = "gpu") -> tuple[dict, list[int]]:
     """Each trained sample's image (0-255, as trained) by key, and the samples cropped in the workers per batch."""
     spec = LoaderSpec(1, 0, 5, seed=7, image_size=32, decode=decode)
-    loader = TrainLoader(split, root, "exact", spec, feeding, 16)
+    loader = TrainLoader(one_source(split, root), "exact", spec, feeding, 16)
     loader.set_epoch(0)
     images, cropped = {}, []
     for batch in loader.host_batches():  # the feed's stages, one after the other
@@ -106,7 +107,7 @@ def test_a_sample_pil_cannot_decode_is_skipped_as_decode_cpu_skips_it() -> None:
 def test_in_a_loader_such_a_sample_is_named_with_its_shard_and_counted_as_skipped(tmp_path: Path) -> None:
     split = shards(tmp_path, pictures={"train-1-4": broken_jpeg()})
     spec = LoaderSpec(1, 0, 5, seed=7, image_size=32, decode="gpu")
-    loader = TrainLoader(split, str(tmp_path), "exact", spec, Feeding(2, cpu_share=1.0), 16)
+    loader = TrainLoader(one_source(split, str(tmp_path)), "exact", spec, Feeding(2, cpu_share=1.0), 16)
     loader.set_epoch(0)
     keys = [k for batch in loader.host_batches() for k in batch.keys]
     assert len(keys) == 60 and "train-1-4" not in keys  # the exact epoch's 12 batches, of the 61 others
@@ -185,7 +186,7 @@ def test_the_cap_counts_the_cores_this_job_may_run_on() -> None:
 
 def test_the_training_steps_wait_reaches_the_workers(tmp_path: Path) -> None:
     spec = LoaderSpec(1, 0, 5, seed=7, image_size=32, decode="gpu")
-    loader = TrainLoader(shards(tmp_path), str(tmp_path), "exact", spec, Feeding(2, cpu_share=0.5), 16)
+    loader = TrainLoader(one_source(shards(tmp_path), str(tmp_path)), "exact", spec, Feeding(2, cpu_share=0.5), 16)
     assert loader.dataset.share.step_wait is loader.signals.step_wait  # what the workers read (a copy of it each)
     loader.set_epoch(0)
     for _ in loader:

@@ -16,6 +16,7 @@ from test_transforms import DEVICES, jpeg, photo, pixels
 from imagenet_ais.loader.dali_decode import DaliCrops, DaliFailed
 from imagenet_ais.loader.device_decode import Decoded, crop_decoded
 from imagenet_ais.loader.engine import Feeding, TrainLoader
+from imagenet_ais.loader.mixture import one_source
 from imagenet_ais.loader.transforms import Box, _crop_resize, encode_for_device
 from imagenet_ais.loader.wire import encode_batch
 from imagenet_ais.loader.worker import LoaderSpec
@@ -63,7 +64,7 @@ def test_the_loader_decodes_with_dali_and_hands_an_undecodable_batch_to_nvjpeg(t
     write_shards(tmp_path, {"train": [6]}, pictures={"train-0-0": broken_jpeg()})
     split = load_manifest(open_store(str(tmp_path))).split("train")
     spec = LoaderSpec(world=1, rank=0, batch=3, seed=0, image_size=32, decode="dali")
-    loader = TrainLoader(split, str(tmp_path), "exact", spec, Feeding(0), 0)
+    loader = TrainLoader(one_source(split, str(tmp_path)), "exact", spec, Feeding(0), 0)
     loader.set_epoch(0)
     batches = list(loader)
     assert [b.images.shape for b in batches] == [(3, 3, 32, 32)] * 2

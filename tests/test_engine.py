@@ -24,6 +24,7 @@ from PIL import Image
 
 from imagenet_ais.loader.engine import Feeding, TrainLoader, ValLoader
 from imagenet_ais.loader.failures import UnreadableData, WorkerDied
+from imagenet_ais.loader.mixture import one_source
 from imagenet_ais.loader.sampling import contiguous_assignment, exact_assignment, split_among_workers
 from imagenet_ais.loader.transforms import decode_on_cpu
 from imagenet_ais.loader.worker import LoaderSpec
@@ -43,7 +44,7 @@ def loaders(
 ) -> list[TrainLoader]:
     split = manifest.split("train")
     specs = [spec(r, world, batch, decode=decode) for r in range(world)]
-    return [TrainLoader(split, str(root), mode, s, Feeding(workers), 16) for s in specs]
+    return [TrainLoader(one_source(split, str(root)), mode, s, Feeding(workers), 16) for s in specs]
 
 
 @pytest.mark.parametrize(("world", "batch"), [(1, 5), (2, 4), (3, 4), (4, 2), (8, 1)])
@@ -122,7 +123,8 @@ def test_epoch_size_sets_a_resampled_epochs_length_and_exact_mode_refuses_it(tmp
     manifest = write_shards(tmp_path, {"train": UNEVEN})
     split = manifest.split("train")
     ranks = [
-        TrainLoader(split, str(tmp_path), "resampled", spec(r, 2, 5), Feeding(2), 16, epoch_size=100) for r in (0, 1)
+        TrainLoader(one_source(split, str(tmp_path)), "resampled", spec(r, 2, 5), Feeding(2), 16, epoch_size=100)
+        for r in (0, 1)
     ]
     for loader in ranks:
         assert len(loader) == 10  # 100 samples over 2 ranks × 5, though the manifest lists 48
@@ -130,7 +132,7 @@ def test_epoch_size_sets_a_resampled_epochs_length_and_exact_mode_refuses_it(tmp
             loader.set_epoch(epoch)
             assert [len(b.keys) for b in loader] == [5] * 10
     with pytest.raises(ValueError, match=r"--epoch-size 100 with --epoch-mode exact: .* once \(48\)"):
-        TrainLoader(split, str(tmp_path), "exact", spec(0, 1, 5), Feeding(0), 16, epoch_size=100)
+        TrainLoader(one_source(split, str(tmp_path)), "exact", spec(0, 1, 5), Feeding(0), 16, epoch_size=100)
 
 
 def test_a_resampled_epoch_of_which_nothing_decodes_ends_in_one_line(tmp_path: Path) -> None:
@@ -246,7 +248,7 @@ def test_validation_two_ranks_cover_the_split_exactly(tmp_path: Path) -> None:
     split = manifest.split("val")
     keys: list[str] = []
     for rank in range(2):
-        for batch in ValLoader(split, str(tmp_path), spec(rank, 2, 3), Feeding(2)):
+        for batch in ValLoader(one_source(split, str(tmp_path)), spec(rank, 2, 3), Feeding(2)):
             assert batch.images.shape[1:] == (3, 32, 32)
             keys += batch.keys
     assert sorted(keys) == sorted(f"val-{s}-{i}" for s, n in enumerate([5, 2, 9]) for i in range(n))
@@ -287,12 +289,13 @@ def test_a_process_exits_while_its_loader_workers_are_still_busy(tmp_path: Path)
     write_shards(tmp_path, {"train": UNEVEN})
     script = f"""
 from imagenet_ais.loader.engine import Feeding, TrainLoader
+from imagenet_ais.loader.mixture import one_source
 from imagenet_ais.shards.manifest import load_manifest
 from imagenet_ais.storage import open_store
 from imagenet_ais.loader.worker import LoaderSpec
 split = load_manifest(open_store({str(tmp_path)!r})).split("train")
 spec = LoaderSpec(world=1, rank=0, batch=2, seed=0, image_size=32)
-batches = iter(TrainLoader(split, {str(tmp_path)!r}, "resampled", spec, Feeding(2), 4))
+batches = iter(TrainLoader(one_source(split, {str(tmp_path)!r}), "resampled", spec, Feeding(2), 4))
 next(batches)
 print("leaving", flush=True)
 """
@@ -328,7 +331,11 @@ def test_a_samples_crop_and_flip_follow_seed_epoch_and_key_whatever_the_ranks_wo
         out: dict[str, torch.Tensor] = {}
         for rank in range(world):
             loader = TrainLoader(
-                split, str(tmp_path / "shards"), "exact", spec(rank, world, 2, decode=decode), Feeding(workers), 16
+                one_source(split, str(tmp_path / "shards")),
+                "exact",
+                spec(rank, world, 2, decode=decode),
+                Feeding(workers),
+                16,
             )
             loader.set_epoch(epoch)
             for batch, _, keys in loader:

@@ -80,12 +80,13 @@ if __name__ == "__main__":
     child = mp.get_context("fork").Process(target=theirs, args=({str(tmp_path / "theirs")!r},), daemon=True)
     child.start()
     from imagenet_ais.loader.engine import Feeding, TrainLoader
+    from imagenet_ais.loader.mixture import one_source
     from imagenet_ais.shards.manifest import load_manifest
     from imagenet_ais.storage import open_store
     from imagenet_ais.loader.worker import LoaderSpec
     split = load_manifest(open_store({str(tmp_path / "data")!r})).split("train")
     spec = LoaderSpec(world=1, rank=0, batch=2, seed=0, image_size=32)
-    batches = iter(TrainLoader(split, {str(tmp_path / "data")!r}, "resampled", spec, Feeding(2), 4))
+    batches = iter(TrainLoader(one_source(split, {str(tmp_path / "data")!r}), "resampled", spec, Feeding(2), 4))
     next(batches)
     time.sleep(0.5)  # the other child has its handler by now
     print("leaving", flush=True)

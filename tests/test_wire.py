@@ -15,6 +15,7 @@ from conftest import members, write_shards
 
 from imagenet_ais.loader import engine
 from imagenet_ais.loader.engine import Feeding, HostBatch, TrainLoader
+from imagenet_ais.loader.mixture import one_source
 from imagenet_ais.loader.wire import Encoded, Slots
 from imagenet_ais.loader.worker import LoaderSpec
 
@@ -22,7 +23,9 @@ from imagenet_ais.loader.worker import LoaderSpec
 def train_loader(tmp_path: Path, samples: int = 150, batch: int = 5) -> TrainLoader:
     manifest = write_shards(tmp_path, {"train": [samples // 3] * 3})
     spec = LoaderSpec(1, 0, batch, seed=7, image_size=32, decode="gpu")
-    loader = TrainLoader(manifest.split("train"), str(tmp_path), "exact", spec, Feeding(2, shared_buffers=True), 16)
+    loader = TrainLoader(
+        one_source(manifest.split("train"), str(tmp_path)), "exact", spec, Feeding(2, shared_buffers=True), 16
+    )
     loader.set_epoch(0)
     return loader
 
@@ -131,11 +134,18 @@ def test_workers_ended_midway_leave_only_the_buffers_still_read_taken(tmp_path: 
 def test_only_trainings_jpeg_bytes_from_workers_to_a_gpu_cross_in_buffers(tmp_path: Path) -> None:
     manifest = write_shards(tmp_path, {"train": [20]})
     split, gpu = manifest.split("train"), LoaderSpec(1, 0, 5, 7, 32, "gpu")
-    assert TrainLoader(split, str(tmp_path), "exact", gpu, Feeding(2, shared_buffers=True), 16).slots is not None
+    assert (
+        TrainLoader(one_source(split, str(tmp_path)), "exact", gpu, Feeding(2, shared_buffers=True), 16).slots
+        is not None
+    )
     not_here = [
-        TrainLoader(split, str(tmp_path), "exact", LoaderSpec(1, 0, 5, 7, 32), Feeding(2, shared_buffers=True), 16),
-        TrainLoader(split, str(tmp_path), "exact", gpu, Feeding(0, shared_buffers=True), 16),  # no workers
-        TrainLoader(split, str(tmp_path), "exact", gpu, Feeding(2), 16),  # not to a GPU: the device path is a test's
-        engine.ValLoader(split, str(tmp_path), gpu, Feeding(2, shared_buffers=True)),
+        TrainLoader(
+            one_source(split, str(tmp_path)), "exact", LoaderSpec(1, 0, 5, 7, 32), Feeding(2, shared_buffers=True), 16
+        ),
+        TrainLoader(one_source(split, str(tmp_path)), "exact", gpu, Feeding(0, shared_buffers=True), 16),  # no workers
+        TrainLoader(
+            one_source(split, str(tmp_path)), "exact", gpu, Feeding(2), 16
+        ),  # not to a GPU: the device path is a test's
+        engine.ValLoader(one_source(split, str(tmp_path)), gpu, Feeding(2, shared_buffers=True)),
     ]
     assert all(loader.slots is None for loader in not_here)

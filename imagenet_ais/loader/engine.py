@@ -46,6 +46,7 @@ from imagenet_ais.loader.dali_decode import DaliCrops, DaliFailed
 from imagenet_ais.loader.device_decode import Decoded, crop_decoded, decode_encoded
 from imagenet_ais.loader.device_feed import DeviceFeed, Stage, close_all
 from imagenet_ais.loader.failures import Stalled, TransformFailed, UnreadableData, WorkerDied
+from imagenet_ais.loader.mixture import Shards
 from imagenet_ais.loader.sampling import Done, exact_assignment, trained
 from imagenet_ais.loader.transforms import memory_format, normalize
 from imagenet_ais.loader.wire import Encoded, HostBatch, Slots
@@ -55,7 +56,6 @@ from imagenet_ais.loader.worker import (
     worker_init,
 )
 from imagenet_ais.shards.cache import ShardCache
-from imagenet_ais.shards.manifest import SplitInfo
 from imagenet_ais.storage import is_local
 
 CPU = torch.device("cpu")
@@ -176,20 +176,17 @@ class Feeding:
 class _ShardLoader:
     """What the train and val loaders share: the worker stream and the feed to the device."""
 
-    def __init__(
-        self, split: SplitInfo, location: str, mode: str, spec: LoaderSpec, feeding: Feeding, shuffle: int = 0
-    ):
-        cache = None
-        if spec.cache and not is_local(location):  # a local location is on disk already
-            shards = {s.name: s for s in split.shards}
-            cache = ShardCache(Path(spec.cache.root), location, spec.cache.max_bytes, shards)
-        names, counts = [s.name for s in split.shards], [s.samples for s in split.shards]
-        listed = [(s.bytes, s.sha256) for s in split.shards]
+    def __init__(self, shards: Shards, mode: str, spec: LoaderSpec, feeding: Feeding, shuffle: int = 0):
+        caches = [
+            ShardCache(Path(spec.cache.root), location, spec.cache.max_bytes, infos)
+            if spec.cache and not is_local(location)  # a local location is on disk already
+            else None
+            for location, infos in zip(shards.locations, shards.infos, strict=True)
+        ]
         encoded = spec.decode != "cpu" and mode != "val"  # training's batches cross as JPEG bytes and crops
         self.spec = dataclasses.replace(
-            spec, location=location, names=names, counts=counts, listed=listed, shard_cache=cache,
-            shuffle=shuffle, cpu_share=feeding.share() if encoded else 0.0,
-        )  # fmt: skip
+            spec, shards=shards, caches=caches, shuffle=shuffle, cpu_share=feeding.share() if encoded else 0.0
+        )
         self.dataset = ShardStream(self.spec, mode)
         self.mode, self.signals = mode, self.dataset.signals  # (what the workers and this process share)
         _exit_hook()
@@ -199,7 +196,7 @@ class _ShardLoader:
         if shared and feeding.workers and encoded:
             share = self.spec.cpu_share
             cropped = (LIMIT if share == AUTO else float(share)) * 3 * spec.image_size**2  # (cpu_share.py's pixels)
-            sample_bytes = split.bytes / max(1, split.samples) + cropped
+            sample_bytes = shards.bytes / max(1, sum(shards.counts)) + cropped
             self.slots = Slots.for_batches(feeding.workers, spec.batch, sample_bytes)
         self.loader = _loader(self.dataset, self.spec.batch, feeding.workers, self.slots)
         self.to_device = _OnDevice(self.dataset, feeding.device, feeding.channels_last)
@@ -306,30 +303,29 @@ class TrainLoader(_ShardLoader):
 
     def __init__(
         self,
-        split: SplitInfo,
-        location: str,
+        shards: Shards,
         mode: str,
         spec: LoaderSpec,
         feeding: Feeding,
         shuffle_buffer: int,
         epoch_size: int | None = None,
     ):
-        if split.samples == 0:
+        if shards.samples == 0:
             raise DataError("the training split has no samples")
         if epoch_size is not None and mode == "exact":
             raise DataError(
                 f"--epoch-size {epoch_size} with --epoch-mode exact: an exact epoch is every sample of the "
-                f"manifest once ({split.samples}); leave --epoch-size out, or use --epoch-mode resampled"
+                f"manifest once ({shards.samples}); leave --epoch-size out, or use --epoch-mode resampled"
             )
         batch = spec.batch
         # the rank's buffer, split among its workers; each needs a batch to hand one over
         shuffle = max(batch, shuffle_buffer // max(1, feeding.workers))
-        super().__init__(split, location, mode, spec, feeding, shuffle)
+        super().__init__(shards, mode, spec, feeding, shuffle)
         counts, world = self.spec.counts, self.spec.world
         if mode == "exact":
-            self.steps = exact_assignment(counts, world, batch, self.spec.seed, 0)[1]
+            self.steps = exact_assignment(counts, world, batch, self.spec.seed, 0, runs=shards.runs)[1]
         else:
-            self.steps = nominal_steps(epoch_size or sum(counts), world, batch)
+            self.steps = nominal_steps(epoch_size or shards.samples, world, batch)
         self.epoch = 0
         self.delivered: list[torch.Tensor] = []  # this epoch's (shard, index) handed to training
         self.restored: dict | None = None  # the position this epoch continues from (all ranks')
@@ -341,14 +337,17 @@ class TrainLoader(_ShardLoader):
     def plan(self) -> str:
         """A digest of what the epochs' sample order follows from (the shards, their sample
         counts, the seed): a resumed epoch can be exact only over the same."""
-        spec = self.spec
-        return hashlib.sha256(json.dumps([spec.names, spec.counts, spec.seed]).encode()).hexdigest()[:16]
+        shards = self.spec.shards
+        plan: list = [shards.names, shards.counts, self.spec.seed]
+        if len(shards.locations) > 1 or shards.weights != [1.0]:  # (a single source's digest as it always was)
+            plan += [shards.source, shards.weights, shards.taken]
+        return hashlib.sha256(json.dumps(plan).encode()).hexdigest()[:16]
 
     def identity(self) -> str:
         """A digest of the training shards themselves (names and SHA-256s), wherever they are
         read from: a checkpoint made on other data is told by it."""
-        spec = self.spec
-        return hashlib.sha256(json.dumps([spec.names, spec.listed]).encode()).hexdigest()[:16]
+        shards = self.spec.shards
+        return hashlib.sha256(json.dumps([shards.names, shards.listed]).encode()).hexdigest()[:16]
 
     def set_epoch(self, epoch: int, image_size: int | None = None, keep_restored: bool = True) -> None:
         """Start ``epoch`` (call before iterating), optionally at another image size; where a
@@ -382,7 +381,8 @@ class TrainLoader(_ShardLoader):
         self.delivered, self.restored = [], position
         if self.mode == "exact":
             counts, world, batch = self.spec.counts, self.spec.world, self.spec.batch
-            step = self.steps - exact_assignment(counts, world, batch, self.spec.seed, epoch, done)[1]
+            runs = self.spec.shards.runs
+            step = self.steps - exact_assignment(counts, world, batch, self.spec.seed, epoch, done, runs)[1]
         self.resumed_step = step
         return step
 
@@ -438,9 +438,9 @@ class TrainLoader(_ShardLoader):
 class ValLoader(_ShardLoader):
     """Every validation sample exactly once across ranks (batches may be short)."""
 
-    def __init__(self, split: SplitInfo, location: str, spec: LoaderSpec, feeding: Feeding):
-        super().__init__(split, location, "val", spec, feeding)
-        self.samples = split.samples
+    def __init__(self, shards: Shards, spec: LoaderSpec, feeding: Feeding):
+        super().__init__(shards, "val", spec, feeding)
+        self.samples = shards.samples
 
     def host_batches(self) -> Iterator[HostBatch]:
         yield from (self._ready(b) for b in self.received())

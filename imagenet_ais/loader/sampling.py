@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from imagenet_ais.errors import DataError
@@ -35,16 +35,27 @@ class Piece(NamedTuple):
 
 
 def exact_assignment(
-    counts: list[int], world: int, batch: int, seed: int, epoch: int, done: Done | None = None
+    counts: list[int],
+    world: int,
+    batch: int,
+    seed: int,
+    epoch: int,
+    done: Done | None = None,
+    runs: Callable[[int, int, int], list[range]] | None = None,
 ) -> tuple[list[list[Piece]], int]:
     """Per-rank pieces for one exact-mode epoch, and the number of steps every rank runs.
 
     With ``done``, the samples it names are left out of the line (the pieces may span them:
     the reader skips them), so each rank's pieces hold steps × batch samples still to train.
+    ``runs(shard, seed, epoch)``: the samples of a shard the epoch takes, as runs in stored order
+    (a mixture's share of a source, mixture.py); by default all of them. No piece spans two runs.
     """
     done = done or {}
-    free = [count - len(done.get(shard, ())) for shard, count in enumerate(counts)]
-    steps = sum(free) // (world * batch)
+    lines = [
+        [_free_indices(run, done.get(shard)) for run in (runs(shard, seed, epoch) if runs else [range(count)])]
+        for shard, count in enumerate(counts)
+    ]
+    steps = sum(len(indices) for line in lines for indices in line) // (world * batch)
     if steps == 0 and not done:
         raise DataError(
             f"the training split has {sum(counts)} samples, fewer than one global batch "
@@ -56,20 +67,20 @@ def exact_assignment(
     ranks: list[list[Piece]] = [[] for _ in range(world)]
     rank, room = 0, per_rank
     for shard in order:
-        indices = _free_indices(counts[shard], done.get(shard))
-        at = 0
-        while at < free[shard] and rank < world and room:
-            take = min(room, free[shard] - at)
-            ranks[rank].append(Piece(shard, indices[at], indices[at + take - 1] + 1))
-            at += take
-            room -= take
-            if room == 0:
-                rank, room = rank + 1, per_rank
+        for indices in lines[shard]:
+            at = 0
+            while at < len(indices) and rank < world and room:
+                take = min(room, len(indices) - at)
+                ranks[rank].append(Piece(shard, indices[at], indices[at + take - 1] + 1))
+                at += take
+                room -= take
+                if room == 0:
+                    rank, room = rank + 1, per_rank
     return ranks, steps
 
 
-def _free_indices(count: int, done: set[int] | None) -> range | list[int]:
-    return [i for i in range(count) if i not in done] if done else range(count)
+def _free_indices(run: range, done: set[int] | None) -> range | list[int]:
+    return [i for i in run if i not in done] if done else run
 
 
 def contiguous_assignment(counts: list[int], world: int) -> list[list[Piece]]:
@@ -87,11 +98,11 @@ def contiguous_assignment(counts: list[int], world: int) -> list[list[Piece]]:
     return ranks
 
 
-def resampled_pieces(counts: list[int], stream: str) -> Iterator[Piece]:
-    """Whole shards drawn with replacement, weighted by their sample counts, from the stream
-    named ``stream`` (distinct names: independent draws)."""
+def resampled_pieces(counts: list[int], stream: str, weights: list[float] | None = None) -> Iterator[Piece]:
+    """Whole shards drawn with replacement, weighted by their sample counts (or by ``weights``:
+    a mixture's, mixture.py), from the stream named ``stream`` (distinct names: independent draws)."""
     rng = random.Random(f"resampled:{stream}")
-    cumulative = list(itertools.accumulate(counts))
+    cumulative = list(itertools.accumulate(weights if weights is not None else counts))
     while True:
         shard = rng.choices(range(len(counts)), cum_weights=cumulative)[0]
         yield Piece(shard, 0, counts[shard])

@@ -23,7 +23,7 @@ import dataclasses
 import inspect
 import os
 import warnings
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -37,6 +37,7 @@ from imagenet_ais.loader.cpu_share import AUTO, checked
 from imagenet_ais.loader.dali_decode import available as dali_available
 from imagenet_ais.loader.engine import Batch, Feeding, TrainLoader, ValLoader
 from imagenet_ais.loader.failures import StateMismatch, TransformFailed
+from imagenet_ais.loader.mixture import shards_of, sources_of
 from imagenet_ais.loader.sampling import merge_positions
 from imagenet_ais.loader.transforms import VAL_CROP
 from imagenet_ais.loader.worker import CacheSpec, LoaderSpec
@@ -115,7 +116,7 @@ class ShardLoader:
 
     def __init__(
         self,
-        location: str,
+        location: str | os.PathLike | Sequence[tuple[str | os.PathLike, float] | str | os.PathLike],
         split: str = "train",
         batch_size: int = 256,
         *,
@@ -139,10 +140,13 @@ class ShardLoader:
         data_timeout: float | None = 600.0,
         transform: Callable[[Image.Image], Any] | None = None,
         batch_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        classes: Sequence[str] | None = None,
     ):
         _check_sizes(batch_size=batch_size, image_size=image_size, epoch_size=epoch_size, shuffle_buffer=shuffle_buffer)
-        _check_kinds(location, manifest, augment, workers, seed, data_timeout)
-        location = os.fspath(location)
+        sources = sources_of(location)
+        _check_kinds(manifest, augment, workers, seed, data_timeout)
+        if manifest is not None and len(sources) > 1:
+            raise ConfigError("manifest= is one location's: leave it out for a mixture (each source's is read)")
         rank, world_size = _topology(rank, world_size)
         device = _device(device)
         if epoch_mode not in EPOCH_MODES:
@@ -153,26 +157,28 @@ class ShardLoader:
             warnings.warn(warning, stacklevel=2)
         if cache_size is not None and not cache_dir:
             raise ConfigError("--cache-size bounds --cache-dir: give --cache-dir too")
-        manifest = manifest or load_manifest(open_store(location))
-        self.location, self.split, self.classes = location, split, manifest.classes
+        manifests = [manifest] if manifest else [load_manifest(open_store(s.location)) for s in sources]
+        given = list(classes) if classes is not None else None
+        data, self.classes = shards_of(sources, manifests, split, epoch_mode, given)
+        self.sources, self.split = sources, split
+        self.location = " + ".join(s.location for s in sources)  # (what its messages name)
         self.rank, self.world_size, self.batch_size, self.device = rank, world_size, batch_size, device
         self.workers = workers if workers is not None else auto_workers(device)
         spec = LoaderSpec(
-            world_size, rank, batch_size, seed, image_size, self.decode, len(manifest.classes),
+            world_size, rank, batch_size, seed, image_size, self.decode, len(self.classes),
             CacheSpec(cache_dir, cache_size) if cache_dir else None, augment=augment, transform=transform,
         )  # fmt: skip
         feeding = Feeding(self.workers, device, channels_last, cpu_share=checked(cpu_share), data_timeout=data_timeout)
-        data = manifest.split(split)
         self._loader: TrainLoader | ValLoader
         if split == "train":
-            self._loader = TrainLoader(data, location, epoch_mode, spec, feeding, shuffle_buffer, epoch_size)
+            self._loader = TrainLoader(data, epoch_mode, spec, feeding, shuffle_buffer, epoch_size)
         else:
             resize = val_resize_size or image_size / VAL_CROP
             if resize < image_size:
                 raise ConfigError(f"--val-resize-size {resize:g} is smaller than the validation crop ({image_size})")
             spec = dataclasses.replace(spec, val_crop=image_size / resize, augment=NO_AUGMENT)
-            self._loader = ValLoader(data, location, spec, feeding)
-        self.samples = data.samples  # the manifest's count
+            self._loader = ValLoader(data, spec, feeding)
+        self.samples = data.samples  # the manifest's count (a mixture's: its sources' by their weights)
         self.epoch = 0  # the epoch the next (or current) pass trains
         self._pending = True  # the next pass trains ``epoch`` (set, restored or first): not the one after
         self._step = 0  # steps of ``epoch`` handed out (with those before a restore)
@@ -409,12 +415,8 @@ def _check_sizes(**sizes: object) -> None:
             raise ConfigError(f"{name}={value!r}: give a whole number, {within}")
 
 
-def _check_kinds(
-    location: object, manifest: object, augment: object, workers: object, seed: object, data_timeout: object
-) -> None:
+def _check_kinds(manifest: object, augment: object, workers: object, seed: object, data_timeout: object) -> None:
     """Arguments of the wrong kind, in one line rather than an error deep inside at the first batch."""
-    if not isinstance(location, str | os.PathLike):
-        raise ConfigError(f"location={location!r}: give a shard location (a directory or a storage URL)")
     if manifest is not None and not isinstance(manifest, Manifest):
         raise ConfigError(f"manifest={manifest!r}: give a Manifest (shards.manifest.load_manifest), or leave it out")
     if not isinstance(augment, Augment):

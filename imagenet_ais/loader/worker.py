@@ -30,6 +30,7 @@ from imagenet_ais.errors import ConfigError, DataError, StorageError, first_line
 from imagenet_ais.loader.augment import NO_AUGMENT, Augment
 from imagenet_ais.loader.cpu_share import CpuShare, offload
 from imagenet_ais.loader.failures import TransformFailed, UnreadableData
+from imagenet_ais.loader.mixture import Shards, one_source
 from imagenet_ais.loader.sampling import (
     Done,
     Piece,
@@ -48,6 +49,7 @@ from imagenet_ais.loader.transforms import (
     pixels_of,
 )
 from imagenet_ais.shards.cache import ShardCache
+from imagenet_ais.shards.manifest import SplitInfo
 from imagenet_ais.shards.members import members
 from imagenet_ais.storage import process_store
 
@@ -112,18 +114,24 @@ class LoaderSpec:
     cache: CacheSpec | None = None  # keep remote shards on the node's disk
     val_crop: float = VAL_CROP  # validation's centre square, of the short side (--val-resize-size)
     augment: Augment = NO_AUGMENT  # training only: --auto-augment, --random-erase
-    # the split's shards, where a worker finds its samples
-    location: str = field(default="", kw_only=True)  # the shard location (a storage URL); names are relative to it
-    names: list[str] = field(default_factory=list, kw_only=True)
-    counts: list[int] = field(default_factory=list, kw_only=True)
-    # each shard's bytes and SHA-256 in the manifest: checked as it streams
-    listed: list[tuple[int, str]] = field(default_factory=list, kw_only=True)
-    shard_cache: ShardCache | None = field(default=None, kw_only=True)  # the node's cache, for remote shards
+    # the split's shards (one source's or a mixture's), where a worker finds its samples; each
+    # shard's bytes and SHA-256 in its manifest are checked as it streams
+    shards: Shards = field(default_factory=lambda: one_source(SplitInfo(), ""), kw_only=True)
+    caches: list[ShardCache | None] = field(default_factory=list, kw_only=True)  # per source: the node's cache
     shuffle: int = field(default=0, kw_only=True)  # samples each worker mixes before batching (0: stored order)
     # of training's samples, cropped in the workers (cpu_share.py): a share or "auto"
     cpu_share: float | str = field(default=0.0, kw_only=True)
     # the caller's own, in place of the crop, flip and augment: the decoded PIL image → the sample's
     transform: Callable[[Image.Image], object] | None = field(default=None, kw_only=True)
+
+    @property
+    def counts(self) -> list[int]:
+        return self.shards.counts
+
+    @property
+    def location(self) -> str:
+        """Where the shards are (the sources' locations, for messages)."""
+        return " + ".join(self.shards.locations)
 
 
 class ShardStream(IterableDataset):
@@ -158,9 +166,9 @@ class ShardStream(IterableDataset):
         s, epoch = self.spec, self.signals.epoch.value
         done, restart = self._done()
         if self.mode == "resampled":
-            yield from resampled_pieces(s.counts, f"{s.seed}:{epoch}:{restart}:{s.rank}:{worker}")
+            yield from resampled_pieces(s.counts, f"{s.seed}:{epoch}:{restart}:{s.rank}:{worker}", s.shards.draws)
         if self.mode == "exact":
-            mine = exact_assignment(s.counts, s.world, s.batch, s.seed, epoch, done)[0][s.rank]
+            mine = exact_assignment(s.counts, s.world, s.batch, s.seed, epoch, done, s.shards.runs)[0][s.rank]
         else:
             mine = contiguous_assignment(s.counts, s.world)[s.rank]
         yield from split_among_workers(mine, workers)[worker]
@@ -188,15 +196,15 @@ class ShardStream(IterableDataset):
             )
 
     def _samples(self, piece: Piece) -> Iterator[tuple[int, dict]]:
-        name = self.spec.names[piece.shard]
-        where = f"{self.spec.location}/{name}"
+        shards = self.spec.shards
+        where = shards.where(piece.shard)
         errors: list[Exception] = []
         done = self._done()[0].get(piece.shard, set())
         drawn = sum(i not in done for i in range(piece.start, piece.stop))
         self.signals.add(self.signals.drawn, drawn)
-        size, sha256 = self.spec.listed[piece.shard]
+        size, sha256 = shards.listed[piece.shard]
         try:
-            stream = self._open(name, size)
+            stream = self._open(piece.shard, size)
         except Exception as e:  # after the storage client's own retries
             self._read_failed(where, f"could not be read, skipped ({e})", drawn, read_any=False)
             return
@@ -228,12 +236,14 @@ class ShardStream(IterableDataset):
         else:
             self._failing = 0
 
-    def _open(self, name: str, size: int) -> BinaryIO:
-        """The shard ``name``, once its size is the manifest's (a copy in the node's cache was
+    def _open(self, shard: int, size: int) -> BinaryIO:
+        """Shard ``shard``, once its size is the manifest's (a copy in the node's cache was
         checked when it was made)."""
-        if self.spec.shard_cache:
-            return self.spec.shard_cache.open(name)
-        store = process_store(self.spec.location)
+        shards = self.spec.shards
+        name, source = shards.names[shard], shards.source[shard]
+        if cache := (self.spec.caches or [None] * len(shards.locations))[source]:
+            return cache.open(name)
+        store = process_store(shards.locations[source])
         if (stored := store.size(name)) != size:
             raise StorageError(
                 f"it is {stored:,} bytes, the manifest lists {size:,}: replaced or damaged since it was converted"
@@ -258,7 +268,7 @@ class ShardStream(IterableDataset):
         for piece in pieces:
             for index, sample in self._samples(piece):
                 try:
-                    image, label = self._decode(sample, train, size)
+                    image, label = self._decode(sample, train, size, piece.shard)
                 except (StopIteration, KeyError, ValueError, OSError, SyntaxError, Image.DecompressionBombError) as e:
                     what = "no image member" if isinstance(e, StopIteration) else f"{type(e).__name__}: {e}"
                     self._skip(piece.shard, sample["__key__"], what)
@@ -279,7 +289,7 @@ class ShardStream(IterableDataset):
         """The caller's transform of a decoded image, as the batch takes it: uint8 H×W×3 (from a
         PIL image or a uint8 3×H×W tensor: normalised later as the loader's own crops are), or a
         float 3×H×W tensor, taken as it is."""
-        where = f"{self.spec.location}/{self.spec.names[shard]}: the transform"
+        where = f"{self.spec.shards.where(shard)}: the transform"
         try:
             out = self.spec.transform(image)  # type: ignore[misc]
         except Exception as e:
@@ -300,16 +310,14 @@ class ShardStream(IterableDataset):
 
     def _skip(self, shard: int, key: str, what: str) -> None:
         """A sample that cannot be decoded: named once, counted, not trained on."""
-        self.report(
-            f"{self.spec.location}/{self.spec.names[shard]}", f"sample {key!r} skipped ({what})", self.signals.skipped
-        )
+        self.report(self.spec.shards.where(shard), f"sample {key!r} skipped ({what})", self.signals.skipped)
 
     def _crop_failed(self, sample: tuple, what: str) -> None:
         self._skip(sample[3], sample[2], what)  # (image, label, key, shard, index)
 
-    def _decode(self, sample: dict, train: bool, size: int) -> tuple[torch.Tensor | tuple, int]:
+    def _decode(self, sample: dict, train: bool, size: int, shard: int) -> tuple[torch.Tensor | tuple, int]:
         data = next(sample[e] for e in IMAGE_EXTS if e in sample)
-        label = int(sample["cls"])
+        label = self.spec.shards.label(shard, int(sample["cls"]))  # (a mixture's: mapped to the merged classes)
         if self.spec.classes and not 0 <= label < self.spec.classes:
             raise DataError(f"label {label} is not among the manifest's {self.spec.classes} classes")
         rng = augment_rng(self.spec.seed, self.signals.epoch.value, sample["__key__"]) if train else None
