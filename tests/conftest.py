@@ -266,20 +266,24 @@ def write_shards(
     classes: int = 4,
     corrupt: set[str] = frozenset(),
     pictures: dict[str, bytes] | None = None,
+    names: list[str] | None = None,
+    prefix: str = "",
 ) -> Manifest:
-    """Shards of the given sizes per split, with keys `<split>-<shard>-<i>`, plus their manifest.
+    """Shards of the given sizes per split, with keys `<prefix><split>-<shard>-<i>`, plus their
+    manifest: ``classes`` classes, named ``names`` (else c0, c1, ...).
 
     Keys named in ``corrupt`` get bytes that are not an image, those in ``pictures`` its bytes."""
     rng = random.Random(0)
     dest.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest([f"c{k}" for k in range(classes)], {})
+    manifest = Manifest(names or [f"c{k}" for k in range(classes)], {})
+    classes = len(manifest.classes)
     for split, counts in sizes.items():
         info = SplitInfo()
         for s, count in enumerate(counts):
             name = f"imagenet-{split}-{s:06d}.tar"
             with wds.TarWriter(str(dest / name)) as tar:
                 for i in range(count):
-                    key, cls = f"{split}-{s}-{i}", rng.randrange(classes)
+                    key, cls = f"{prefix}{split}-{s}-{i}", rng.randrange(classes)
                     data = b"garbage" if key in corrupt else tiny_jpeg(rng, cls)
                     data = (pictures or {}).get(key, data)
                     tar.write({"__key__": key, "jpg": data, "cls": str(cls).encode()})

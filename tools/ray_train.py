@@ -38,6 +38,7 @@ import torch
 import imagenet_ais
 from imagenet_ais.cli import train as train_cli
 from imagenet_ais.errors import first_line
+from imagenet_ais.loader.mixture import parse_source
 from imagenet_ais.train import setup
 from imagenet_ais.train.loop import EXIT_PREEMPTED
 
@@ -135,6 +136,11 @@ def finished(output: Path, epochs: int) -> bool:
     return last.exists() and torch.load(last, map_location="cpu", weights_only=True)["epoch"] >= epochs
 
 
+def _resolved(location: str | None) -> str | None:
+    """A directory as an absolute path (the workers' current directory is Ray's); a URL as it is."""
+    return str(Path(location).resolve()) if location and "://" not in location else location
+
+
 @click.command(context_settings={"show_default": True})
 @click.option("--address", envvar="RAY_ADDRESS", help="Ray cluster to use; none: a private local one")
 @click.option("--num-workers", default=2, type=click.IntRange(min=1), help="training processes (GPUs with --gpu)")
@@ -158,8 +164,8 @@ def main(
     cfg = train_cli.parse(list(train_args))
     # the workers' current directory is Ray's, not this one
     cfg.output = str(Path(cfg.output).resolve())
-    if cfg.data and "://" not in cfg.data:
-        cfg.data = str(Path(cfg.data).resolve())
+    cfg.data, cfg.val_data = _resolved(cfg.data), _resolved(cfg.val_data)
+    cfg.mix = tuple(f"{_resolved(s.location)}:{s.weight!r}" for s in map(parse_source, cfg.mix))
     if max_failures and cfg.resume is None:
         # a restarted group must continue, not start over: that needs --resume auto, which is a
         # fresh start only where neither --output nor --upload holds a run yet

@@ -13,6 +13,7 @@ from imagenet_ais.cli.one_line import one_line
 from imagenet_ais.errors import ConfigError
 from imagenet_ais.loader.augment import POLICIES
 from imagenet_ais.loader.cpu_share import checked
+from imagenet_ais.loader.mixture import parse_source
 from imagenet_ais.loader.shard_loader import DECODES, EPOCH_MODES, MAX_IMAGE_SIZE, max_workers
 from imagenet_ais.train.config import OPTIMIZERS, RECIPES, SCHEDULE_NAMES, SCHEDULES, TrainConfig, with_recipe
 from imagenet_ais.train.decentralized import TOPOLOGIES
@@ -57,8 +58,13 @@ QUICK_CPU = (
 
 @click.command(context_settings={"show_default": True, "max_content_width": 100}, epilog=QUICK_CPU)
 @click.option(
-    "--data", help="shard location holding manifest.json (directory, file://, ais://, gs://, s3://, http(s)://)"
+    "--data",
+    "data",
+    multiple=True,
+    help="shard location holding manifest.json (directory, file://, ais://, gs://, s3://, http(s)://); repeat it "
+    "as LOCATION:WEIGHT to train on several mixed (docs/training.md#several-shard-sets-mixed)",
 )
+@click.option("--val-data", help="the shard location to validate on (default: the first --data)")
 @click.option(
     "--recipe",
     type=click.Choice(list(RECIPES)),
@@ -312,7 +318,18 @@ def config(ctx: click.Context) -> TrainConfig:
     launcher = {name.strip().replace("-", "_") for name in options.pop("launcher_defaults").split(",") if name.strip()}
     given = {name for name in options if ctx.get_parameter_source(name) != ParameterSource.DEFAULT}
     sources = {name.rstrip("_"): "launcher" if name in launcher else "option" for name in given}
-    return with_recipe(TrainConfig(compile=options.pop("compile_"), **options, sources=sources))
+    data, mix = data_sources(options.pop("data"))
+    cfg = TrainConfig(compile=options.pop("compile_"), data=data, mix=mix, **options, sources=sources)
+    return with_recipe(cfg)
+
+
+def data_sources(given: tuple[str, ...]) -> tuple[str | None, tuple[str, ...]]:
+    """--data's values: the first location (validation's by default), and all of them as given
+    where they make a mixture (several, or a weight), else none."""
+    if not given:
+        return None, ()
+    first = parse_source(given[0])
+    return first.location, given if len(given) > 1 or first.weight != 1 else ()
 
 
 def parse(args: list[str]) -> TrainConfig:

@@ -5,9 +5,9 @@ Its parts, by where they run:
 
 - in the training process: ``shard_loader`` (the public face, its state), ``engine`` (the
   DataLoader and its workers, fixed-length epochs, pooling and padding), ``sampling`` (which
-  samples each rank and worker reads), ``device_feed`` (the threads that make batches ready on the
-  device ahead of the step), ``device_decode`` and ``dali_decode`` (JPEGs decoded and cropped on
-  the GPU);
+  samples each rank and worker reads), ``mixture`` (several shard sets as one, by weight),
+  ``device_feed`` (the threads that make batches ready on the device ahead of the step),
+  ``device_decode`` and ``dali_decode`` (JPEGs decoded and cropped on the GPU);
 - in a DataLoader worker: ``worker`` (read shards, check their bytes, pick crops or decode),
   ``cpu_share`` (crop a share of the samples while the GPU is busy), ``transforms`` (the crop
   geometry, the CPU decode, normalisation), ``augment``;

@@ -347,7 +347,10 @@ class TrainLoader(_ShardLoader):
         """A digest of the training shards themselves (names and SHA-256s), wherever they are
         read from: a checkpoint made on other data is told by it."""
         shards = self.spec.shards
-        return hashlib.sha256(json.dumps([shards.names, shards.listed]).encode()).hexdigest()[:16]
+        # each shard once (a mixture lists a shard once per pass over its source): other weights, same data
+        once = dict.fromkeys(zip(shards.names, shards.listed, strict=True))
+        names, listed = [name for name, _ in once], [bytes_sha for _, bytes_sha in once]
+        return hashlib.sha256(json.dumps([names, listed]).encode()).hexdigest()[:16]
 
     def set_epoch(self, epoch: int, image_size: int | None = None, keep_restored: bool = True) -> None:
         """Start ``epoch`` (call before iterating), optionally at another image size; where a

@@ -4,9 +4,10 @@ A source is a shard location and a weight. Its classes are merged with the other
 first source's in its order, then each new name as it first appears), and its labels remapped to
 the merged list. What a weight means:
 
-- resampled epochs draw each source's shards in proportion to its weight: a source of weight 3
-  gives three times the samples of one of weight 1, whatever their sizes. An epoch is, unless
-  ``epoch_size`` says otherwise, the sum of weight × samples over the sources.
+- resampled epochs draw each source's samples in proportion to its weight (Streaming's
+  ``proportion``, webdataset's ``RandomMix``): with weights 3 and 1, three quarters of an epoch's
+  samples are the first source's, whatever their sizes. An epoch is, unless ``epoch_size`` says
+  otherwise, as many samples as the sources hold together.
 - exact epochs take weight × samples of each source, every epoch: its whole part as that many
   passes over every sample (Streaming's ``repeat``), the rest as a run of that share of each shard,
   drawn again each epoch (its ``choose``). Weight 1 is every sample once, 2 each twice, 0.25 a
@@ -138,24 +139,17 @@ class Shards:
     infos: list[dict[str, ShardInfo]]  # per source: its shards by name (the node's cache checks them)
     draws: list[float] | None = None  # resampled: each shard's chance to be drawn (None: by its count)
     taken: list[int] | None = None  # exact: samples of each shard an epoch takes (None: all)
+    copies: list[int] | None = None  # exact: which pass over its source each shard is (0 the first)
     weights: list[float] = field(default_factory=lambda: [1.0])
 
     @property
     def samples(self) -> int:
-        """Samples an epoch takes (exact), or the sources' weighted count (resampled)."""
-        if self.draws is None:
-            return sum(self.taken) if self.taken is not None else sum(self.counts)
-        return round(sum(w * n for w, n in zip(self.weights, self._source_samples(), strict=True)))
+        """Samples an exact epoch takes; a resampled one's shards' count."""
+        return sum(self.taken) if self.taken is not None else sum(self.counts)
 
     @property
     def bytes(self) -> int:
         return sum(b for b, _ in self.listed)
-
-    def _source_samples(self) -> list[int]:
-        totals = [0] * len(self.locations)
-        for shard, count in enumerate(self.counts):
-            totals[self.source[shard]] += count
-        return totals
 
     def runs(self, shard: int, seed: int, epoch: int) -> list[range]:
         """The samples of ``shard`` epoch ``epoch`` takes: all, or a run of ``taken`` of them from a
@@ -167,6 +161,12 @@ class Shards:
         start = random.Random(f"choose:{seed}:{epoch}:{shard}").randrange(count)
         end = start + take
         return [range(start, min(end, count)), *([range(end - count)] if end > count else [])]
+
+    def drawn_as(self, shard: int, key: str) -> str:
+        """The name a sample's crop, flip and augmentation are drawn by (with the seed and epoch):
+        its key, and in a second or later pass over its source in one epoch, the pass's number."""
+        copy = self.copies[shard] if self.copies else 0
+        return f"{key}#{copy}" if copy else key
 
     def where(self, shard: int) -> str:
         return f"{self.locations[self.source[shard]]}/{self.names[shard]}"
@@ -209,20 +209,23 @@ def mixed(
 ) -> Shards:
     """The training shards of several sources as one list (module docstring): in exact mode a
     source's shards once per whole or part of its weight, each copy's share of its shards in
-    ``taken``; in resampled mode once each, with the chance to be drawn its weight gives."""
+    ``taken``; in resampled mode once each, with the chance to be drawn that gives its source
+    its weight's share of the samples (a shard drawn gives all its samples, and shards are drawn
+    by their counts within a source: so by count / the sum of its shards' squared counts)."""
     names: list[str] = []
     counts: list[int] = []
     listed: list[tuple[int, str]] = []
     source_of: list[int] = []
     taken: list[int] = []
+    copy_of: list[int] = []
     draws: list[float] = []
     for s, (source, split) in enumerate(zip(sources, splits, strict=True)):
-        total = split.samples
+        total, squares = split.samples, sum(sh.samples**2 for sh in split.shards)
         if total == 0:
             raise ConfigError(f"{source.location}: its training split has no samples: leave it out of the mixture")
         whole, part = divmod(source.weight, 1.0) if mode == "exact" else (1.0, 0.0)
         copies = [1.0] * int(whole) + ([part] if part > 1e-9 else [])
-        for share in copies:
+        for copy, share in enumerate(copies):
             shares = _apportioned([sh.samples for sh in split.shards], round(share * total))
             for shard, k in zip(split.shards, shares, strict=True):
                 names.append(shard.name)
@@ -230,13 +233,15 @@ def mixed(
                 listed.append((shard.bytes, shard.sha256))
                 source_of.append(s)
                 taken.append(k)
-                draws.append(source.weight * shard.samples / total)
+                copy_of.append(copy)
+                # a draw is a whole shard, by its count: its source's draws give weight-many samples
+                draws.append(source.weight * shard.samples / squares)
     remaps = [remap(m.classes, classes) for m in manifests]
     infos = [{sh.name: sh for sh in split.shards} for split in splits]
     return Shards(
         names, counts, listed, source_of, [s.location for s in sources], remaps, infos,
         draws=draws if mode != "exact" else None, taken=taken if mode == "exact" else None,
-        weights=[s.weight for s in sources],
+        copies=copy_of if mode == "exact" else None, weights=[s.weight for s in sources],
     )  # fmt: skip
 
 

@@ -74,6 +74,11 @@ class ShardLoader:
     """One rank's batches of ``split`` of the shards at ``location`` (a directory, ``ais://``,
     ``gs://``, ``s3://``, ``http(s)://``: wherever ``manifest.json`` is), ready on ``device``.
 
+    ``location`` may also be several, as ``(location, weight)`` pairs (or bare locations, weight 1),
+    for training: their shards mixed by weight, their classes merged by name (mixture.py says
+    what a weight means in each epoch mode). ``classes``: the class names to give labels in (each
+    source's mapped to them by name; all its classes must be there); by default the manifest's.
+
     Iterating gives ``Batch(images, labels, keys)``: normalised float images N × 3 × H × W
     and int64 labels on the device, and the samples' keys. The training split gives ``len(self)``
     batches of exactly ``batch_size`` every epoch, on every rank; validation ("val") every

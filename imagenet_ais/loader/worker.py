@@ -320,7 +320,8 @@ class ShardStream(IterableDataset):
         label = self.spec.shards.label(shard, int(sample["cls"]))  # (a mixture's: mapped to the merged classes)
         if self.spec.classes and not 0 <= label < self.spec.classes:
             raise DataError(f"label {label} is not among the manifest's {self.spec.classes} classes")
-        rng = augment_rng(self.spec.seed, self.signals.epoch.value, sample["__key__"]) if train else None
+        drawn_as = self.spec.shards.drawn_as(shard, sample["__key__"])  # (a mixture's second pass: its own crop)
+        rng = augment_rng(self.spec.seed, self.signals.epoch.value, drawn_as) if train else None
         augment = self.spec.augment  # drawn and applied only with rng, i.e. in training
         if self.spec.transform is not None:  # the whole picture: the caller's transform crops
             with Image.open(io.BytesIO(data)) as img:

@@ -14,7 +14,9 @@ from imagenet_ais.loader.shard_loader import MAX_IMAGE_SIZE
 
 @dataclass
 class TrainConfig:
-    data: str | None = None  # a shard location holding manifest.json (or --synthetic)
+    data: str | None = None  # a shard location holding manifest.json (or --synthetic); a mixture's first
+    mix: tuple[str, ...] = ()  # several shard locations mixed, each "LOCATION[:WEIGHT]" (loader/mixture.py)
+    val_data: str | None = None  # the location to validate on (None: data)
     recipe: str | None = None  # a name of RECIPES: its settings for the options not given
     output: str = "runs/train"
     arch: str = "resnet50"

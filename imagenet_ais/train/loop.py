@@ -31,7 +31,7 @@ from imagenet_ais.train import checkpoint, decentralized, keys_log, resume, setu
 from imagenet_ais.train.config import TrainConfig, check, differences, image_sizes, with_recipe
 from imagenet_ais.train.data_health import DataHealth
 from imagenet_ais.train.ema import ModelEma
-from imagenet_ais.train.metrics import CONFIG, LOG, METRICS, Reporter
+from imagenet_ais.train.metrics import CLASSES, CONFIG, LOG, METRICS, Reporter
 from imagenet_ais.train.model import autocast, check_arch
 from imagenet_ais.train.progress import Progress, Window
 from imagenet_ais.train.resume import TrainState
@@ -82,7 +82,7 @@ def train(
         ):
             return _train(cfg, process, report, stop)
     except BaseException:
-        if made and {p.name for p in output.glob("*")} <= {locks.TRAIN_LOCK, LOG, CONFIG, upload.CLAIM}:
+        if made and {p.name for p in output.glob("*")} <= {locks.TRAIN_LOCK, LOG, CONFIG, CLASSES, upload.CLAIM}:
             shutil.rmtree(output, ignore_errors=True)  # a start that failed leaves no folder it made
         raise
 
@@ -101,6 +101,8 @@ def _train(
         (output / CONFIG).write_text(json.dumps(asdict(cfg), indent=1) + "\n")
     sizes, val_size = image_sizes(cfg)
     parts = setup.build(cfg, process, output, sizes, val_size, echo)
+    if process.main:  # the label of each output, by index (a mixture's merged list: loader/mixture.py)
+        (output / CLASSES).write_text(json.dumps(parts.classes, indent=1) + "\n")
     try:
         return _resume_and_train(parts, sizes, report, stop)
     finally:
@@ -299,7 +301,7 @@ def test_only(parts: Parts, train_state: TrainState) -> dict[str, Any]:
     if not (parts.cfg.weights or train_state.step):
         raise ConfigError("--test-only: nothing to test; give --weights or --resume (a checkpoint)")
     if parts.val_loader is None:
-        raise DataError(f"--test-only: {parts.cfg.data} has no val split to evaluate on")
+        raise DataError(f"--test-only: {parts.cfg.val_data or parts.cfg.data} has no val split to evaluate on")
     val = evaluate(parts.raw_model, parts.val_loader, parts.cfg, parts.process)
     parts.echo(f"test: top-1 {val['top1']:.4f}% top-5 {val['top5']:.4f}% over {val['samples']} images")
     warn_if_partial(val, parts.health)

@@ -17,6 +17,7 @@ from imagenet_ais.train.trackers import Tracker, numbers, warn_once
 
 METRICS = "metrics.jsonl"
 LOG = "train.log"  # rank 0's messages
+CLASSES = "classes.json"  # the class names, in the order of the model's outputs
 CONFIG = "config.json"  # the settings of the run's last start (config.differences says where from)
 
 

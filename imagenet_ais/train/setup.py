@@ -23,6 +23,7 @@ from imagenet_ais.errors import ConfigError
 from imagenet_ais.loader.augment import Augment
 from imagenet_ais.loader.cpu_share import AUTO
 from imagenet_ais.loader.engine import nominal_steps
+from imagenet_ais.loader.mixture import parse_source
 from imagenet_ais.loader.shard_loader import ShardLoader
 from imagenet_ais.loader.synthetic import SYNTHETIC_CLASSES, SYNTHETIC_STEPS, SyntheticLoader
 from imagenet_ais.shards.manifest import load_manifest
@@ -198,30 +199,37 @@ def loaders(
         raise ConfigError("no --data given: point it at a shard location holding manifest.json, or use --synthetic")
     if cfg.decode in ("gpu", "dali") and process.device.type != "cuda":
         echo(f"note: --decode {cfg.decode} without a GPU decodes in the training process, on the CPU", err=True)
-    manifest = load_manifest(open_store(cfg.data))
+    val_at = cfg.val_data or cfg.data
+    manifest = load_manifest(open_store(val_at))
     loader = functools.partial(
-        ShardLoader, cfg.data, batch_size=cfg.batch_size, rank=process.rank, world_size=process.world,
+        ShardLoader, batch_size=cfg.batch_size, rank=process.rank, world_size=process.world,
         decode=cfg.decode, device=process.device, workers=cfg.workers, cache_dir=cfg.cache_dir,
-        cache_size=cfg.cache_size, seed=cfg.seed, channels_last=channels_last, manifest=manifest,
-        data_timeout=cfg.data_timeout,
+        cache_size=cfg.cache_size, seed=cfg.seed, channels_last=channels_last, data_timeout=cfg.data_timeout,
     )  # fmt: skip
+    mixture = [(s.location, s.weight) for s in map(parse_source, cfg.mix)]
     # each epoch gets its size (--progressive) from set_epoch; the workers' buffers hold the largest's crops
     train_loader = loader(
-        "train", epoch_mode=cfg.epoch_mode, epoch_size=cfg.epoch_size, image_size=max(sizes),
+        mixture or cfg.data, "train", epoch_mode=cfg.epoch_mode, epoch_size=cfg.epoch_size, image_size=max(sizes),
         shuffle_buffer=cfg.shuffle_buffer, augment=Augment(cfg.auto_augment, cfg.random_erase),
-        cpu_share=cfg.cpu_share,
+        cpu_share=cfg.cpu_share, manifest=None if mixture or val_at != cfg.data else manifest,
     )  # fmt: skip
     val_loader = None
     val_split = manifest.splits.get("val")
     if not (val_split and val_split.samples):
-        echo(f"note: {cfg.data} has no val split: the run validates nothing and keeps no best.pt", err=True)
-    else:
-        val_loader = loader("val", image_size=val_size, val_resize_size=cfg.val_resize_size)
+        echo(f"note: {val_at} has no val split: the run validates nothing and keeps no best.pt", err=True)
+    else:  # (its labels mapped to training's classes, a mixture's merged ones)
+        val_loader = loader(
+            val_at, "val", image_size=val_size, val_resize_size=cfg.val_resize_size, manifest=manifest,
+            classes=train_loader.classes,
+        )  # fmt: skip
     workers = train_loader.workers
     per_process = f"{workers} worker{'' if workers == 1 else 's'} per process"
     if share := train_loader.cpu_share:  # (cpu_share.py)
         per_process += f" cropping {'a share of' if share == AUTO else f'{float(share):.0%} of'} the samples"
-    return train_loader, val_loader, manifest.classes, f"{train_loader.decode} decode, {per_process}"
+    fed = f"{train_loader.decode} decode, {per_process}"
+    if mixture:
+        fed += f", from {len(mixture)} sources mixed ({', '.join(f'{w:g}' for _, w in mixture)})"
+    return train_loader, val_loader, train_loader.classes, fed
 
 
 def build(
