@@ -695,6 +695,36 @@ def test_a_timm_model_trains_resumes_and_loads_back_into_timm(opt: str, tmp_path
     assert not torch.isnan(next(iter(again.parameters()))).any()
 
 
+def test_timm_pretrained_weights_come_from_the_hugging_face_cache(tmp_path: Path, monkeypatch) -> None:
+    import huggingface_hub.constants
+    import timm
+    from safetensors.torch import save_file
+
+    released = timm.create_model("test_convnext", num_classes=1000)  # as the hub's file: 1,000 classes
+    snapshot = tmp_path / "hub" / "models--timm--test_convnext.r160_in1k" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    save_file(released.state_dict(), snapshot / "model.safetensors")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    arch, tag = "timm/test_convnext", "timm/test_convnext.r160_in1k"
+    mine = model.build_model(arch, 4)
+    model.load_weights(mine, tag, arch)
+    ours, theirs = mine.state_dict(), released.state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours if not k.startswith("head.fc.")), "all but the head"
+    assert ours["head.fc.weight"].shape == (4, theirs["head.fc.weight"].shape[1]), "a head for these 4 classes"
+    data = tmp_path / "shards"
+    write_shards(data, {"train": [8], "val": [4]})
+    cfg = tiny_run(data, tmp_path / "run", arch=arch, weights=tag, max_steps=1, batch_size=2)
+    assert loop.train(cfg)["exit_code"] == 0
+    with pytest.raises(ConfigError, match=r"^--weights timm/test_convnext.r160_in1k: weights of timm's test_conv"):
+        model.load_weights(mine, tag, "timm/test_resnet")
+    with pytest.raises(DataError, match=r"^--weights timm/test_convnext.nope: timm has no such pretrained tag"):
+        model.load_weights(mine, "timm/test_convnext.nope", arch)
+    with pytest.raises(DataError, match=r"^--weights timm/test_resnet.r160_in1k: not in the Hugging Face cache"):
+        model.load_weights(model.build_model("timm/test_resnet", 4), "timm/test_resnet.r160_in1k", "timm/test_resnet")
+
+
 def test_timm_names_are_checked_and_a_missing_timm_is_one_line(tmp_path: Path, monkeypatch) -> None:
     cfg = config.TrainConfig(output=str(tmp_path / "run"), synthetic=True, arch="timm/no_such_net", image_size=32)
     with pytest.raises(ConfigError, match=r"^--arch 'timm/no_such_net': timm has no model 'no_such_net' \(timm"):

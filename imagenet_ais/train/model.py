@@ -60,12 +60,15 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
     return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
 
 
-def load_weights(model: nn.Module, path: str) -> None:
-    """Start ``model`` from the weights in ``path``: a train.py checkpoint (its digest checked), a
-    plain state dict such as torchvision's released weights, or the name of those (e.g.
-    ResNet50_Weights.IMAGENET1K_V2); one line if they do not fit."""
+def load_weights(model: nn.Module, path: str, arch: str = "") -> None:
+    """Start ``model`` (``arch``) from the weights in ``path``: a train.py checkpoint (its digest
+    checked), a plain state dict such as torchvision's released weights, the name of those (e.g.
+    ResNet50_Weights.IMAGENET1K_V2), or a timm model's pretrained tag (timm/NAME.TAG) that the
+    Hugging Face cache holds; one line if they do not fit."""
     if not Path(path).exists() and re.fullmatch(r"\w+_Weights\.\w+", path):
         state = released_weights(path)
+    elif not Path(path).exists() and path.startswith(TIMM) and "." in path:
+        state = timm_pretrained(path, arch, model)
     else:
         state = _read_state(path)
     state = {k.removeprefix("module."): v for k, v in state.items()}  # saved from inside DDP
@@ -73,6 +76,34 @@ def load_weights(model: nn.Module, path: str) -> None:
         model.load_state_dict(state)
     except RuntimeError as e:
         raise DataError(f"--weights {path}: does not fit this model ({mismatches(e)})") from None
+
+
+def timm_pretrained(tag: str, arch: str, model: nn.Module) -> dict[str, torch.Tensor]:
+    """timm's pretrained weights ``tag`` (timm/NAME.TAG) for ``model`` (``arch``, timm/NAME), from
+    the Hugging Face cache only (no download: a run does not wait on a hub), its classifier left
+    as ``model``'s where the classes differ (timm's own rule)."""
+    name = tag.removeprefix(TIMM)
+    if arch != TIMM + name.partition(".")[0]:
+        raise ConfigError(f"--weights {tag}: weights of timm's {name.partition('.')[0]}, not of --arch {arch}")
+    timm = timm_module(f"--weights {tag}")
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        pretrained = timm.models.get_pretrained_cfg(name)
+    except RuntimeError:
+        pretrained = None
+    if pretrained is None or not pretrained.hf_hub_id:
+        raise DataError(f"--weights {tag}: timm has no such pretrained tag (timm.list_pretrained() names them)")
+    file = pretrained.hf_hub_filename or "model.safetensors"
+    cached = try_to_load_from_cache(pretrained.hf_hub_id, file)
+    if not isinstance(cached, str):
+        raise DataError(
+            f"--weights {tag}: not in the Hugging Face cache (HF_HOME): fetch it once with a network, "
+            f"python -c \"import timm; timm.create_model('{name}', pretrained=True)\", or give a file"
+        )
+    classes = cast(nn.Module, model).get_classifier().out_features  # type: ignore[operator]
+    loaded = timm.create_model(name, pretrained=True, num_classes=classes, pretrained_cfg_overlay={"file": cached})
+    return cast(dict[str, torch.Tensor], loaded.state_dict())
 
 
 def released_weights(name: str) -> dict[str, torch.Tensor]:

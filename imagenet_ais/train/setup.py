@@ -248,7 +248,7 @@ def build(
     health = DataHealth(problems, echo, cfg.max_bad)
     raw_model = model.build_model(cfg.arch, len(classes))
     if cfg.weights:
-        model.load_weights(raw_model, cfg.weights)
+        model.load_weights(raw_model, cfg.weights, cfg.arch)
     raw_model = model.sync_batchnorm(raw_model.to(process.device), cfg, process)
     if channels_last:
         raw_model = raw_model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # (documented)
