@@ -71,9 +71,15 @@ def test_relative_paths_are_the_callers(tmp_path: Path) -> None:
 
     summary = run_here("shards", "summary", "mine/shards")
     assert summary.returncode == 0 and "samples=3" in summary.stdout, summary.stderr
-    planned = run_here("-n", "local1", "--output", "out", "--resume", "auto", DATA="mine/shards", UPLOAD="up")
+    mix = ["--data", "own:2", "--val-data", "v", "--weights", "timm/convnext_tiny.fb_in1k"]
+    planned = run_here("-n", "local1", "--output", "out", "--resume", "auto", *mix, DATA="mine/shards", UPLOAD="up")
     cmd = shlex.split(planned.stdout.splitlines()[-1])
-    assert cmd[cmd.index("--data") + 1] == str(tmp_path / "mine" / "shards")
+    assert [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--data"] == [
+        f"{tmp_path}/mine/shards",
+        f"{tmp_path}/own:2",
+    ]
+    assert cmd[cmd.index("--val-data") + 1] == f"{tmp_path}/v"
+    assert cmd[cmd.index("--weights") + 1] == "timm/convnext_tiny.fb_in1k", "timm's name, not a path"
     assert cmd[len(cmd) - 1 - cmd[::-1].index("--output") + 1] == str(tmp_path / "out"), "the caller's --output"
     assert cmd[cmd.index("--upload") + 1] == str(tmp_path / "up") and cmd[cmd.index("--resume") + 1] == "auto"
     plotted = run_here("-n", "plot", "runs/x", "--out=p.png")
