@@ -183,7 +183,7 @@ class ShardLoader:
                 raise ConfigError(f"--val-resize-size {resize:g} is smaller than the validation crop ({image_size})")
             spec = dataclasses.replace(spec, val_crop=image_size / resize, augment=NO_AUGMENT)
             self._loader = ValLoader(data, spec, feeding)
-        self.samples = data.samples  # the manifest's count (a mixture's: its sources' by their weights)
+        self.samples = data.samples  # the manifest's count (a mixture's exact epoch: the samples it takes)
         self.epoch = 0  # the epoch the next (or current) pass trains
         self._pending = True  # the next pass trains ``epoch`` (set, restored or first): not the one after
         self._step = 0  # steps of ``epoch`` handed out (with those before a restore)
