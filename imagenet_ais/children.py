@@ -16,6 +16,8 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 
+from PIL import Image
+
 POLL_S = 0.25
 
 
@@ -34,5 +36,10 @@ def exit_with_parent(parent: int | None = None) -> None:
 
 
 def worker_pool(workers: int) -> ProcessPoolExecutor:
-    """``workers`` processes (1 at least), each ending with this one."""
+    """``workers`` processes (1 at least), each ending with this one.
+
+    They are forked, so every PIL plugin is imported here first: PIL imports them on its first
+    ``Image.open``, and a worker's first lazy import crashed inside importlib (a KeyError, CPython
+    3.11) where another thread of this process was importing as it forked."""
+    Image.init()
     return ProcessPoolExecutor(max_workers=max(1, workers), initializer=exit_with_parent, initargs=(os.getpid(),))
