@@ -71,17 +71,18 @@ def test_relative_paths_are_the_callers(tmp_path: Path) -> None:
 
     summary = run_here("shards", "summary", "mine/shards")
     assert summary.returncode == 0 and "samples=3" in summary.stdout, summary.stderr
-    mix = ["--data", "own:2", "--val-data", "v", "--weights", "timm/convnext_tiny.fb_in1k"]
-    planned = run_here("-n", "local1", "--output", "out", "--resume", "auto", *mix, DATA="mine/shards", UPLOAD="up")
+    planned = run_here("-n", "local1", "--output", "out", "--resume", "auto", DATA="mine/shards", UPLOAD="up")
     cmd = shlex.split(planned.stdout.splitlines()[-1])
-    assert [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--data"] == [
-        f"{tmp_path}/mine/shards",
-        f"{tmp_path}/own:2",
-    ]
-    assert cmd[cmd.index("--val-data") + 1] == f"{tmp_path}/v"
-    assert cmd[cmd.index("--weights") + 1] == "timm/convnext_tiny.fb_in1k", "timm's name, not a path"
+    assert cmd[cmd.index("--data") + 1] == str(tmp_path / "mine" / "shards")
     assert cmd[len(cmd) - 1 - cmd[::-1].index("--output") + 1] == str(tmp_path / "out"), "the caller's --output"
     assert cmd[cmd.index("--upload") + 1] == str(tmp_path / "up") and cmd[cmd.index("--resume") + 1] == "auto"
+    # the caller's --data (here two, mixed) stands instead of DATA, not beside it (train.py would mix all three)
+    mix = ["--data", "own:2", "--data=ais://b/x", "--val-data", "v", "--weights", "timm/convnext_tiny.fb_in1k"]
+    mixed = shlex.split(run_here("-n", "local1", *mix, DATA="mine/shards").stdout.splitlines()[-1])
+    data = [a for i, a in enumerate(mixed) if mixed[i - 1] == "--data" or a.startswith("--data=")]
+    assert data == [f"{tmp_path}/own:2", "--data=ais://b/x"]
+    assert mixed[mixed.index("--val-data") + 1] == f"{tmp_path}/v"
+    assert mixed[mixed.index("--weights") + 1] == "timm/convnext_tiny.fb_in1k", "timm's name, not a path"
     plotted = run_here("-n", "plot", "runs/x", "--out=p.png")
     assert shlex.split(plotted.stdout.splitlines()[-1])[-2:] == [str(tmp_path / "runs/x"), f"--out={tmp_path}/p.png"]
 
