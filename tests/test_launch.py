@@ -106,6 +106,10 @@ def test_singlenode_and_ais_submit_real_ngc_flags() -> None:
     # ImageNet's recipe (resnet50, ...) is train.py's default: ./run passes only what differs
     assert job[:2] == ["bash", "tools/ngc_node.sh"] and flag(job, "--arch") == []
     assert flag(job, "--upload") == ["gs://ckpt/run"] and "auto" in flag(job, "--resume")
+    assert flag(job, "--data") == ["/mount/imagenet"]
+    mixed = dry("singlenode", "--data", "/mount/imagenet", "--data", "/mount/own:2", env=env)[-1]
+    job = shlex.split(flag(mixed, "--commandline")[0].split("&&", 1)[1])
+    assert flag(job, "--data") == ["/mount/imagenet", "/mount/own:2"], "the caller's --data instead of NGC_DATA"
 
     multi = dry("ais", env={**env, "AIS_BUCKET": "imagenet", "AIS_ENDPOINT": "http://ais:51080", "NGC_REPLICAS": "4"})[
         -1

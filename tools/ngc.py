@@ -56,12 +56,13 @@ def ngc(*args: str) -> list[str]:
 
 
 def job_command(train_args: list[str], data: str) -> str:
-    """What every node of the job runs: the entry script, then train.py with --resume auto."""
+    """What every node of the job runs: the entry script, then train.py with --resume auto; the
+    caller's own --data (train.py mixes every --data it is given) stands instead of ``data``."""
+    own = any(a == "--data" or a.startswith("--data=") for a in train_args)
     node = [
         "bash",
         "tools/ngc_node.sh",
-        "--data",
-        data,
+        *([] if own else ["--data", data]),
         "--output",
         f"{env('NGC_RESULT_DIR', '/results')}/train",
         *train_args,
