@@ -201,12 +201,10 @@ def shards_of(
         raise ConfigError(
             f"the {split} split of a mixture of {len(sources)} sources: {split} reads one location; give it alone"
         )
-    return mixed(sources, [m.split(split) for m in manifests], manifests, merged, mode), merged
+    return mixed(sources, manifests, merged, mode), merged
 
 
-def mixed(
-    sources: list[Source], splits: list[SplitInfo], manifests: list[Manifest], classes: list[str], mode: str
-) -> Shards:
+def mixed(sources: list[Source], manifests: list[Manifest], classes: list[str], mode: str) -> Shards:
     """The training shards of several sources as one list (module docstring): in exact mode a
     source's shards once per whole or part of its weight, each copy's share of its shards in
     ``taken``; in resampled mode once each, with the chance to be drawn that gives its source
@@ -219,6 +217,7 @@ def mixed(
     taken: list[int] = []
     copy_of: list[int] = []
     draws: list[float] = []
+    splits = [m.split("train") for m in manifests]
     for s, (source, split) in enumerate(zip(sources, splits, strict=True)):
         total, squares = split.samples, sum(sh.samples**2 for sh in split.shards)
         if total == 0:
@@ -259,5 +258,5 @@ def _apportioned(counts: list[int], total: int) -> list[int]:
 def remap(theirs: list[str], merged: list[str]) -> list[int] | None:
     """Each of ``theirs``' indices in ``merged`` (None: the same)."""
     index = {c: i for i, c in enumerate(merged)}
-    remap = [index[c] for c in theirs]
-    return None if remap == list(range(len(theirs))) else remap
+    indices = [index[c] for c in theirs]
+    return None if indices == list(range(len(theirs))) else indices

@@ -117,7 +117,8 @@ class LoaderSpec:
     # the split's shards (one source's or a mixture's), where a worker finds its samples; each
     # shard's bytes and SHA-256 in its manifest are checked as it streams
     shards: Shards = field(default_factory=lambda: one_source(SplitInfo(), ""), kw_only=True)
-    caches: list[ShardCache | None] = field(default_factory=list, kw_only=True)  # per source: the node's cache
+    # per source: the node's cache for remote shards, or None (the engine sets one for each)
+    caches: list[ShardCache | None] = field(default_factory=lambda: [None], kw_only=True)
     shuffle: int = field(default=0, kw_only=True)  # samples each worker mixes before batching (0: stored order)
     # of training's samples, cropped in the workers (cpu_share.py): a share or "auto"
     cpu_share: float | str = field(default=0.0, kw_only=True)
@@ -241,7 +242,7 @@ class ShardStream(IterableDataset):
         checked when it was made)."""
         shards = self.spec.shards
         name, source = shards.names[shard], shards.source[shard]
-        if cache := (self.spec.caches or [None] * len(shards.locations))[source]:
+        if cache := self.spec.caches[source]:
             return cache.open(name)
         store = process_store(shards.locations[source])
         if (stored := store.size(name)) != size:

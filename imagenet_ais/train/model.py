@@ -101,7 +101,7 @@ def timm_pretrained(tag: str, arch: str, model: nn.Module) -> dict[str, torch.Te
             f"--weights {tag}: not in the Hugging Face cache (HF_HOME): fetch it once with a network, "
             f"python -c \"import timm; timm.create_model('{name}', pretrained=True)\", or give a file"
         )
-    classes = cast(nn.Module, model).get_classifier().out_features  # type: ignore[operator]
+    classes = model.get_classifier().out_features  # type: ignore[operator]  # (a timm model's)
     loaded = timm.create_model(name, pretrained=True, num_classes=classes, pretrained_cfg_overlay={"file": cached})
     return cast(dict[str, torch.Tensor], loaded.state_dict())
 
