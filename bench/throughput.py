@@ -54,6 +54,7 @@ from imagenet_ais.loader import dali_decode
 from imagenet_ais.loader.augment import NO_AUGMENT, POLICIES, Augment
 from imagenet_ais.loader.device_decode import crop_decoded, decode_encoded, decode_on_device
 from imagenet_ais.loader.engine import Feeding, TrainLoader
+from imagenet_ais.loader.mixture import one_source
 from imagenet_ais.loader.transforms import decode_on_cpu, encode_for_device
 from imagenet_ais.loader.wire import encode_batch, pin_encoded
 from imagenet_ais.loader.worker import LoaderSpec
@@ -312,10 +313,10 @@ def stage_rates(data: str, batch: int, size: int, workers: int) -> dict[str, flo
 def loader_rate(data: str, decode: str, workers: int, batch: int, size: int, on_device: bool) -> float:
     """Images per second from the training loader alone, no training: host batches (workers +
     batching), or batches ready on the device (+ the feed's copy or GPU decode)."""
-    split = load_manifest(open_store(data)).split("train")
+    shards = one_source(load_manifest(open_store(data)).split("train"), data)
     spec = LoaderSpec(world=1, rank=0, batch=batch, seed=0, image_size=size, decode=decode)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # pinned batches, as in training
-    loader = TrainLoader(split, data, "resampled", spec, Feeding(workers, device, channels_last=True), 2000)
+    loader = TrainLoader(shards, "resampled", spec, Feeding(workers, device, channels_last=True), 2000)
     stream = iter(loader) if on_device else loader.host_batches()
     for _ in range(10):  # workers start, buffer fills
         next(stream)
