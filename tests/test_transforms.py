@@ -6,6 +6,7 @@ on a machine with CUDA the same checks run on the GPU too.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import math
 import random
@@ -16,7 +17,7 @@ import torch
 from PIL import Image
 from torchvision.transforms import RandomResizedCrop
 
-from imagenet_ais.loader.device_decode import PAD_LIMIT, decode_on_device
+from imagenet_ais.loader.device_decode import _resize_crops, decode_on_device
 from imagenet_ais.loader.transforms import MEAN, RATIO, SCALE, STD, Box, _crop_resize, decode_on_cpu, encode_for_device
 from imagenet_ais.loader.wire import encode_batch
 
@@ -81,7 +82,7 @@ def test_device_path_crops_follow_torchvision_random_resized_crop() -> None:
 def test_device_decode_matches_pil_within_jpeg_tolerance(device: str) -> None:
     rng = random.Random(0)
     datas = [jpeg(photo(rng.randint(300, 520), rng.randint(250, 400), seed=i)) for i in range(5)]
-    datas.append(jpeg(photo(PAD_LIMIT + 100, 300)))  # resized on its own, outside the padded batch
+    datas.append(jpeg(photo(1124, 300)))  # larger than the rest, so theirs is not its shape
     # val: the whole pipeline on both sides
     batch = encode_batch([encode_for_device(d, None) for d in datas])
     got, rows = decode_on_device(batch, 64, torch.device(device), channels_last=True)
@@ -129,6 +130,34 @@ def test_odd_inputs_are_reencoded_for_the_device(device: str) -> None:
     got, _ = decode_on_device(encode_batch(samples), 32, torch.device(device), channels_last=False)
     expected = torch.stack([decode_on_cpu(d, 32, None) for d in (gray, cmyk, png.getvalue())]).float()
     assert (pixels(got) - expected).abs().mean() < 4.0
+
+
+def test_the_cuda_crop_kernel_resizes_as_roi_align_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The Triton kernel CUDA crops with, run here by Triton's interpreter, against the image-by-image
+    # roi_align of the CPU path: images of other shapes in one batch, boxes down- and upscaled,
+    # whole pictures, one pixel at the bottom right corner.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = importlib.util.find_spec("imagenet_ais.loader.crop_kernel")
+    assert spec and spec.loader
+    kernel = importlib.util.module_from_spec(spec)  # (its own copy: a CUDA run's stays compiled)
+    spec.loader.exec_module(kernel)
+    rng, g = random.Random(0), torch.Generator().manual_seed(0)
+    images, boxes = [], []
+    for _ in range(6):
+        h, w = rng.randint(20, 90), rng.randint(20, 90)
+        images.append(torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g))
+        bw, bh = rng.randint(1, w), rng.randint(1, h)
+        boxes.append([rng.randint(0, w - bw), rng.randint(0, h - bh), bw, bh, 0])
+    images += [images[0], images[1], images[2][:, 5:, :]]  # the last one not contiguous
+    boxes += [[0, 0, 90, 90, 0], [0, 0, 1, 1, 0], [0, 0, 4, 4, 0]]
+    boxes[6][2:4] = images[0].shape[2], images[0].shape[1]
+    boxes[7][:2] = images[1].shape[2] - 1, images[1].shape[1] - 1
+    for size in (16, 37):
+        got = kernel.resized_crops(images, torch.tensor(boxes), size, torch.device("cpu"))
+        expected = _resize_crops(images, torch.tensor(boxes), size, torch.device("cpu"))
+        assert got.dtype == torch.float16 and got.shape == (9, 3, size, size)
+        assert (got.float() - expected).abs().max() <= 0.0625  # float16's rounding of 128-255
+    assert kernel.resized_crops([], torch.zeros(0, 5), 16, torch.device("cpu")).shape == (0, 3, 16, 16)
 
 
 def test_an_undecodable_sample_is_replaced_by_another_of_the_batch() -> None:

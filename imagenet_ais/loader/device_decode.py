@@ -9,15 +9,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.ops import roi_align
 
+from imagenet_ais.errors import ConfigError
 from imagenet_ais.loader.augment import NO_AUGMENT, Augment
 from imagenet_ais.loader.transforms import mean_std, memory_format
 from imagenet_ais.loader.wire import NO_PIXELS, Encoded
-
-PAD_LIMIT = 1024  # device decode: pictures up to this many pixels a side are resized as one batch
 
 
 class Decoded(NamedTuple):
@@ -69,39 +67,25 @@ def crop_decoded(
 def _resize_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: int, device: torch.device) -> torch.Tensor:
     """Each image's box resized to size × size, as 0-255 floats (N×3×size×size).
 
-    The images are copied into one zero-padded batch and resampled by a single roi_align,
-    which averages ceil(box / size)² bilinear samples per output pixel: a box filter that
-    antialiases like PIL's bilinear does when shrinking. A few launches per batch, not per
-    image. Images over PAD_LIMIT a side (rare) are resized one by one instead, so that one
-    huge picture cannot blow up the padded batch.
+    Each output pixel averages ceil(box / size)² bilinear samples of its bin (roi_align's rule):
+    a box filter that antialiases like PIL's bilinear does when shrinking. On CUDA one Triton
+    kernel resizes the whole batch where the decoder left it (crop_kernel.py); elsewhere (the
+    tests' device) roi_align does the same image by image.
     """
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
-    out = torch.empty(len(images), 3, size, size, dtype=dtype, device=device)
-    shapes = [img.shape for img in images]  # read once: this thread shares the GIL with the training loop
-    small = [i for i, (_, h, w) in enumerate(shapes) if max(h, w) <= PAD_LIMIT]
-    if small:
-        height, width = max(shapes[i][1] for i in small), max(shapes[i][2] for i in small)
-        padded = torch.zeros(len(small), 3, height, width, dtype=dtype, device=device)
-        first, *strides = padded.stride()
-        # one C++ loop over the copies instead of a launch per image, into views made in one call each
-        torch._foreach_copy_(
-            [padded.as_strided(shapes[i], strides, j * first) for j, i in enumerate(small)], [images[i] for i in small]
-        )
-        b = boxes[small].to(torch.float32)
-        # Stop half a pixel inside the right and bottom edges: bilinear samples there would
-        # otherwise blend in the zero padding (the left and top are clamped by roi_align).
-        wh = torch.tensor([(shapes[i][2], shapes[i][1]) for i in small], dtype=torch.float32) - 0.5
-        right, bottom = torch.minimum(b[:, 0] + b[:, 2], wh[:, 0]), torch.minimum(b[:, 1] + b[:, 3], wh[:, 1])
-        rois = torch.stack([torch.arange(len(small)), b[:, 0], b[:, 1], right, bottom], 1)
-        resized = roi_align(padded, rois.to(device, dtype), (size, size), sampling_ratio=-1, aligned=True)
-        if len(small) == len(images):
-            return resized
-        out[small] = resized
-    for i, img in enumerate(images):
-        if i not in small:
-            left, top, width, height, _ = boxes[i].tolist()
-            crop = img[None, :, top : top + height, left : left + width].to(dtype)
-            out[i] = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True)[0]
+    if device.type == "cuda":
+        try:
+            from imagenet_ais.loader.crop_kernel import resized_crops  # (Triton: only where it runs)
+        except ImportError as e:
+            raise ConfigError(
+                f"decode 'gpu' crops with Triton, which did not import ({e}): it comes with PyTorch's CUDA wheels "
+                "on Linux (pip install triton), or train with --decode cpu"
+            ) from None
+        return resized_crops(images, boxes, size, device)
+    out = torch.empty(len(images), 3, size, size)
+    for i, (img, box) in enumerate(zip(images, boxes.tolist(), strict=True)):
+        left, top, width, height = box[:4]
+        roi = torch.tensor([[0, left, top, left + width, top + height]], dtype=torch.float32)
+        out[i] = roi_align(img[None].float(), roi, (size, size), sampling_ratio=-1, aligned=True)[0]
     return out
 
 
