@@ -12,6 +12,8 @@ run AS).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -89,5 +91,8 @@ def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: int, de
     meta = torch.cat([addresses[:, None], shapes, samples], 1)
     bins = torch.cat([box[:, [1, 0]] - 0.5, extent / size], 1)
     grid = (len(images), triton.cdiv(size * size, BLOCK))
-    _resize[grid](meta.to(device), bins.to(device), out, size, BLOCK=BLOCK)
+    # Triton launches on the calling thread's current device (CUDA keeps one per thread, the
+    # first GPU until set): the batch's, named
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _resize[grid](meta.to(device), bins.to(device), out, size, BLOCK=BLOCK)
     return out
