@@ -36,7 +36,7 @@ def _resize(meta, bins, out, size, BLOCK: tl.constexpr):
     across = tl.load(meta + 5 * n + 4).to(tl.int32)
     top, left = tl.load(bins + 4 * n), tl.load(bins + 4 * n + 1)
     bin_h, bin_w = tl.load(bins + 4 * n + 2), tl.load(bins + 4 * n + 3)
-    plane = height * width
+    plane = height.to(tl.int64) * width  # (3 planes of a large picture pass int32)
     red = tl.full([BLOCK], 0.0, tl.float32)  # (not tl.zeros: a @jit helper, which the interpreter may not run)
     green = tl.full([BLOCK], 0.0, tl.float32)
     blue = tl.full([BLOCK], 0.0, tl.float32)
