@@ -10,6 +10,10 @@ ImageNet's (the rows of bench/RESULTS.md run AQ had short epochs of 510-710 step
 rates and their ratio as one JSON line (also written to ``--json-out``). The environment is the
 caller's, with ``CUDA_DEVICE_MAX_CONNECTIONS`` 32 unless set, as the docs' loop sets it.
 
+Under the rates, each window's host evidence (``host``): the loop's own thread's CPU share of
+the wall time, the job's cores' busy share, the garbage collections, and the share of samples
+the workers cropped; a window slower than the rest says by these what its host did otherwise.
+
 ``--profile FILE`` also samples the fed steady state with py-spy (``--gil --threads``, not
 pausing the process) into FILE in py-spy's raw (collapsed) format.
 
@@ -18,12 +22,14 @@ pausing the process) into FILE in py-spy's raw (collapsed) format.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -33,6 +39,7 @@ import torchvision
 from throughput import IMAGENET_TRAIN
 
 from imagenet_ais import ShardLoader
+from imagenet_ais.loader.cpu_time import own_cpu_jiffies
 
 WINDOW = 50  # steps per window of the fed rate's trace
 SPY = ["py-spy", "record", "--gil", "--threads", "--nonblocking", "--rate", "200", "--duration", "10"]
@@ -67,6 +74,42 @@ def ceiling(
     return steps * shape[0] / (time.perf_counter() - start)
 
 
+@dataclass
+class Mark:
+    """Where the loop stood at the end of a step: for the rate and the host's evidence of each window."""
+
+    step: int
+    wall: float
+    event: torch.cuda.Event
+    thread_cpu: float  # the loop's own thread's CPU seconds so far
+    cores: tuple[int, int] | None  # the job's cores' (busy, all) jiffies
+    collections: int  # the interpreter's garbage collections so far
+    cropped: int  # samples the workers cropped so far
+
+    @classmethod
+    def now(cls, step: int, loader: ShardLoader) -> Mark:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        collections = sum(g["collections"] for g in gc.get_stats())
+        return cls(step, time.perf_counter(), event, time.thread_time(), own_cpu_jiffies(), collections,
+                   loader.counters().get("cropped", 0))  # fmt: skip
+
+
+def window(a: Mark, b: Mark, batch: int) -> dict[str, float]:
+    """A window's rate (GPU time between its events) and what the host did meanwhile: the loop's
+    thread's CPU share of the wall time (under 1: it waited, for the GIL, the GPU or a core), the
+    job's cores' busy share, garbage collections, and the share of its samples the workers cropped."""
+    wall = b.wall - a.wall
+    busy = (b.cores[0] - a.cores[0]) / max(1, b.cores[1] - a.cores[1]) if a.cores and b.cores else float("nan")
+    return {
+        "img_s": round((b.step - a.step) * batch * 1000 / a.event.elapsed_time(b.event)),
+        "loop_cpu": round((b.thread_cpu - a.thread_cpu) / wall, 2),
+        "cores_busy": round(busy, 2),
+        "gc": b.collections - a.collections,
+        "cropped": round((b.cropped - a.cropped) / ((b.step - a.step) * batch), 3),
+    }
+
+
 def fed(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -74,9 +117,9 @@ def fed(
     warmup: int,
     steps: int,
     profile: Path | None,
-) -> dict[str, float | list[float]]:
+) -> dict[str, object]:
     """The loader's rate over ``steps`` after ``warmup``, with the step's wait for batches, the
-    feed threads' busy shares and the rate of every window of WINDOW steps (CUDA events: no sync)."""
+    feed threads' busy shares and each window of WINDOW steps (CUDA events: no sync)."""
     spy, wait, batches, marks = None, 0.0, iter(loader), []
     for i in range(warmup + steps + 1):
         asked = time.perf_counter()
@@ -84,8 +127,7 @@ def fed(
         wait += time.perf_counter() - asked
         step(model, optimizer, images, labels)
         if i % WINDOW == 0 or i == warmup:
-            marks.append((i, time.perf_counter(), torch.cuda.Event(enable_timing=True)))
-            marks[-1][2].record()
+            marks.append(Mark.now(i, loader))
         if i == warmup:
             wait, busy = 0.0, loader.busy()
             if profile:
@@ -94,18 +136,16 @@ def fed(
     busy = loader.busy()
     if spy:
         spy.wait()
-    first = next(m for m in marks if m[0] == warmup)
-    seconds = first[2].elapsed_time(marks[-1][2]) / 1000
+    first = next(m for m in marks if m.step == warmup)
+    seconds = first.event.elapsed_time(marks[-1].event) / 1000
     n = images.shape[0]
+    windows = [window(a, b, n) for a, b in itertools.pairwise(marks) if b.step - a.step == WINDOW]
     return {
         "fed": round(steps * n / seconds, 1),
-        "data_wait": round(wait / (marks[-1][1] - first[1]), 3),
+        "data_wait": round(wait / (marks[-1].wall - first.wall), 3),
         **{f"busy_{name}": round(s / seconds, 2) for name, s in busy.items()},
-        "windows": [
-            round(WINDOW * n * 1000 / a[2].elapsed_time(b[2]))
-            for a, b in itertools.pairwise(marks)
-            if b[0] - a[0] == WINDOW
-        ],
+        "windows": [w["img_s"] for w in windows],
+        "host": {key: [w[key] for w in windows] for key in ("loop_cpu", "cores_busy", "gc", "cropped")},
     }
 
 
