@@ -10,6 +10,7 @@ import importlib.util
 import io
 import math
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import torch
 from PIL import Image
 from torchvision.transforms import RandomResizedCrop
 
+from imagenet_ais.errors import ConfigError
 from imagenet_ais.loader.device_decode import _resize_crops, decode_on_device
 from imagenet_ais.loader.transforms import MEAN, RATIO, SCALE, STD, Box, _crop_resize, decode_on_cpu, encode_for_device
 from imagenet_ais.loader.wire import encode_batch
@@ -158,6 +160,14 @@ def test_the_cuda_crop_kernel_resizes_as_roi_align_does(monkeypatch: pytest.Monk
         assert got.dtype == torch.float16 and got.shape == (9, 3, size, size)
         assert (got.float() - expected).abs().max() <= 0.0625  # float16's rounding of 128-255
     assert kernel.resized_crops([], torch.zeros(0, 5), 16, torch.device("cpu")).shape == (0, 3, 16, 16)
+
+
+def test_cuda_crops_without_triton_stop_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "triton", None)  # what an install without Triton imports
+    monkeypatch.delitem(sys.modules, "imagenet_ais.loader.crop_kernel", raising=False)
+    images = [torch.zeros(3, 8, 8, dtype=torch.uint8)]
+    with pytest.raises(ConfigError, match=r"decode 'gpu' crops with Triton, .*--decode cpu$"):
+        _resize_crops(images, torch.tensor([[0, 0, 8, 8, 0]]), 4, torch.device("cuda"))
 
 
 def test_an_undecodable_sample_is_replaced_by_another_of_the_batch() -> None:
