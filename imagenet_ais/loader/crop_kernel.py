@@ -61,7 +61,7 @@ def _resize(meta, bins, out, size, BLOCK: tl.constexpr):
             ix += 1
         iy += 1
     count = (down * across).to(tl.float32)
-    first = out + n * 3 * size * size + pixel
+    first = out + n.to(tl.int64) * 3 * size * size + pixel  # (a batch of thousands at 512 px passes int32)
     tl.store(first, red / count, mask=inside)
     tl.store(first + size * size, green / count, mask=inside)
     tl.store(first + 2 * size * size, blue / count, mask=inside)
