@@ -92,7 +92,7 @@ def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: int, de
     bins = torch.cat([box[:, [1, 0]] - 0.5, extent / size], 1)
     grid = (len(images), triton.cdiv(size * size, BLOCK))
     # Triton launches on the calling thread's current device (CUDA keeps one per thread, the
-    # first GPU until set): the batch's, named
+    # first GPU until set): the batch's, named. (On the CPU only its interpreter runs: the tests.)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _resize[grid](meta.to(device), bins.to(device), out, size, BLOCK=BLOCK)
     return out
