@@ -11,11 +11,17 @@ rates and their ratio as one JSON line (also written to ``--json-out``). The env
 caller's, with ``CUDA_DEVICE_MAX_CONNECTIONS`` 32 unless set, as the docs' loop sets it.
 
 Under the rates, each window's host evidence (``host``): the loop's own thread's CPU share of
-the wall time, the job's cores' busy share, the garbage collections, and the share of samples
-the workers cropped; a window slower than the rest says by these what its host did otherwise.
+the wall time, the job's cores' busy share and the share the machine's hypervisor took from
+them (steal), the garbage collections, the share of samples the workers cropped, and for the
+loop's thread, autograd's backward thread and the feed's threads the shares of the wall time
+each spent on a CPU and waiting in the run queue for one (Linux's schedstat: a thread runnable
+but not running lost its core to another); a window slower than the rest says by these what
+its host did otherwise.
 
-``--profile FILE`` also samples the fed steady state with py-spy (``--gil --threads``, not
-pausing the process) into FILE in py-spy's raw (collapsed) format.
+``--profile FILE`` also samples the fed steady state with py-spy into FILE in py-spy's raw
+(collapsed) format: ``--gil`` (who holds the GIL, not pausing the process) or ``--native``
+(every thread's native frames too, idle ones included, pausing the process at each sample:
+where the loop's thread waits for the GIL).
 
     torchrun --nproc-per-node 1 bench/own_loop.py --data SHARDS --compile default
 """
@@ -28,6 +34,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +49,38 @@ from imagenet_ais import ShardLoader
 from imagenet_ais.loader.cpu_time import own_cpu_jiffies
 
 WINDOW = 50  # steps per window of the fed rate's trace
-SPY = ["py-spy", "record", "--gil", "--threads", "--nonblocking", "--rate", "200", "--duration", "10"]
+SPY = ["py-spy", "record", "--threads", "--duration", "10", "--format", "raw"]
+SPY_MODES = {"gil": ["--gil", "--nonblocking", "--rate", "200"], "native": ["--native", "--idle", "--rate", "50"]}
+
+
+def steal_jiffies() -> tuple[int, int]:
+    """(steal, all) of every core together since boot (/proc/stat): time the hypervisor ran others."""
+    row = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    return row[7], sum(row)
+
+
+def thread_groups() -> dict[str, set[int]]:
+    """The native ids of the loop's thread and of the feed's threads (the backward thread is
+    told by its name, pt_autograd_N, in ``sched_times``)."""
+    feed = [t for t in threading.enumerate() if t.name == "host-batches" or t.name.startswith("feed-")]
+    groups = {"loop": [threading.main_thread()], "feed": feed}
+    return {name: {t.native_id for t in threads if t.native_id is not None} for name, threads in groups.items()}
+
+
+def sched_times(groups: dict[str, set[int]]) -> dict[str, tuple[int, int]]:
+    """Per group of this process's threads, (ns on a CPU, ns runnable in the run queue) since they began."""
+    out = {name: (0, 0) for name in (*groups, "autograd")}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            run, queued = map(int, (task / "schedstat").read_text().split()[:2])
+            name = (task / "comm").read_text().strip()
+        except (OSError, ValueError):
+            continue  # (a thread that ended meanwhile)
+        tid, autograd = int(task.name), "autograd" if name.startswith("pt_autograd") else None
+        group = next((g for g, ids in groups.items() if tid in ids), autograd)
+        if group:
+            out[group] = (out[group][0] + run, out[group][1] + queued)
+    return out
 
 
 def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor) -> None:
@@ -85,14 +123,16 @@ class Mark:
     cores: tuple[int, int] | None  # the job's cores' (busy, all) jiffies
     collections: int  # the interpreter's garbage collections so far
     cropped: int  # samples the workers cropped so far
+    steal: tuple[int, int]  # the machine's (steal, all) jiffies
+    sched: dict[str, tuple[int, int]]  # per group of threads, (ns on a CPU, ns in the run queue)
 
     @classmethod
-    def now(cls, step: int, loader: ShardLoader) -> Mark:
+    def now(cls, step: int, loader: ShardLoader, groups: dict[str, set[int]]) -> Mark:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         collections = sum(g["collections"] for g in gc.get_stats())
         return cls(step, time.perf_counter(), event, time.thread_time(), own_cpu_jiffies(), collections,
-                   loader.counters().get("cropped", 0))  # fmt: skip
+                   loader.counters().get("cropped", 0), steal_jiffies(), sched_times(groups))  # fmt: skip
 
 
 def window(a: Mark, b: Mark, batch: int) -> dict[str, float]:
@@ -101,12 +141,18 @@ def window(a: Mark, b: Mark, batch: int) -> dict[str, float]:
     job's cores' busy share, garbage collections, and the share of its samples the workers cropped."""
     wall = b.wall - a.wall
     busy = (b.cores[0] - a.cores[0]) / max(1, b.cores[1] - a.cores[1]) if a.cores and b.cores else float("nan")
+    sched = {}
+    for group, (run, queued) in b.sched.items():
+        sched[f"{group}_run"] = round((run - a.sched[group][0]) / 1e9 / wall, 2)
+        sched[f"{group}_queued"] = round((queued - a.sched[group][1]) / 1e9 / wall, 3)
     return {
         "img_s": round((b.step - a.step) * batch * 1000 / a.event.elapsed_time(b.event)),
         "loop_cpu": round((b.thread_cpu - a.thread_cpu) / wall, 2),
         "cores_busy": round(busy, 2),
+        "steal": round((b.steal[0] - a.steal[0]) / max(1, b.steal[1] - a.steal[1]), 3),
         "gc": b.collections - a.collections,
         "cropped": round((b.cropped - a.cropped) / ((b.step - a.step) * batch), 3),
+        **sched,
     }
 
 
@@ -116,22 +162,25 @@ def fed(
     loader: ShardLoader,
     warmup: int,
     steps: int,
-    profile: Path | None,
+    profile: tuple[Path, str] | None,
 ) -> dict[str, object]:
     """The loader's rate over ``steps`` after ``warmup``, with the step's wait for batches, the
     feed threads' busy shares and each window of WINDOW steps (CUDA events: no sync)."""
     spy, wait, batches, marks = None, 0.0, iter(loader), []
+    groups: dict[str, set[int]] = {}
     for i in range(warmup + steps + 1):
         asked = time.perf_counter()
         images, labels, _keys = next(batches)
         wait += time.perf_counter() - asked
         step(model, optimizer, images, labels)
+        groups = groups or thread_groups()  # (the feed's threads run once the first batch came)
         if i % WINDOW == 0 or i == warmup:
-            marks.append(Mark.now(i, loader))
+            marks.append(Mark.now(i, loader, groups))
         if i == warmup:
             wait, busy = 0.0, loader.busy()
             if profile:
-                spy = subprocess.Popen([*SPY, "--format", "raw", "--output", str(profile), "--pid", str(os.getpid())])
+                path, how = profile
+                spy = subprocess.Popen([*SPY, *SPY_MODES[how], "--output", str(path), "--pid", str(os.getpid())])
     torch.cuda.synchronize()
     busy = loader.busy()
     if spy:
@@ -145,7 +194,7 @@ def fed(
         "data_wait": round(wait / (marks[-1].wall - first.wall), 3),
         **{f"busy_{name}": round(s / seconds, 2) for name, s in busy.items()},
         "windows": [w["img_s"] for w in windows],
-        "host": {key: [w[key] for w in windows] for key in ("loop_cpu", "cores_busy", "gc", "cropped")},
+        "host": {key: [w[key] for w in windows] for key in windows[0] if key != "img_s"} if windows else {},
     }
 
 
@@ -160,7 +209,9 @@ def fed(
 @click.option("--warmup", default=300, show_default=True, help="fed steps before the timing starts")
 @click.option("--cpu-share", default="auto", show_default=True, help="ShardLoader's cpu_share (a diagnosis)")
 @click.option("--switch-interval", type=float, help="sys.setswitchinterval for the run, in ms (a diagnosis)")
+@click.option("--workers", type=int, help="ShardLoader's workers (a diagnosis; default: its own)")
 @click.option("--profile", type=click.Path(dir_okay=False, path_type=Path), help="py-spy raw samples here")
+@click.option("--profile-mode", type=click.Choice(sorted(SPY_MODES)), default="gil", show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
 def main(
     data: str,
@@ -173,7 +224,9 @@ def main(
     warmup: int,
     cpu_share: str,
     switch_interval: float | None,
+    workers: int | None,
     profile: Path | None,
+    profile_mode: str,
     json_out: Path | None,
 ) -> None:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # as docs/library.md's loop, before CUDA starts
@@ -191,6 +244,7 @@ def main(
         image_size=image_size,
         channels_last=True,
         cpu_share=float(cpu_share) if cpu_share != "auto" else cpu_share,
+        **({"workers": workers} if workers is not None else {}),
     )
     model = torchvision.models.__dict__[arch](num_classes=len(loader.classes)).cuda()
     model = torch.nn.parallel.DistributedDataParallel(model.to(memory_format=torch.channels_last))
@@ -199,7 +253,8 @@ def main(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     shape = (batch_size, 3, image_size, image_size)
     top = ceiling(model, optimizer, shape, len(loader.classes), ceiling_steps)
-    got = fed(model, optimizer, loader, warmup, steps, profile if dist.get_rank() == 0 else None)
+    spy = (profile, profile_mode) if profile and dist.get_rank() == 0 else None
+    got = fed(model, optimizer, loader, warmup, steps, spy)
     loader.close()
     row = {
         "arch": arch, "batch": batch_size, "size": image_size, "compile": mode, "ranks": dist.get_world_size(),
