@@ -127,6 +127,10 @@ class DeviceFeed:
 
     def _stage(self, index: int, name: str, fn: Callable[[Any], Any]) -> None:
         source, sink = self.queues[index], self.queues[index + 1]
+        # Waits asleep: beside a thread spinning in a stream's synchronize, a step launched kernel
+        # by kernel from Python (torch.compile's default mode; its launches wait on the CUDA
+        # driver's locks) fell from 0.90-0.95 of its ceiling to 0.82 (bench/RESULTS.md run AT).
+        done = torch.cuda.Event(blocking=True) if self.stream else None
         try:
             with torch.cuda.stream(self.stream) if self.stream else nullcontext():
                 while True:
@@ -136,11 +140,12 @@ class DeviceFeed:
                         return
                     start = time.perf_counter()
                     out = fn(item)
-                    if self.stream:
+                    if done:
                         # Done on the device before the input is dropped: its memory would
                         # otherwise go to the next allocation at once (nvJPEG writes from a
                         # stream of its own) while this stage's kernels may still read it.
-                        self.stream.synchronize()
+                        done.record(self.stream)
+                        done.synchronize()
                     self.seconds[name] += time.perf_counter() - start
                     del item
                     if not self._put(sink, out):
