@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue #48's rows on one lent GPU (bench/RESULTS.md runs AQ-AT): where the step is fast, each
+# against its own ceiling in the same call, with the GPU's clocks, temperature, power and
+# throttle reasons every 5 s (OUT/gpus.csv).
+#
+#   bench/fast_steps.sh OUT own none default reduce-overhead   # a user's loop (bench/own_loop.py) per torch.compile mode
+#   bench/fast_steps.sh OUT train 160 192                      # train.py's ResNet-50 at these sizes
+#   bench/fast_steps.sh OUT resnet18                           # train.py's ResNet-18 bs512 at 224 px
+#
+# Each own-loop row takes 2-3 minutes (torch.compile from a cold cache the longest), each
+# train.py size about 100 s: put what fits in one call's time after it. The shards (40,000
+# generated 500×375 q95 JPEGs of 1,000 classes, about 75 s to make) stay in /tmp/fast-steps
+# between calls to a machine kept warm. Python packages the host lacks come from .wheels/ when
+# it is there (as for bench/long_epochs.sh: webdataset, braceexpand, loguru, tenacity, py-spy).
+set -euo pipefail
+usage="usage: bench/fast_steps.sh OUT own MODE... | train SIZE... | resnet18"
+out=${1:?$usage}
+what=${2:?$usage}
+shift 2
+case $what in own | train | resnet18) ;; *) echo "$usage" >&2 && exit 2 ;; esac
+mkdir -p "$out"
+wheels=(.wheels/*.whl)
+if [ -e "${wheels[0]}" ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/fast-steps-site "${wheels[@]}"
+  export PATH=/tmp/fast-steps-site/bin:$PATH PYTHONPATH=/tmp/fast-steps-site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+work=/tmp/fast-steps
+nvidia-smi --query-gpu=timestamp,clocks.sm,temperature.gpu,power.draw,clocks_event_reasons.active,utilization.gpu \
+  --format=csv,noheader -l 5 >>"$out/gpus.csv" &
+health=$!
+trap 'kill $health' EXIT
+if [ ! -f "$work/shards/manifest.json" ]; then
+  python3 imagenet_shards.py synth "$work/tree" --classes 1000 --train-per-class 40 --val-per-class 0 \
+    --size 500 375 --quality 95 --workers "$(nproc)" >/dev/null
+  python3 imagenet_shards.py convert "$work/tree" "$work/shards" --splits train --workers "$(nproc)" >/dev/null
+fi
+bench() { # train.py's rows: ceiling and fed, epochs as long as ImageNet's
+  python3 bench/throughput.py --gpus 1 --data "$work/shards" --work "$work/label" --no-breakdown --no-dali-loop "$@"
+}
+case $what in
+  own)
+    for mode in "$@"; do # docs/library.md's loop as written, which sets 32 queues before CUDA starts
+      CUDA_DEVICE_MAX_CONNECTIONS=32 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+        bench/own_loop.py --data "$work/shards" --compile "$mode" --json-out "$out/own.jsonl" >>"$out/own.log" 2>&1
+      tail -1 "$out/own.log"
+    done
+    ;;
+  train)
+    for size in "$@"; do bench --preset multi-gpu --image-size "$size" --json-out "$out/train-$size.json"; done
+    ;;
+  resnet18) bench --preset resnet18 --json-out "$out/resnet18.json" ;;
+esac
