@@ -138,7 +138,8 @@ class Mark:
 def window(a: Mark, b: Mark, batch: int) -> dict[str, float]:
     """A window's rate (GPU time between its events) and what the host did meanwhile: the loop's
     thread's CPU share of the wall time (under 1: it waited, for the GIL, the GPU or a core), the
-    job's cores' busy share, garbage collections, and the share of its samples the workers cropped."""
+    job's cores' busy share, the steal, garbage collections, the share of its samples the workers
+    cropped, and each group of threads' shares on a CPU (``_run``) and in the run queue (``_queued``)."""
     wall = b.wall - a.wall
     busy = (b.cores[0] - a.cores[0]) / max(1, b.cores[1] - a.cores[1]) if a.cores and b.cores else float("nan")
     sched = {}
