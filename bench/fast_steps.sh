@@ -21,7 +21,7 @@ case $what in own | train | resnet18) ;; *) echo "$usage" >&2 && exit 2 ;; esac
 mkdir -p "$out"
 wheels=(.wheels/*.whl)
 if [ -e "${wheels[0]}" ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/fast-steps-site "${wheels[@]}"
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/fast-steps-site "${wheels[@]}"
   export PATH=/tmp/fast-steps-site/bin:$PATH PYTHONPATH=/tmp/fast-steps-site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
