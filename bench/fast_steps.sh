@@ -14,22 +14,27 @@
 # it is there (as for bench/long_epochs.sh: webdataset, braceexpand, loguru, tenacity, py-spy).
 set -euo pipefail
 usage="usage: bench/fast_steps.sh OUT own MODE... | train SIZE... | resnet18"
-out=${1:?$usage}
+out=$(realpath -m "${1:?$usage}")
 what=${2:?$usage}
 shift 2
-case $what in own | train | resnet18) ;; *) echo "$usage" >&2 && exit 2 ;; esac
+case $what in
+  own | train) [ $# -gt 0 ] || { echo "$usage" >&2 && exit 2; } ;;
+  resnet18) ;;
+  *) echo "$usage" >&2 && exit 2 ;;
+esac
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 mkdir -p "$out"
 wheels=(.wheels/*.whl)
 if [ -e "${wheels[0]}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/fast-steps-site "${wheels[@]}"
-  export PATH=/tmp/fast-steps-site/bin:$PATH PYTHONPATH=/tmp/fast-steps-site
+  export PATH=/tmp/fast-steps-site/bin:$PATH PYTHONPATH=/tmp/fast-steps-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 work=/tmp/fast-steps
 nvidia-smi --query-gpu=timestamp,clocks.sm,temperature.gpu,power.draw,clocks_event_reasons.active,utilization.gpu \
   --format=csv,noheader -l 5 >>"$out/gpus.csv" &
 health=$!
-trap 'kill $health' EXIT
+trap 'kill $health 2>/dev/null || true' EXIT
 if [ ! -f "$work/shards/manifest.json" ]; then
   python3 imagenet_shards.py synth "$work/tree" --classes 1000 --train-per-class 40 --val-per-class 0 \
     --size 500 375 --quality 95 --workers "$(nproc)" >/dev/null
@@ -42,7 +47,8 @@ case $what in
   own)
     for mode in "$@"; do # docs/library.md's loop as written, which sets 32 queues before CUDA starts
       CUDA_DEVICE_MAX_CONNECTIONS=32 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
-        bench/own_loop.py --data "$work/shards" --compile "$mode" --json-out "$out/own.jsonl" >>"$out/own.log" 2>&1
+        bench/own_loop.py --data "$work/shards" --compile "$mode" --json-out "$out/own.jsonl" >>"$out/own.log" 2>&1 \
+        || echo "own_loop --compile $mode failed: see $out/own.log" >&2
       tail -1 "$out/own.log"
     done
     ;;

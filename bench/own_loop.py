@@ -11,8 +11,8 @@ rates and their ratio as one JSON line (also written to ``--json-out``). The env
 caller's, with ``CUDA_DEVICE_MAX_CONNECTIONS`` 32 unless set, as the docs' loop sets it.
 
 Under the rates, each window's host evidence (``host``): the loop's own thread's CPU share of
-the wall time, the job's cores' busy share and the share the machine's hypervisor took from
-them (steal), the garbage collections, the share of samples the workers cropped, and for the
+the wall time, the job's cores' busy share, the share of the machine's cores its hypervisor
+took (steal), the garbage collections, the share of samples the workers cropped, and for the
 loop's thread, autograd's backward thread and the feed's threads the shares of the wall time
 each spent on a CPU and waiting in the run queue for one (Linux's schedstat: a thread runnable
 but not running lost its core to another); a window slower than the rest says by these what

@@ -127,9 +127,10 @@ class DeviceFeed:
 
     def _stage(self, index: int, name: str, fn: Callable[[Any], Any]) -> None:
         source, sink = self.queues[index], self.queues[index + 1]
-        # Waits asleep: beside a thread spinning in a stream's synchronize, a step launched kernel
-        # by kernel from Python (torch.compile's default mode; its launches wait on the CUDA
-        # driver's locks) fell from 0.90-0.95 of its ceiling to 0.82 (bench/RESULTS.md run AT).
+        # A blocking event: the thread sleeps until the GPU is done. Beside a thread spinning in
+        # the stream's synchronize, a step launched kernel by kernel from Python (torch.compile's
+        # default mode) was fed at 0.82 of its ceiling, beside a sleeping one at 0.90-0.95
+        # (bench/RESULTS.md run AT).
         done = torch.cuda.Event(blocking=True) if self.stream else None
         try:
             with torch.cuda.stream(self.stream) if self.stream else nullcontext():
