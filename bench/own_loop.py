@@ -5,23 +5,25 @@ The loop is docs/library.md's plain DDP loop as written there (bf16 autocast, cr
 SGD, channels-last), run under ``torchrun`` with one process or more; ``--compile MODE`` wraps
 the model in ``torch.compile`` as a user would. The ceiling is the same compiled step on four
 batches already on the GPU (so the compiled graph copies its inputs as it does when fed), timed
-first; then the loader's batches, timed after ``--warmup`` steps inside an epoch as long as
-ImageNet's (the rows of bench/RESULTS.md run AQ had short epochs of 510-710 steps). Prints both
-rates and their ratio as one JSON line (also written to ``--json-out``). The environment is the
-caller's, with ``CUDA_DEVICE_MAX_CONNECTIONS`` 32 unless set, as the docs' loop sets it.
+before the loader starts and again after it closed (a step launched from Python runs at the
+host's pace, which drifts between minutes: the ratio is against the mean of both); between them
+the loader's batches, timed after ``--warmup`` steps inside an epoch as long as ImageNet's (the
+rows of bench/RESULTS.md run AQ had short epochs of 510-710 steps). Prints both rates and their
+ratio as one JSON line (also written to ``--json-out``). The environment is the caller's, with
+``CUDA_DEVICE_MAX_CONNECTIONS`` 32 unless set, as the docs' loop sets it.
 
 Under the rates, each window's host evidence (``host``): the loop's own thread's CPU share of
-the wall time, the job's cores' busy share, the share of the machine's cores its hypervisor
-took (steal), the garbage collections, the share of samples the workers cropped, and for the
-loop's thread, autograd's backward thread and the feed's threads the shares of the wall time
-each spent on a CPU and waiting in the run queue for one (Linux's schedstat: a thread runnable
-but not running lost its core to another); a window slower than the rest says by these what
-its host did otherwise.
+the wall time, the job's cores' busy share, the share of the machine's cores its hypervisor took
+(steal), the garbage collections and the share of the wall time they took, the share of samples
+the workers cropped, and for the loop's thread, autograd's backward thread and the feed's
+threads the shares of the wall time each spent on a CPU and waiting in the run queue for one
+(Linux's schedstat: a thread runnable but not running lost its core to another); a window slower
+than the rest says by these what its host did otherwise.
 
 ``--profile FILE`` also samples the fed steady state with py-spy into FILE in py-spy's raw
 (collapsed) format: ``--gil`` (who holds the GIL, not pausing the process) or ``--native``
-(every thread's native frames too, idle ones included, pausing the process at each sample:
-where the loop's thread waits for the GIL).
+(every thread's native frames too, idle ones included, pausing the process at each sample: where
+the loop's thread waits for the GIL).
 
     torchrun --nproc-per-node 1 bench/own_loop.py --data SHARDS --compile default
 """
@@ -51,6 +53,22 @@ from imagenet_ais.loader.cpu_time import own_cpu_jiffies
 WINDOW = 50  # steps per window of the fed rate's trace
 SPY = ["py-spy", "record", "--threads", "--duration", "10", "--format", "raw"]
 SPY_MODES = {"gil": ["--gil", "--nonblocking", "--rate", "200"], "native": ["--native", "--idle", "--rate", "50"]}
+
+
+class GcClock:
+    """Seconds the interpreter spent collecting garbage, in any thread (a ``gc.callbacks`` entry)."""
+
+    def __init__(self) -> None:
+        self.seconds, self._began = 0.0, 0.0
+
+    def __call__(self, phase: str, _info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._began
+
+
+GC_CLOCK = GcClock()
 
 
 def steal_jiffies() -> tuple[int, int]:
@@ -122,6 +140,7 @@ class Mark:
     thread_cpu: float  # the loop's own thread's CPU seconds so far
     cores: tuple[int, int] | None  # the job's cores' (busy, all) jiffies
     collections: int  # the interpreter's garbage collections so far
+    gc_seconds: float  # and the seconds they took
     cropped: int  # samples the workers cropped so far
     steal: tuple[int, int]  # the machine's (steal, all) jiffies
     sched: dict[str, tuple[int, int]]  # per group of threads, (ns on a CPU, ns in the run queue)
@@ -132,14 +151,16 @@ class Mark:
         event.record()
         collections = sum(g["collections"] for g in gc.get_stats())
         return cls(step, time.perf_counter(), event, time.thread_time(), own_cpu_jiffies(), collections,
-                   loader.counters().get("cropped", 0), steal_jiffies(), sched_times(groups))  # fmt: skip
+                   GC_CLOCK.seconds, loader.counters().get("cropped", 0), steal_jiffies(),
+                   sched_times(groups))  # fmt: skip
 
 
 def window(a: Mark, b: Mark, batch: int) -> dict[str, float]:
     """A window's rate (GPU time between its events) and what the host did meanwhile: the loop's
     thread's CPU share of the wall time (under 1: it waited, for the GIL, the GPU or a core), the
-    job's cores' busy share, the steal, garbage collections, the share of its samples the workers
-    cropped, and each group of threads' shares on a CPU (``_run``) and in the run queue (``_queued``)."""
+    job's cores' busy share, the steal, garbage collections and their share of the wall time, the
+    share of its samples the workers cropped, and each group of threads' shares on a CPU
+    (``_run``) and in the run queue (``_queued``)."""
     wall = b.wall - a.wall
     busy = (b.cores[0] - a.cores[0]) / max(1, b.cores[1] - a.cores[1]) if a.cores and b.cores else float("nan")
     sched = {}
@@ -152,6 +173,7 @@ def window(a: Mark, b: Mark, batch: int) -> dict[str, float]:
         "cores_busy": round(busy, 2),
         "steal": round((b.steal[0] - a.steal[0]) / max(1, b.steal[1] - a.steal[1]), 3),
         "gc": b.collections - a.collections,
+        "gc_share": round((b.gc_seconds - a.gc_seconds) / wall, 4),
         "cropped": round((b.cropped - a.cropped) / ((b.step - a.step) * batch), 3),
         **sched,
     }
@@ -253,15 +275,19 @@ def main(
         model = torch.compile(model, mode=mode)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     shape = (batch_size, 3, image_size, image_size)
-    top = ceiling(model, optimizer, shape, len(loader.classes), ceiling_steps)
+    gc.callbacks.append(GC_CLOCK)
+    before = ceiling(model, optimizer, shape, len(loader.classes), ceiling_steps)
     spy = (profile, profile_mode) if profile and dist.get_rank() == 0 else None
     got = fed(model, optimizer, loader, warmup, steps, spy)
     loader.close()
+    after = ceiling(model, optimizer, shape, len(loader.classes), ceiling_steps)
+    top = (before + after) / 2
     row = {
         "arch": arch, "batch": batch_size, "size": image_size, "compile": mode, "ranks": dist.get_world_size(),
         "queues": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset"), "workers": loader.workers,
         "cpu_share": cpu_share, "switch_ms": switch_interval,
-        "ceiling": round(top, 1), "ratio": round(float(got["fed"]) / top, 3), **got,  # type: ignore[arg-type]
+        "ceiling": round(top, 1), "ceiling_before": round(before, 1), "ceiling_after": round(after, 1),
+        "ratio": round(float(got["fed"]) / top, 3), **got,  # type: ignore[arg-type]
     }  # fmt: skip
     if dist.get_rank() == 0:
         print(json.dumps(row), flush=True)
