@@ -8,8 +8,10 @@ batches already on the GPU (so the compiled graph copies its inputs as it does w
 before the loader starts and again after it closed (a step launched from Python runs at the
 host's pace, which drifts between minutes: the ratio is against the mean of both); between them
 the loader's batches, timed after ``--warmup`` steps inside an epoch as long as ImageNet's (the
-rows of bench/RESULTS.md run AQ had short epochs of 510-710 steps). Prints both rates and their
-ratio as one JSON line (also written to ``--json-out``). The environment is the caller's, with
+rows of bench/RESULTS.md run AQ had short epochs of 510-710 steps). Prints both rates, their
+ratio and each phase's milliseconds a step, of the wall time and on a CPU for the loop's thread
+and autograd's backward thread (``per_step``: the step's host work costing more when fed shows
+there), as one JSON line (also written to ``--json-out``). The environment is the caller's, with
 ``CUDA_DEVICE_MAX_CONNECTIONS`` 32 unless set, as the docs' loop sets it.
 
 Under the rates, each window's host evidence (``host``): the loop's own thread's CPU share of
@@ -110,9 +112,16 @@ def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: torch
     optimizer.step()
 
 
+def per_step(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]], wall: float, steps: int) -> dict[str, float]:
+    """Milliseconds a step: of the wall time, and on a CPU for the loop's thread and autograd's
+    backward thread (``sched_times`` at either end): a step's host work costing more when fed shows here."""
+    cpu = {f"{group}_cpu_ms": round((b[group][0] - a[group][0]) / 1e6 / steps, 2) for group in ("loop", "autograd")}
+    return {"wall_ms": round(wall * 1000 / steps, 2), **cpu}
+
+
 def ceiling(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, shape: tuple[int, ...], classes: int, steps: int
-) -> float:
+) -> tuple[float, dict[str, float]]:
     batches = [
         (
             torch.randn(shape, device="cuda").contiguous(memory_format=torch.channels_last),
@@ -123,11 +132,13 @@ def ceiling(
     for i in range(30):  # compile, capture, warm up
         step(model, optimizer, *batches[i % 4])
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    loop = {"loop": {threading.main_thread().native_id or 0}}
+    start, began = time.perf_counter(), sched_times(loop)
     for i in range(steps):
         step(model, optimizer, *batches[i % 4])
     torch.cuda.synchronize()
-    return steps * shape[0] / (time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    return steps * shape[0] / wall, per_step(began, sched_times(loop), wall, steps)
 
 
 @dataclass
@@ -216,6 +227,7 @@ def fed(
         "fed": round(steps * n / seconds, 1),
         "data_wait": round(wait / (marks[-1].wall - first.wall), 3),
         **{f"busy_{name}": round(s / seconds, 2) for name, s in busy.items()},
+        "per_step": per_step(first.sched, marks[-1].sched, marks[-1].wall - first.wall, steps),
         "windows": [w["img_s"] for w in windows],
         "host": {key: [w[key] for w in windows] for key in windows[0] if key != "img_s"} if windows else {},
     }
@@ -276,17 +288,18 @@ def main(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     shape = (batch_size, 3, image_size, image_size)
     gc.callbacks.append(GC_CLOCK)
-    before = ceiling(model, optimizer, shape, len(loader.classes), ceiling_steps)
+    before, before_steps = ceiling(model, optimizer, shape, len(loader.classes), ceiling_steps)
     spy = (profile, profile_mode) if profile and dist.get_rank() == 0 else None
     got = fed(model, optimizer, loader, warmup, steps, spy)
     loader.close()
-    after = ceiling(model, optimizer, shape, len(loader.classes), ceiling_steps)
+    after, after_steps = ceiling(model, optimizer, shape, len(loader.classes), ceiling_steps)
     top = (before + after) / 2
     row = {
         "arch": arch, "batch": batch_size, "size": image_size, "compile": mode, "ranks": dist.get_world_size(),
         "queues": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset"), "workers": loader.workers,
         "cpu_share": cpu_share, "switch_ms": switch_interval,
         "ceiling": round(top, 1), "ceiling_before": round(before, 1), "ceiling_after": round(after, 1),
+        "ceiling_per_step": {"before": before_steps, "after": after_steps},
         "ratio": round(float(got["fed"]) / top, 3), **got,  # type: ignore[arg-type]
     }  # fmt: skip
     if dist.get_rank() == 0:
