@@ -23,7 +23,8 @@ threads the shares of the wall time each spent on a CPU and waiting in the run q
 than the rest says by these what its host did otherwise.
 
 ``--profile FILE`` also samples the fed steady state with py-spy into FILE in py-spy's raw
-(collapsed) format: ``--gil`` (who holds the GIL, not pausing the process) or ``--native``
+(collapsed) format, and the first ceiling's timed steps into FILE-ceiling (``bench/spy_split.py``
+compares the two): ``--gil`` (who holds the GIL, not pausing the process) or ``--native``
 (every thread's native frames too, idle ones included, pausing the process at each sample: where
 the loop's thread waits for the GIL).
 
@@ -73,6 +74,15 @@ class GcClock:
 GC_CLOCK = GcClock()
 
 
+def spy_on(profile: tuple[Path, str] | None, suffix: str = "") -> subprocess.Popen | None:
+    """py-spy sampling this process for 10 s into ``profile``'s file (its name + ``suffix``)."""
+    if not profile:
+        return None
+    path, how = profile
+    out = path.with_name(path.stem + suffix + path.suffix)
+    return subprocess.Popen([*SPY, *SPY_MODES[how], "--output", str(out), "--pid", str(os.getpid())])
+
+
 def steal_jiffies() -> tuple[int, int]:
     """(steal, all) of every core together since boot (/proc/stat): time the hypervisor ran others."""
     row = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
@@ -120,7 +130,12 @@ def per_step(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]], wall:
 
 
 def ceiling(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, shape: tuple[int, ...], classes: int, steps: int
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    shape: tuple[int, ...],
+    classes: int,
+    steps: int,
+    profile: tuple[Path, str] | None = None,
 ) -> tuple[float, dict[str, float]]:
     batches = [
         (
@@ -133,11 +148,13 @@ def ceiling(
         step(model, optimizer, *batches[i % 4])
     torch.cuda.synchronize()
     loop = {"loop": {threading.main_thread().native_id or 0}}
-    start, began = time.perf_counter(), sched_times(loop)
+    start, began, spy = time.perf_counter(), sched_times(loop), spy_on(profile, "-ceiling")
     for i in range(steps):
         step(model, optimizer, *batches[i % 4])
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
+    if spy:
+        spy.wait()
     return steps * shape[0] / wall, per_step(began, sched_times(loop), wall, steps)
 
 
@@ -212,9 +229,7 @@ def fed(
             marks.append(Mark.now(i, loader, groups))
         if i == warmup:
             wait, busy = 0.0, loader.busy()
-            if profile:
-                path, how = profile
-                spy = subprocess.Popen([*SPY, *SPY_MODES[how], "--output", str(path), "--pid", str(os.getpid())])
+            spy = spy_on(profile)
     torch.cuda.synchronize()
     busy = loader.busy()
     if spy:
@@ -288,8 +303,8 @@ def main(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     shape = (batch_size, 3, image_size, image_size)
     gc.callbacks.append(GC_CLOCK)
-    before, before_steps = ceiling(model, optimizer, shape, len(loader.classes), ceiling_steps)
     spy = (profile, profile_mode) if profile and dist.get_rank() == 0 else None
+    before, before_steps = ceiling(model, optimizer, shape, len(loader.classes), ceiling_steps, spy)
     got = fed(model, optimizer, loader, warmup, steps, spy)
     loader.close()
     after, after_steps = ceiling(model, optimizer, shape, len(loader.classes), ceiling_steps)
