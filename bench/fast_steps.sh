@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Issue #48's rows on one lent GPU (bench/RESULTS.md runs AQ-AT): where the step is fast, each
+# Issue #48's rows on one lent GPU (bench/RESULTS.md runs AQ-AU): where the step is fast, each
 # against its own ceiling in the same call, with the GPU's clocks, temperature, power and
 # throttle reasons every 5 s (OUT/gpus.csv).
 #
 #   bench/fast_steps.sh OUT own none default reduce-overhead   # a user's loop (bench/own_loop.py) per torch.compile mode
+#   bench/fast_steps.sh OUT spy default                        # the same under py-spy --native: OUT/spy.log splits each thread
 #   bench/fast_steps.sh OUT train 160 192                      # train.py's ResNet-50 at these sizes
 #   bench/fast_steps.sh OUT resnet18                           # train.py's ResNet-18 bs512 at 224 px
 #
@@ -13,12 +14,12 @@
 # between calls to a machine kept warm. Python packages the host lacks come from .wheels/ when
 # it is there (as for bench/long_epochs.sh: webdataset, braceexpand, loguru, tenacity, py-spy).
 set -euo pipefail
-usage="usage: bench/fast_steps.sh OUT own MODE... | train SIZE... | resnet18"
+usage="usage: bench/fast_steps.sh OUT own MODE... | spy MODE... | train SIZE... | resnet18"
 out=$(realpath -m "${1:?$usage}")
 what=${2:?$usage}
 shift 2
 case $what in
-  own | train) [ $# -gt 0 ] || { echo "$usage" >&2 && exit 2; } ;;
+  own | spy | train) [ $# -gt 0 ] || { echo "$usage" >&2 && exit 2; } ;;
   resnet18) ;;
   *) echo "$usage" >&2 && exit 2 ;;
 esac
@@ -43,13 +44,19 @@ fi
 bench() { # train.py's rows: ceiling and fed, epochs as long as ImageNet's
   python3 bench/throughput.py --gpus 1 --data "$work/shards" --work "$work/label" --no-breakdown --no-dali-loop "$@"
 }
+own() { # docs/library.md's loop as written, which sets 32 queues before CUDA starts
+  CUDA_DEVICE_MAX_CONNECTIONS=32 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+    bench/own_loop.py --data "$work/shards" --json-out "$out/own.jsonl" "$@" >>"$out/own.log" 2>&1 \
+    || echo "own_loop $* failed: see $out/own.log" >&2
+  tail -1 "$out/own.log"
+}
 case $what in
-  own)
-    for mode in "$@"; do # docs/library.md's loop as written, which sets 32 queues before CUDA starts
-      CUDA_DEVICE_MAX_CONNECTIONS=32 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
-        bench/own_loop.py --data "$work/shards" --compile "$mode" --json-out "$out/own.jsonl" >>"$out/own.log" 2>&1 \
-        || echo "own_loop --compile $mode failed: see $out/own.log" >&2
-      tail -1 "$out/own.log"
+  own) for mode in "$@"; do own --compile "$mode"; done ;;
+  spy) # where each thread's time goes, ceiling against fed (bench/spy_split.py)
+    for mode in "$@"; do
+      own --compile "$mode" --profile "$out/spy-$mode.txt" --profile-mode native
+      python3 bench/spy_split.py "$out/spy-$mode-ceiling.txt" "$out/spy-$mode.txt" | tee -a "$out/spy.log" \
+        || echo "no py-spy samples for --compile $mode: see $out/own.log" >&2
     done
     ;;
   train)
