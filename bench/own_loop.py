@@ -59,15 +59,17 @@ SPY_MODES = {"gil": ["--gil", "--nonblocking", "--rate", "200"], "native": ["--n
 
 
 class GcClock:
-    """Seconds the interpreter spent collecting garbage, in any thread (a ``gc.callbacks`` entry)."""
+    """The interpreter's garbage collections, in any thread, and the seconds they took (a
+    ``gc.callbacks`` entry)."""
 
     def __init__(self) -> None:
-        self.seconds, self._began = 0.0, 0.0
+        self.collections, self.seconds, self._began = 0, 0.0, 0.0
 
     def __call__(self, phase: str, _info: dict[str, int]) -> None:
         if phase == "start":
             self._began = time.perf_counter()
         else:
+            self.collections += 1
             self.seconds += time.perf_counter() - self._began
 
 
@@ -147,15 +149,15 @@ def ceiling(
     for i in range(30):  # compile, capture, warm up
         step(model, optimizer, *batches[i % 4])
     torch.cuda.synchronize()
-    loop = {"loop": {threading.main_thread().native_id or 0}}
-    start, began, spy = time.perf_counter(), sched_times(loop), spy_on(profile, "-ceiling")
+    groups = thread_groups()
+    start, began, spy = time.perf_counter(), sched_times(groups), spy_on(profile, "-ceiling")
     for i in range(steps):
         step(model, optimizer, *batches[i % 4])
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
     if spy:
         spy.wait()
-    return steps * shape[0] / wall, per_step(began, sched_times(loop), wall, steps)
+    return steps * shape[0] / wall, per_step(began, sched_times(groups), wall, steps)
 
 
 @dataclass
@@ -167,7 +169,7 @@ class Mark:
     event: torch.cuda.Event
     thread_cpu: float  # the loop's own thread's CPU seconds so far
     cores: tuple[int, int] | None  # the job's cores' (busy, all) jiffies
-    collections: int  # the interpreter's garbage collections so far
+    collections: int  # the interpreter's garbage collections so far (GC_CLOCK's)
     gc_seconds: float  # and the seconds they took
     cropped: int  # samples the workers cropped so far
     steal: tuple[int, int]  # the machine's (steal, all) jiffies
@@ -177,8 +179,7 @@ class Mark:
     def now(cls, step: int, loader: ShardLoader, groups: dict[str, set[int]]) -> Mark:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
-        collections = sum(g["collections"] for g in gc.get_stats())
-        return cls(step, time.perf_counter(), event, time.thread_time(), own_cpu_jiffies(), collections,
+        return cls(step, time.perf_counter(), event, time.thread_time(), own_cpu_jiffies(), GC_CLOCK.collections,
                    GC_CLOCK.seconds, loader.counters().get("cropped", 0), steal_jiffies(),
                    sched_times(groups))  # fmt: skip
 

@@ -57,7 +57,7 @@ def split(path: Path) -> dict[str, Counter[str]]:
         stack, _, count = line.rpartition(" ")
         head, *frames = stack.split(";")
         name = head.partition(": ")[2] or head
-        threads[name][category(frames or [head])] += int(count)
+        threads[name][category(frames)] += int(count)
     return threads
 
 
