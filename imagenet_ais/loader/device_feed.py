@@ -129,8 +129,8 @@ class DeviceFeed:
         source, sink = self.queues[index], self.queues[index + 1]
         # A blocking event: the thread sleeps until the GPU is done. Beside a thread spinning in
         # the stream's synchronize, a step launched kernel by kernel from Python (torch.compile's
-        # default mode) was fed at 0.82 of its ceiling, beside a sleeping one at 0.90-0.95
-        # (bench/RESULTS.md run AT).
+        # default mode) was fed at 0.74-0.82 of its ceiling in three runs, beside a sleeping one
+        # at 0.83-0.95 in eight (bench/RESULTS.md runs AR-AU).
         done = torch.cuda.Event(blocking=True) if self.stream else None
         try:
             with torch.cuda.stream(self.stream) if self.stream else nullcontext():
