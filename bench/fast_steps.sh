@@ -4,6 +4,7 @@
 # throttle reasons every 5 s (OUT/gpus.csv).
 #
 #   bench/fast_steps.sh OUT own none default reduce-overhead   # a user's loop (bench/own_loop.py) per torch.compile mode
+#   bench/fast_steps.sh OUT own default -- --cpu-share 0.5     # after --: more of own_loop.py's options, for each mode
 #   bench/fast_steps.sh OUT spy default                        # the same under py-spy --native: OUT/spy.log splits each thread
 #   bench/fast_steps.sh OUT train 160 192                      # train.py's ResNet-50 at these sizes
 #   bench/fast_steps.sh OUT resnet18                           # train.py's ResNet-18 bs512 at 224 px
@@ -14,10 +15,18 @@
 # between calls to a machine kept warm. Python packages the host lacks come from .wheels/ when
 # it is there (as for bench/long_epochs.sh: webdataset, braceexpand, loguru, tenacity, py-spy).
 set -euo pipefail
-usage="usage: bench/fast_steps.sh OUT own MODE... | spy MODE... | train SIZE... | resnet18"
+usage="usage: bench/fast_steps.sh OUT own MODE... [-- OPTION...] | spy MODE... [-- OPTION...] | train SIZE... | resnet18"
 out=$(realpath -m "${1:?$usage}")
 what=${2:?$usage}
 shift 2
+extra=()  # own_loop.py's options after --
+for i in $(seq 1 $#); do
+  if [ "${!i}" = -- ]; then
+    extra=("${@:i+1}")
+    set -- "${@:1:i-1}"
+    break
+  fi
+done
 case $what in
   own | spy | train) [ $# -gt 0 ] || { echo "$usage" >&2 && exit 2; } ;;
   resnet18) ;;
@@ -46,7 +55,7 @@ bench() { # train.py's rows: ceiling and fed, epochs as long as ImageNet's
 }
 own() { # docs/library.md's loop as written, which sets 32 queues before CUDA starts
   CUDA_DEVICE_MAX_CONNECTIONS=32 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
-    bench/own_loop.py --data "$work/shards" --json-out "$out/own.jsonl" "$@" >>"$out/own.log" 2>&1 \
+    bench/own_loop.py --data "$work/shards" --json-out "$out/own.jsonl" "$@" "${extra[@]}" >>"$out/own.log" 2>&1 \
     || echo "own_loop $* failed: see $out/own.log" >&2
   tail -1 "$out/own.log"
 }

@@ -33,6 +33,7 @@ the loop's thread waits for the GIL).
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import itertools
 import json
@@ -249,6 +250,15 @@ def fed(
     }
 
 
+def sleep_in_cuda_waits(device: int) -> None:
+    """The device's host waits (synchronize, nvJPEG's inside torchvision) sleep rather than spin,
+    for the whole process: cudaDeviceScheduleBlockingSync, set through the runtime torch loaded."""
+    cudart = ctypes.CDLL(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
+    for call, arg in (("cudaSetDevice", device), ("cudaSetDeviceFlags", 4)):  # 4: cudaDeviceScheduleBlockingSync
+        if error := getattr(cudart, call)(arg):
+            raise RuntimeError(f"{call}({arg}) failed: CUDA error {error}")
+
+
 @click.command()
 @click.option("--data", required=True, help="shard location")
 @click.option("--arch", default="resnet50", show_default=True)
@@ -261,6 +271,7 @@ def fed(
 @click.option("--cpu-share", default="auto", show_default=True, help="ShardLoader's cpu_share (a diagnosis)")
 @click.option("--switch-interval", type=float, help="sys.setswitchinterval for the run, in ms (a diagnosis)")
 @click.option("--workers", type=int, help="ShardLoader's workers (a diagnosis; default: its own)")
+@click.option("--blocking-sync", is_flag=True, help="CUDA's host threads sleep in their waits, not spin (a diagnosis)")
 @click.option("--profile", type=click.Path(dir_okay=False, path_type=Path), help="py-spy raw samples here")
 @click.option("--profile-mode", type=click.Choice(sorted(SPY_MODES)), default="gil", show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
@@ -276,6 +287,7 @@ def main(
     cpu_share: str,
     switch_interval: float | None,
     workers: int | None,
+    blocking_sync: bool,
     profile: Path | None,
     profile_mode: str,
     json_out: Path | None,
@@ -283,6 +295,8 @@ def main(
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # as docs/library.md's loop, before CUDA starts
     if switch_interval:
         sys.setswitchinterval(switch_interval / 1000)
+    if blocking_sync:
+        sleep_in_cuda_waits(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     # an epoch as long as ImageNet's (or longer): the window lies inside it, as in a real run
@@ -313,7 +327,7 @@ def main(
     row = {
         "arch": arch, "batch": batch_size, "size": image_size, "compile": mode, "ranks": dist.get_world_size(),
         "queues": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset"), "workers": loader.workers,
-        "cpu_share": cpu_share, "switch_ms": switch_interval,
+        "cpu_share": cpu_share, "switch_ms": switch_interval, "blocking_sync": blocking_sync,
         "ceiling": round(top, 1), "ceiling_before": round(before, 1), "ceiling_after": round(after, 1),
         "ceiling_per_step": {"before": before_steps, "after": after_steps},
         "ratio": round(float(got["fed"]) / top, 3), **got,  # type: ignore[arg-type]
