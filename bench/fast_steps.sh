@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# Issue #48's rows on one lent GPU (bench/RESULTS.md runs AQ-AU): where the step is fast, each
+# Issue #48's rows on one lent GPU (bench/RESULTS.md runs AQ-AV): where the step is fast, each
 # against its own ceiling in the same call, with the GPU's clocks, temperature, power and
 # throttle reasons every 5 s (OUT/gpus.csv).
 #
 #   bench/fast_steps.sh OUT own none default reduce-overhead   # a user's loop (bench/own_loop.py) per torch.compile mode
 #   bench/fast_steps.sh OUT own default -- --cpu-share 0.5     # after --: more of own_loop.py's options, for each mode
 #   bench/fast_steps.sh OUT spy default                        # the same under py-spy --native: OUT/spy.log splits each thread
+#   bench/fast_steps.sh OUT beside default                     # each part of the feed beside that loop's step, in turns (bench/beside_step.py)
 #   bench/fast_steps.sh OUT train 160 192                      # train.py's ResNet-50 at these sizes
 #   bench/fast_steps.sh OUT resnet18                           # train.py's ResNet-18 bs512 at 224 px
 #
 # Each own-loop row takes 2-3 minutes (torch.compile from a cold cache the longest), each
-# train.py size about 100 s: put what fits in one call's time after it. The shards (40,000
+# train.py size about 100 s, a beside row about 5 minutes: put what fits in one call's time after it. The shards (40,000
 # generated 500×375 q95 JPEGs of 1,000 classes, about 75 s to make) stay in /tmp/fast-steps
 # between calls to a machine kept warm. Python packages the host lacks come from .wheels/ when
 # it is there (as for bench/long_epochs.sh: webdataset, braceexpand, loguru, tenacity, py-spy).
 set -euo pipefail
-usage="usage: bench/fast_steps.sh OUT own MODE... [-- OPTION...] | spy MODE... [-- OPTION...] | train SIZE... | resnet18"
+usage="usage: bench/fast_steps.sh OUT own|spy|beside MODE... [-- OPTION...] | train SIZE... | resnet18"
 out=$(realpath -m "${1:?$usage}")
 what=${2:?$usage}
 shift 2
@@ -28,7 +29,7 @@ for i in $(seq 1 $#); do
   fi
 done
 case $what in
-  own | spy | train) [ $# -gt 0 ] || { echo "$usage" >&2 && exit 2; } ;;
+  own | spy | beside | train) [ $# -gt 0 ] || { echo "$usage" >&2 && exit 2; } ;;
   resnet18) ;;
   *) echo "$usage" >&2 && exit 2 ;;
 esac
@@ -45,7 +46,7 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,temperature.gpu,power.draw,clocks_eve
   --format=csv,noheader -l 5 >>"$out/gpus.csv" &
 health=$!
 trap 'kill $health 2>/dev/null || true' EXIT
-if [ ! -f "$work/shards/manifest.json" ]; then
+if [ "$what" != beside ] && [ ! -f "$work/shards/manifest.json" ]; then
   python3 imagenet_shards.py synth "$work/tree" --classes 1000 --train-per-class 40 --val-per-class 0 \
     --size 500 375 --quality 95 --workers "$(nproc)" >/dev/null
   python3 imagenet_shards.py convert "$work/tree" "$work/shards" --splits train --workers "$(nproc)" >/dev/null
@@ -66,6 +67,14 @@ case $what in
       own --compile "$mode" --profile "$out/spy-$mode.txt" --profile-mode native
       python3 bench/spy_split.py "$out/spy-$mode-ceiling.txt" "$out/spy-$mode.txt" | tee -a "$out/spy.log" \
         || echo "no py-spy samples for --compile $mode: see $out/own.log" >&2
+    done
+    ;;
+  beside) # the feed's parts apart, in this process and in one of their own (generated JPEGs: no shards needed)
+    for mode in "$@"; do
+      CUDA_DEVICE_MAX_CONNECTIONS=32 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+        bench/beside_step.py --compile "$mode" --json-out "$out/beside.jsonl" "${extra[@]}" >>"$out/beside.log" 2>&1 \
+        || echo "beside_step --compile $mode failed: see $out/beside.log" >&2
+      tail -1 "$out/beside.log"
     done
     ;;
   train)

@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""Which part of the feed slows a step launched from Python, and would a process of its own spare it?
+
+A user's loop compiled in ``torch.compile``'s default mode launches its kernels from Python and
+is bound by the host: fed by ``ShardLoader`` it ran at 0.76-0.95 of its ceiling (bench/RESULTS.md
+runs AU-AV), its loop's thread spending 4-10 ms more CPU a step. py-spy (run AV) found that
+thread's extra time inside the CUDA driver, waiting on its locks while the feed's decode thread
+was inside torchvision's nvJPEG (the hardware decoder, driver calls for every picture). The
+driver's locks are the process's: a feed in a process of its own would not share them, but its
+kernels would share the GPU with the step's from another CUDA context (time-sliced).
+
+This measures each part apart, beside docs/library.md's step (bench/own_loop.py's, on a batch
+already on the GPU, under DDP), from prepared page-locked batches of generated 500×375 q95 JPEGs
+(bench/sm_split.py's): each variant is a ``DeviceFeed`` with the loader's stages, taken from once
+a step, so its work starts when the step does, as the loader's does.
+
+- ``decode``: the decode stage alone (nvJPEG through torchvision); ``crop``: the crop stage alone,
+  on batches decoded beforehand; ``feed``: both, the step training on what the feed makes;
+- ``decode-process``, ``feed-process``: the same stages in a process of their own (spawned: its
+  own CUDA context), taken from once for each step the loop makes; what they make is dropped.
+
+Windows of ``--window`` steps take turns: none beside, then a variant, for every variant in each of
+``--rounds`` rounds, and a last window with none. A variant's window counts against the mean of
+the two "none" windows around it, so that the host's drift (a default-mode step's own rate moves
+14% between minutes) cancels. Prints each variant's ratios, their median, and the loop's thread's
+CPU milliseconds a step beside it and beside none, as one JSON line (also to ``--json-out``).
+
+    CUDA_DEVICE_MAX_CONNECTIONS=32 torchrun --nproc-per-node 1 bench/beside_step.py --compile default
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import multiprocessing as mp
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+import torch.distributed as dist
+import torchvision
+from own_loop import sched_times, step, thread_groups
+from sm_split import gpu_state, host_batches, jpegs
+
+from imagenet_ais.loader.device_decode import Decoded, crop_decoded, decode_encoded
+from imagenet_ais.loader.device_feed import DeviceFeed
+from imagenet_ais.loader.wire import Encoded
+
+VARIANTS = ("decode", "crop", "feed", "decode-process", "feed-process")
+SIZE = 224
+
+
+def stages(kind: str, device: torch.device) -> list[tuple[str, Callable[[Any], Any]]]:
+    """The loader's stages (engine._OnDevice's) for ``kind``: decode, crop, or both."""
+    decode = ("decode", lambda batch: decode_encoded(batch, device))
+    crop = ("crop", lambda decoded: (crop_decoded(decoded, SIZE, device, channels_last=True),))
+    return {"decode": [decode], "crop": [crop], "feed": [decode, crop]}[kind]
+
+
+def items(kind: str, batches: list[Encoded], device: torch.device) -> Iterator[Encoded | Decoded]:
+    """What the variant's first stage takes, for ever: host batches, or (crop alone) batches decoded once."""
+    if kind != "crop":
+        return itertools.cycle(batches)
+    decoded = [decode_encoded(batch, device) for batch in batches]
+    return itertools.cycle(decoded)
+
+
+class Beside:
+    """A variant's work beside the step: ``take`` once a step while its windows run."""
+
+    def __init__(self, name: str, batches: list[Encoded], device: torch.device, count: int, batch: int):
+        self.name, self.own_process = name, name.endswith("-process")
+        kind = name.removesuffix("-process")
+        if self.own_process:
+            spawn = mp.get_context("spawn")
+            self.permits, self.stop, ready = spawn.Semaphore(0), spawn.Event(), spawn.Event()
+            args = (kind, count, batch, str(device), self.permits, self.stop, ready)
+            self.child = spawn.Process(target=_process_feed, args=args)  # (not a daemon: it makes JPEGs in a pool)
+            self.child.start()
+            if not ready.wait(timeout=300):
+                raise RuntimeError(f"{name}: its process made no batch in 300 s")
+        else:
+            self.feed = DeviceFeed(items(kind, batches, device), stages(kind, device), device, ahead=4)
+            next(self.feed)  # (the stages' first call: nvJPEG's and Triton's set-up)
+
+    def take(self) -> torch.Tensor | None:
+        """One batch's worth: the images the feed made (``feed`` in this process), else None."""
+        if self.own_process:
+            self.permits.release()
+            return None
+        item = next(self.feed)
+        return item[0] if self.name == "feed" else None
+
+    def close(self) -> None:
+        if self.own_process:
+            self.stop.set()
+            self.child.join(timeout=30)
+        else:
+            self.feed.close(timeout=10)
+
+
+def _process_feed(kind: str, count: int, batch: int, device: str, permits: Any, stop: Any, ready: Any) -> None:
+    """(In a process of its own) the stages of ``kind`` on the same ``count`` generated JPEGs in
+    batches of ``batch``, one batch taken for each permit, until ``stop``."""
+    where = torch.device(device)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
+    batches = host_batches(jpegs(count), batch)
+    feed = DeviceFeed(items(kind, batches, where), stages(kind, where), where, ahead=4)
+    next(feed)
+    ready.set()
+    try:
+        while not stop.is_set():
+            if permits.acquire(timeout=0.2):
+                next(feed)
+    finally:
+        feed.close(timeout=10)
+
+
+def timed(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: tuple[torch.Tensor, torch.Tensor],
+    beside: Beside | None,
+    settle: int,
+    steps: int,
+) -> tuple[float, float]:
+    """Images a second over ``steps`` steps after ``settle`` (the feed's queued batches taken), and
+    the loop's thread's CPU milliseconds a step meanwhile."""
+    images, labels = inputs
+    groups = thread_groups()
+    for i in range(settle + steps):
+        if i == settle:
+            sync()
+            start, began = time.perf_counter(), sched_times(groups)["loop"][0]
+        made = beside.take() if beside else None
+        step(model, optimizer, images if made is None else made, labels)
+    sync()
+    wall = time.perf_counter() - start
+    return steps * images.shape[0] / wall, (sched_times(groups)["loop"][0] - began) / 1e6 / steps
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def summary(name: str, windows: list[tuple[str, float, float]]) -> dict[str, Any]:
+    """A variant's windows, each against the mean of the "none" windows before and after it."""
+    at = [i for i, (n, _, _) in enumerate(windows) if n == name]
+    ratios = [windows[i][1] / ((windows[i - 1][1] + windows[i + 1][1]) / 2) for i in at]
+    return {
+        "variant": name,
+        "median": round(statistics.median(ratios), 3),
+        "ratios": [round(r, 3) for r in ratios],
+        "img_s": [round(windows[i][1]) for i in at],
+        "loop_cpu_ms": round(statistics.median(windows[i][2] for i in at), 2),
+        "loop_cpu_ms_none": round(statistics.median(cpu for n, _, cpu in windows if n == "none"), 2),
+    }
+
+
+@click.command()
+@click.option("--arch", default="resnet50", show_default=True)
+@click.option("--batch-size", default=256, show_default=True)
+@click.option("--compile", "mode", default="default", type=click.Choice(["none", "default", "reduce-overhead"]))
+@click.option("--variants", default=",".join(VARIANTS), show_default=True)
+@click.option("--rounds", default=6, show_default=True)
+@click.option("--window", default=60, show_default=True, help="timed steps a window")
+@click.option("--settle", default=15, show_default=True, help="steps before each window's timing")
+@click.option("--images", default=2048, show_default=True, help="generated JPEGs, cycled")
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+def main(
+    arch: str,
+    batch_size: int,
+    mode: str,
+    variants: str,
+    rounds: int,
+    window: int,
+    settle: int,
+    images: int,
+    json_out: Path | None,
+) -> None:
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # as docs/library.md's loop, before CUDA starts
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    names = [v for v in variants.split(",") if v]
+    if unknown := set(names) - set(VARIANTS):
+        raise click.BadParameter(f"{sorted(unknown)}: the variants are {', '.join(VARIANTS)}", param_hint="--variants")
+    batches = host_batches(jpegs(images), batch_size)
+    model = torchvision.models.__dict__[arch]().to(device, memory_format=torch.channels_last)
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    if mode != "none":
+        model = torch.compile(model, mode=mode)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    shape = (batch_size, 3, SIZE, SIZE)
+    inputs = (
+        torch.randn(shape, device=device).contiguous(memory_format=torch.channels_last),
+        torch.randint(0, 1000, (batch_size,), device=device),
+    )
+    besides = {name: Beside(name, batches, device, images, batch_size) for name in names}
+    windows: list[tuple[str, float, float]] = []  # (variant, img/s, the loop's CPU ms a step): none, v, none, ...
+    try:
+        timed(model, optimizer, inputs, None, 0, 30)  # compile, warm up
+        for name in ["none", *itertools.chain.from_iterable(itertools.repeat(names, rounds))]:
+            if name != "none":
+                windows.append((name, *timed(model, optimizer, inputs, besides[name], settle, window)))
+            windows.append(("none", *timed(model, optimizer, inputs, None, settle, window)))
+    finally:
+        for beside in besides.values():
+            beside.close()
+    result = {
+        "arch": arch,
+        "batch": batch_size,
+        "compile": mode,
+        "window": window,
+        "gpu": gpu_state() if cuda else None,
+        "none_img_s": [round(r) for n, r, _ in windows if n == "none"],
+        "variants": [summary(name, windows) for name in names],
+    }
+    print(json.dumps(result), flush=True)
+    if json_out:
+        with json_out.open("a") as out:
+            out.write(json.dumps(result) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
