@@ -17,7 +17,8 @@ a step, so its work starts when the step does, as the loader's does.
 - ``decode``: the decode stage alone (nvJPEG through torchvision); ``crop``: the crop stage alone,
   on batches decoded beforehand; ``feed``: both, the step training on what the feed makes;
 - ``decode-process``, ``feed-process``: the same stages in a process of their own (spawned: its
-  own CUDA context), taken from once for each step the loop makes; what they make is dropped.
+  own CUDA context), taken from once a step through a queue; ``feed-process``'s images cross by
+  CUDA IPC (torch.multiprocessing) and the step trains on them, as a loader built so would.
 
 Windows of ``--window`` steps take turns: none beside, then a variant, for every variant in each of
 ``--rounds`` rounds, and a last window with none. A variant's window counts against the mean of
@@ -32,8 +33,8 @@ from __future__ import annotations
 
 import itertools
 import json
-import multiprocessing as mp
 import os
+import queue
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -74,50 +75,53 @@ class Beside:
     """A variant's work beside the step: ``take`` once a step while its windows run."""
 
     def __init__(self, name: str, batches: list[Encoded], device: torch.device, count: int, batch: int):
-        self.name, self.own_process = name, name.endswith("-process")
-        kind = name.removesuffix("-process")
-        if self.own_process:
-            spawn = mp.get_context("spawn")
-            self.permits, self.stop, ready = spawn.Semaphore(0), spawn.Event(), spawn.Event()
-            args = (kind, count, batch, str(device), self.permits, self.stop, ready)
+        self.name, self.kind = name, name.removesuffix("-process")
+        if name.endswith("-process"):
+            spawn = torch.multiprocessing.get_context("spawn")  # (its queue passes CUDA tensors by IPC handle)
+            self.made, self.stop = spawn.Queue(maxsize=2), spawn.Event()
+            args = (self.kind, count, batch, str(device), self.made, self.stop)
             self.child = spawn.Process(target=_process_feed, args=args)  # (not a daemon: it makes JPEGs in a pool)
             self.child.start()
-            if not ready.wait(timeout=300):
-                raise RuntimeError(f"{name}: its process made no batch in 300 s")
+            self.made.get(timeout=300)  # (its first batch: it is ready)
+            self.feed = None
         else:
-            self.feed = DeviceFeed(items(kind, batches, device), stages(kind, device), device, ahead=4)
+            self.feed = DeviceFeed(items(self.kind, batches, device), stages(self.kind, device), device, ahead=4)
             next(self.feed)  # (the stages' first call: nvJPEG's and Triton's set-up)
 
     def take(self) -> torch.Tensor | None:
-        """One batch's worth: the images the feed made (``feed`` in this process), else None."""
-        if self.own_process:
-            self.permits.release()
-            return None
+        """One batch's worth: the images a ``feed`` made (for the step to train on), else None."""
+        if self.feed is None:
+            return self.made.get(timeout=300)
         item = next(self.feed)
-        return item[0] if self.name == "feed" else None
+        return item[0] if self.kind == "feed" else None
 
     def close(self) -> None:
-        if self.own_process:
+        if self.feed is None:
             self.stop.set()
             self.child.join(timeout=30)
         else:
             self.feed.close(timeout=10)
 
 
-def _process_feed(kind: str, count: int, batch: int, device: str, permits: Any, stop: Any, ready: Any) -> None:
+def _process_feed(kind: str, count: int, batch: int, device: str, made: Any, stop: Any) -> None:
     """(In a process of its own) the stages of ``kind`` on the same ``count`` generated JPEGs in
-    batches of ``batch``, one batch taken for each permit, until ``stop``."""
+    batches of ``batch``, each batch's images (``feed``) or None put into ``made``, until ``stop``."""
     where = torch.device(device)
     if where.type == "cuda":
         torch.cuda.set_device(where)
     batches = host_batches(jpegs(count), batch)
     feed = DeviceFeed(items(kind, batches, where), stages(kind, where), where, ahead=4)
-    next(feed)
-    ready.set()
     try:
-        while not stop.is_set():
-            if permits.acquire(timeout=0.2):
-                next(feed)
+        for item in feed:
+            out = item[0] if kind == "feed" else None
+            while not stop.is_set():
+                try:
+                    made.put(out, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+            if stop.is_set():
+                return
     finally:
         feed.close(timeout=10)
 
@@ -205,14 +209,25 @@ def main(
         torch.randn(shape, device=device).contiguous(memory_format=torch.channels_last),
         torch.randint(0, 1000, (batch_size,), device=device),
     )
-    besides = {name: Beside(name, batches, device, images, batch_size) for name in names}
+    besides: dict[str, Beside] = {}
+    for name in names:  # (a variant that fails is reported and left out: the others' windows still count)
+        try:
+            besides[name] = Beside(name, batches, device, images, batch_size)
+        except Exception as e:
+            print(f"{name}: {type(e).__name__}: {e}: left out", flush=True)
     windows: list[tuple[str, float, float]] = []  # (variant, img/s, the loop's CPU ms a step): none, v, none, ...
     try:
         timed(model, optimizer, inputs, None, 0, 30)  # compile, warm up
-        for name in ["none", *itertools.chain.from_iterable(itertools.repeat(names, rounds))]:
-            if name != "none":
-                windows.append((name, *timed(model, optimizer, inputs, besides[name], settle, window)))
-            windows.append(("none", *timed(model, optimizer, inputs, None, settle, window)))
+        windows.append(("none", *timed(model, optimizer, inputs, None, settle, window)))
+        for _ in range(rounds):
+            for name, beside in list(besides.items()):
+                try:
+                    got = timed(model, optimizer, inputs, beside, settle, window)
+                except Exception as e:
+                    print(f"{name}: {type(e).__name__}: {e}: left out from here on", flush=True)
+                    besides.pop(name).close()
+                    continue
+                windows += [(name, *got), ("none", *timed(model, optimizer, inputs, None, settle, window))]
     finally:
         for beside in besides.values():
             beside.close()
@@ -223,7 +238,7 @@ def main(
         "window": window,
         "gpu": gpu_state() if cuda else None,
         "none_img_s": [round(r) for n, r, _ in windows if n == "none"],
-        "variants": [summary(name, windows) for name in names],
+        "variants": [summary(name, windows) for name in names if any(n == name for n, _, _ in windows)],
     }
     print(json.dumps(result), flush=True)
     if json_out:

@@ -11,7 +11,7 @@
 #   bench/fast_steps.sh OUT resnet18                           # train.py's ResNet-18 bs512 at 224 px
 #
 # Each own-loop row takes 2-3 minutes (torch.compile from a cold cache the longest), each
-# train.py size about 100 s, a beside row about 5 minutes: put what fits in one call's time after it. The shards (40,000
+# train.py size about 100 s, a beside row about 6 minutes: put what fits in one call's time after it. The shards (40,000
 # generated 500×375 q95 JPEGs of 1,000 classes, about 75 s to make) stay in /tmp/fast-steps
 # between calls to a machine kept warm. Python packages the host lacks come from .wheels/ when
 # it is there (as for bench/long_epochs.sh: webdataset, braceexpand, loguru, tenacity, py-spy).
