@@ -17,16 +17,17 @@ a step, so its work starts when the step does, as the loader's does.
 - ``decode``: the decode stage alone (nvJPEG through torchvision); ``crop``: the crop stage alone,
   on batches decoded beforehand; ``feed``: both, the step training on what the feed makes;
 - ``decode-process``, ``feed-process``: the same stages in a process of their own (spawned: its
-  own CUDA context), taken from once a step through a queue; ``feed-process``'s images cross by
-  CUDA IPC (torch.multiprocessing) and the step trains on them, as a loader built so would.
+  own CUDA context), taken from once a step through a queue; ``feed-process`` writes its images
+  into a ring of buffers this process opened once by CUDA IPC, and the step trains on them.
 
-Windows of ``--window`` steps take turns: none beside, then a variant, for every variant in each of
-``--rounds`` rounds, and a last window with none. A variant's window counts against the mean of
-the two "none" windows around it, so that the host's drift (a default-mode step's own rate moves
-14% between minutes) cancels. Prints each variant's ratios, their median, and the loop's thread's
-CPU milliseconds a step beside it and beside none, as one JSON line (also to ``--json-out``).
+Windows of ``--window`` steps take turns: none beside, then a variant, for every variant in each
+of ``--rounds`` rounds (each round starting at the next variant). A variant's window counts
+against the mean of the two "none" windows around it, so that the host's drift (a default-mode
+step's own rate moves 14% between minutes) cancels. Prints each variant's ratios, their median, and the loop's thread's
+CPU milliseconds a step beside it and beside none, as a JSON line after each round and at the
+end (the last also to ``--json-out``).
 
-    CUDA_DEVICE_MAX_CONNECTIONS=32 torchrun --nproc-per-node 1 bench/beside_step.py --compile default
+    bash bench/fast_steps.sh OUT beside default   # or: PYTHONPATH=. torchrun --nproc-per-node 1 bench/beside_step.py
 """
 
 from __future__ import annotations
@@ -56,11 +57,16 @@ VARIANTS = ("decode", "crop", "feed", "decode-process", "feed-process")
 SIZE = 224
 
 
+RING = 8  # a process's output buffers, shared once (more than its queue and feed hold ahead)
+
+
 def stages(kind: str, device: torch.device) -> list[tuple[str, Callable[[Any], Any]]]:
-    """The loader's stages (engine._OnDevice's) for ``kind``: decode, crop, or both."""
+    """The loader's stages (engine._OnDevice's) for ``kind``: decode, crop, or both. The decode
+    alone ends in a stage that drops its pictures there, as the loader's crop stage does (on the
+    loop's thread their hundreds of frees would be driver calls the loader never makes there)."""
     decode = ("decode", lambda batch: decode_encoded(batch, device))
     crop = ("crop", lambda decoded: (crop_decoded(decoded, SIZE, device, channels_last=True),))
-    return {"decode": [decode], "crop": [crop], "feed": [decode, crop]}[kind]
+    return {"decode": [decode, ("drop", lambda _: ())], "crop": [crop], "feed": [decode, crop]}[kind]
 
 
 def items(kind: str, batches: list[Encoded], device: torch.device) -> Iterator[Encoded | Decoded]:
@@ -68,62 +74,101 @@ def items(kind: str, batches: list[Encoded], device: torch.device) -> Iterator[E
     if kind != "crop":
         return itertools.cycle(batches)
     decoded = [decode_encoded(batch, device) for batch in batches]
+    sync()
     return itertools.cycle(decoded)
 
 
 class Beside:
-    """A variant's work beside the step: ``take`` once a step while its windows run."""
+    """A variant's work beside the step: ``take`` once a step while its windows run.
 
-    def __init__(self, name: str, batches: list[Encoded], device: torch.device, count: int, batch: int):
+    In a process of its own, a ``feed`` writes each batch into one of RING buffers that this
+    process opened once (CUDA IPC), and hands over only the buffer's number: a tensor received
+    by IPC costs its receiver driver calls when it arrives and a synchronize when it is freed,
+    which a loader built so would avoid the same way."""
+
+    def __init__(self, name: str, batches: list[Encoded], device: torch.device, images: list[bytes], batch: int):
         self.name, self.kind = name, name.removesuffix("-process")
-        if name.endswith("-process"):
-            spawn = torch.multiprocessing.get_context("spawn")  # (its queue passes CUDA tensors by IPC handle)
-            self.made, self.stop = spawn.Queue(maxsize=2), spawn.Event()
-            args = (self.kind, count, batch, str(device), self.made, self.stop)
-            self.child = spawn.Process(target=_process_feed, args=args)  # (not a daemon: it makes JPEGs in a pool)
-            self.child.start()
-            self.made.get(timeout=300)  # (its first batch: it is ready)
-            self.feed = None
-        else:
+        self.feed: DeviceFeed | None = None
+        self.child: Any = None
+        self.ring: list[torch.Tensor] = []
+        if not name.endswith("-process"):
             self.feed = DeviceFeed(items(self.kind, batches, device), stages(self.kind, device), device, ahead=4)
             next(self.feed)  # (the stages' first call: nvJPEG's and Triton's set-up)
+            return
+        spawn = torch.multiprocessing.get_context("spawn")  # (its queue passes CUDA tensors by IPC handle)
+        self.made, self.stop = spawn.Queue(maxsize=2), spawn.Event()
+        args = (self.kind, images, batch, str(device), self.made, self.stop)
+        self.child = spawn.Process(target=_process_feed, args=args, daemon=True)
+        self.child.start()
+        try:
+            self.ring = self._get(timeout=300)  # (its buffers, once its first batch is made: it is ready)
+        except BaseException:
+            self.close()
+            raise
 
     def take(self) -> torch.Tensor | None:
         """One batch's worth: the images a ``feed`` made (for the step to train on), else None."""
         if self.feed is None:
-            return self.made.get(timeout=300)
+            index = self._get(timeout=60)
+            return self.ring[index] if self.ring else None
         item = next(self.feed)
         return item[0] if self.kind == "feed" else None
 
+    def _get(self, timeout: float) -> Any:
+        """The child's next message; an error at once if it ended, or after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.made.get(timeout=1)
+            except queue.Empty:
+                if self.child.exitcode is not None:
+                    raise RuntimeError(f"its process ended (exit code {self.child.exitcode})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nothing came from its process in {timeout:g} s") from None
+
     def close(self) -> None:
-        if self.feed is None:
-            self.stop.set()
-            self.child.join(timeout=30)
-        else:
+        if self.feed is not None:
             self.feed.close(timeout=10)
+            return
+        self.ring = []  # (this process's handles on the child's memory go first)
+        self.stop.set()
+        self.child.join(timeout=30)
+        if self.child.is_alive():
+            self.child.kill()
 
 
-def _process_feed(kind: str, count: int, batch: int, device: str, made: Any, stop: Any) -> None:
-    """(In a process of its own) the stages of ``kind`` on the same ``count`` generated JPEGs in
-    batches of ``batch``, each batch's images (``feed``) or None put into ``made``, until ``stop``."""
+def _process_feed(kind: str, images: list[bytes], batch: int, device: str, made: Any, stop: Any) -> None:
+    """(In a process of its own, spawned) the stages of ``kind`` on ``images`` in batches of
+    ``batch``: first the RING buffers (``feed``; else an empty list) into ``made``, then for each
+    batch the number of the buffer it was written into (else None), until ``stop``."""
     where = torch.device(device)
     if where.type == "cuda":
         torch.cuda.set_device(where)
-    batches = host_batches(jpegs(count), batch)
-    feed = DeviceFeed(items(kind, batches, where), stages(kind, where), where, ahead=4)
+    feed = DeviceFeed(items(kind, host_batches(images, batch), where), stages(kind, where), where, ahead=4)
+    ring: list[torch.Tensor] = []
     try:
-        for item in feed:
-            out = item[0] if kind == "feed" else None
-            while not stop.is_set():
-                try:
-                    made.put(out, timeout=0.2)
-                    break
-                except queue.Full:
-                    continue
-            if stop.is_set():
+        for n, item in enumerate(feed):
+            if kind == "feed":
+                ring = ring or [torch.empty_like(item[0]) for _ in range(RING)]
+                ring[n % RING].copy_(item[0])
+                sync()  # (written before its number is handed over)
+            if n == 0:
+                _put(made, ring, stop)
+            if not _put(made, n % RING if ring else None, stop):
                 return
     finally:
         feed.close(timeout=10)
+
+
+def _put(made: Any, message: object, stop: Any) -> bool:
+    """``message`` into ``made`` once there is room; False if ``stop`` came first."""
+    while not stop.is_set():
+        try:
+            made.put(message, timeout=0.2)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 def timed(
@@ -175,7 +220,7 @@ def summary(name: str, windows: list[tuple[str, float, float]]) -> dict[str, Any
 @click.option("--variants", default=",".join(VARIANTS), show_default=True)
 @click.option("--rounds", default=6, show_default=True)
 @click.option("--window", default=60, show_default=True, help="timed steps a window")
-@click.option("--settle", default=15, show_default=True, help="steps before each window's timing")
+@click.option("--settle", default=25, show_default=True, help="steps before each window's timing")
 @click.option("--images", default=2048, show_default=True, help="generated JPEGs, cycled")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
 def main(
@@ -190,15 +235,15 @@ def main(
     json_out: Path | None,
 ) -> None:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # as docs/library.md's loop, before CUDA starts
+    names = [v for v in variants.split(",") if v]
+    if unknown := set(names) - set(VARIANTS):
+        raise click.BadParameter(f"{sorted(unknown)}: the variants are {', '.join(VARIANTS)}", param_hint="--variants")
+    pictures = jpegs(images)  # (in a pool of processes, forked before CUDA starts here)
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    names = [v for v in variants.split(",") if v]
-    if unknown := set(names) - set(VARIANTS):
-        raise click.BadParameter(f"{sorted(unknown)}: the variants are {', '.join(VARIANTS)}", param_hint="--variants")
-    batches = host_batches(jpegs(images), batch_size)
     model = torchvision.models.__dict__[arch]().to(device, memory_format=torch.channels_last)
     model = torch.nn.parallel.DistributedDataParallel(model)
     if mode != "none":
@@ -209,42 +254,46 @@ def main(
         torch.randn(shape, device=device).contiguous(memory_format=torch.channels_last),
         torch.randint(0, 1000, (batch_size,), device=device),
     )
+    batches = host_batches(pictures, batch_size)
     besides: dict[str, Beside] = {}
     for name in names:  # (a variant that fails is reported and left out: the others' windows still count)
         try:
-            besides[name] = Beside(name, batches, device, images, batch_size)
+            besides[name] = Beside(name, batches, device, pictures, batch_size)
         except Exception as e:
             print(f"{name}: {type(e).__name__}: {e}: left out", flush=True)
+    head = {"arch": arch, "batch": batch_size, "compile": mode, "window": window, "settle": settle}
     windows: list[tuple[str, float, float]] = []  # (variant, img/s, the loop's CPU ms a step): none, v, none, ...
     try:
         timed(model, optimizer, inputs, None, 0, 30)  # compile, warm up
         windows.append(("none", *timed(model, optimizer, inputs, None, settle, window)))
-        for _ in range(rounds):
-            for name, beside in list(besides.items()):
+        for r in range(rounds):
+            order, shift = list(besides), r % max(1, len(besides))  # (each round starts elsewhere)
+            for name in order[shift:] + order[:shift]:
                 try:
-                    got = timed(model, optimizer, inputs, beside, settle, window)
+                    got = timed(model, optimizer, inputs, besides[name], settle, window)
                 except Exception as e:
                     print(f"{name}: {type(e).__name__}: {e}: left out from here on", flush=True)
                     besides.pop(name).close()
                     continue
                 windows += [(name, *got), ("none", *timed(model, optimizer, inputs, None, settle, window))]
+            print(json.dumps({**head, "rounds": r + 1, **results(names, windows)}), flush=True)  # (so far)
     finally:
         for beside in besides.values():
             beside.close()
-    result = {
-        "arch": arch,
-        "batch": batch_size,
-        "compile": mode,
-        "window": window,
-        "gpu": gpu_state() if cuda else None,
-        "none_img_s": [round(r) for n, r, _ in windows if n == "none"],
-        "variants": [summary(name, windows) for name in names if any(n == name for n, _, _ in windows)],
-    }
+    result = {**head, "rounds": rounds, "gpu": gpu_state() if cuda else None, **results(names, windows)}
     print(json.dumps(result), flush=True)
     if json_out:
         with json_out.open("a") as out:
             out.write(json.dumps(result) + "\n")
     dist.destroy_process_group()
+
+
+def results(names: list[str], windows: list[tuple[str, float, float]]) -> dict[str, Any]:
+    """Each variant's summary, and the rates of the windows with none beside."""
+    return {
+        "none_img_s": [round(r) for n, r, _ in windows if n == "none"],
+        "variants": [summary(name, windows) for name in names if any(n == name for n, _, _ in windows)],
+    }
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ case $what in
       CUDA_DEVICE_MAX_CONNECTIONS=32 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
         bench/beside_step.py --compile "$mode" --json-out "$out/beside.jsonl" "${extra[@]}" >>"$out/beside.log" 2>&1 \
         || echo "beside_step --compile $mode failed: see $out/beside.log" >&2
-      tail -1 "$out/beside.log"
+      tail -1 "$out/beside.jsonl" 2>/dev/null || true
     done
     ;;
   train)
