@@ -16,6 +16,8 @@ a step, so its work starts when the step does, as the loader's does.
 
 - ``decode``: the decode stage alone (nvJPEG through torchvision); ``crop``: the crop stage alone,
   on batches decoded beforehand; ``feed``: both, the step training on what the feed makes;
+- ``nvimgcodec``: the decode alone through nvImageCodec's hardware decoder instead (where that
+  package is installed);
 - ``decode-process``, ``feed-process``: the same stages in a process of their own (spawned: its
   own CUDA context), taken from once a step through a queue; ``feed-process`` writes its images
   into a ring of buffers this process opened once by CUDA IPC, and the step trains on them.
@@ -53,7 +55,7 @@ from imagenet_ais.loader.device_decode import Decoded, crop_decoded, decode_enco
 from imagenet_ais.loader.device_feed import DeviceFeed
 from imagenet_ais.loader.wire import Encoded
 
-VARIANTS = ("decode", "crop", "feed", "decode-process", "feed-process")
+VARIANTS = ("decode", "crop", "feed", "decode-process", "feed-process", "nvimgcodec")
 SIZE = 224
 
 
@@ -64,9 +66,29 @@ def stages(kind: str, device: torch.device) -> list[tuple[str, Callable[[Any], A
     """The loader's stages (engine._OnDevice's) for ``kind``: decode, crop, or both. The decode
     alone ends in a stage that drops its pictures there, as the loader's crop stage does (on the
     loop's thread their hundreds of frees would be driver calls the loader never makes there)."""
+    drop = ("drop", lambda _: ())
+    if kind == "nvimgcodec":
+        return [nvimgcodec_decode(device), drop]
     decode = ("decode", lambda batch: decode_encoded(batch, device))
     crop = ("crop", lambda decoded: (crop_decoded(decoded, SIZE, device, channels_last=True),))
-    return {"decode": [decode, ("drop", lambda _: ())], "crop": [crop], "feed": [decode, crop]}[kind]
+    return {"decode": [decode, drop], "crop": [crop], "feed": [decode, crop]}[kind]
+
+
+def nvimgcodec_decode(device: torch.device) -> tuple[str, Callable[[Encoded], list[torch.Tensor]]]:
+    """A decode stage through nvImageCodec's hardware decoder (``pip install nvidia-nvimgcodec-cu13
+    nvidia-nvjpeg``; bench/decoders.py, run G): does it call the driver less for each picture
+    than torchvision's nvJPEG?"""
+    from nvidia import nvimgcodec as nic  # (this variant's only: the loader does not use it)
+
+    decoder = nic.Decoder(device_id=device.index or 0, backends=[nic.Backend(nic.BackendKind.HW_GPU_ONLY)])
+    planar = nic.DecodeParams(sample_format=nic.SampleFormat.P_RGB)
+
+    def decode(batch: Encoded) -> list[torch.Tensor]:
+        data = [nic.CodeStream(part.numpy()) for part in batch.blob.split(batch.sizes)]
+        images = decoder.decode(data, params=planar, cuda_stream=torch.cuda.current_stream(device).cuda_stream)
+        return [torch.from_dlpack(image) for image in images]
+
+    return "decode", decode
 
 
 def items(kind: str, batches: list[Encoded], device: torch.device) -> Iterator[Encoded | Decoded]:
@@ -218,7 +240,7 @@ def summary(name: str, windows: list[tuple[str, float, float]]) -> dict[str, Any
 @click.option("--batch-size", default=256, show_default=True)
 @click.option("--compile", "mode", default="default", type=click.Choice(["none", "default", "reduce-overhead"]))
 @click.option("--variants", default=",".join(VARIANTS), show_default=True)
-@click.option("--rounds", default=6, show_default=True)
+@click.option("--rounds", default=5, show_default=True)
 @click.option("--window", default=60, show_default=True, help="timed steps a window")
 @click.option("--settle", default=25, show_default=True, help="steps before each window's timing")
 @click.option("--images", default=2048, show_default=True, help="generated JPEGs, cycled")
