@@ -14,7 +14,8 @@
 # train.py size about 100 s, a beside row about 6 minutes: put what fits in one call's time after it. The shards (40,000
 # generated 500×375 q95 JPEGs of 1,000 classes, about 75 s to make) stay in /tmp/fast-steps
 # between calls to a machine kept warm. Python packages the host lacks come from .wheels/ when
-# it is there (as for bench/long_epochs.sh: webdataset, braceexpand, loguru, tenacity, py-spy).
+# it is there (as for bench/long_epochs.sh: webdataset, braceexpand, loguru, tenacity, py-spy;
+# nvidia-nvimgcodec-cu13 and nvidia-nvjpeg for beside's nvimgcodec variant).
 set -euo pipefail
 usage="usage: bench/fast_steps.sh OUT own|spy|beside MODE... [-- OPTION...] | train SIZE... | resnet18"
 out=$(realpath -m "${1:?$usage}")
