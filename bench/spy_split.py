@@ -13,6 +13,11 @@ thread into the first of these that its stack shows, innermost frame first:
 - ``runs``: anything else (the interpreter, PyTorch's C++, a library's own work).
 
     python3 bench/spy_split.py OUT/spy.txt OUT/spy-ceiling.txt [--thread MainThread]
+    python3 bench/spy_split.py OUT/spy.txt --calls feed-decode    # that thread's driver samples by entry point
+
+``--calls THREAD`` lists instead where that thread's samples inside the driver entered it (the
+outermost named CUDA driver or runtime frame, e.g. ``cuLaunchKernel``), and which lock it waited
+in there, if any (a read or write lock, a mutex): the evidence of bench/RESULTS.md run AV.
 """
 
 from __future__ import annotations
@@ -61,10 +66,35 @@ def split(path: Path) -> dict[str, Counter[str]]:
     return threads
 
 
+def driver_calls(path: Path, thread: str) -> Counter[tuple[str, str]]:
+    """``thread``'s samples inside the CUDA driver, by (entry point, lock waited in or "-")."""
+    calls: Counter[tuple[str, str]] = Counter()
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        head, *frames = stack.split(";")
+        if (head.partition(": ")[2] or head) != thread or category(frames) not in ("driver lock", "driver"):
+            continue
+        inside = next(i for i, f in enumerate(frames) if "libcuda" in f)
+        named = [f for f in frames[: inside + 1] if re.match(r"cu[A-Z]|cuda[A-Z]", f)]
+        entry = named[0].partition(" (")[0] if named else frames[inside].partition(" (")[0]
+        lock = next(
+            (kind for kind in ("rwlock_wrlock", "rwlock_rdlock", "mutex") if any(kind in f for f in frames)), "-"
+        )
+        calls[entry, lock] += int(count)
+    return calls
+
+
 @click.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--thread", "only", multiple=True, help="only threads of these names (default: all)")
-def main(files: tuple[Path, ...], only: tuple[str, ...]) -> None:
+@click.option("--calls", metavar="THREAD", help="that thread's driver samples by entry point and lock instead")
+def main(files: tuple[Path, ...], only: tuple[str, ...], calls: str | None) -> None:
+    if calls:
+        for path in files:
+            click.echo(f"{path}: {calls}'s samples inside the CUDA driver")
+            for (entry, lock), count in driver_calls(path, calls).most_common():
+                click.echo(f"  {count:>6}  {entry}  {lock}")
+        return
     for path in files:
         click.echo(f"{path}:")
         click.echo(f"  {'thread':<22}{'samples':>8}" + "".join(f"{c:>13}" for c in CATEGORIES))
