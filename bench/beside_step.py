@@ -25,9 +25,9 @@ a step, so its work starts when the step does, as the loader's does.
 Windows of ``--window`` steps take turns: none beside, then a variant, for every variant in each
 of ``--rounds`` rounds (each round starting at the next variant). A variant's window counts
 against the mean of the two "none" windows around it, so that the host's drift (a default-mode
-step's own rate moves 14% between minutes) cancels. Prints each variant's ratios, their median, and the loop's thread's
-CPU milliseconds a step beside it and beside none, as a JSON line after each round and at the
-end (the last also to ``--json-out``).
+step's own rate moves 14% between minutes) cancels. Prints each variant's ratios, their median,
+and the loop's thread's CPU milliseconds a step beside it and beside none, as a JSON line after
+each round and at the end (the last also to ``--json-out``).
 
     bash bench/fast_steps.sh OUT beside default   # or: PYTHONPATH=. torchrun --nproc-per-node 1 bench/beside_step.py
 """
@@ -47,8 +47,7 @@ from typing import Any
 import click
 import torch
 import torch.distributed as dist
-import torchvision
-from own_loop import sched_times, step, thread_groups
+from own_loop import docs_model, sched_times, step, thread_groups
 from sm_split import gpu_state, host_batches, jpegs
 
 from imagenet_ais.loader.device_decode import Decoded, crop_decoded, decode_encoded
@@ -57,8 +56,6 @@ from imagenet_ais.loader.wire import Encoded
 
 VARIANTS = ("decode", "crop", "feed", "decode-process", "feed-process", "nvimgcodec")
 SIZE = 224
-
-
 RING = 8  # a process's output buffers, shared once (more than its queue and feed hold ahead)
 
 
@@ -109,7 +106,7 @@ class Beside:
     which a loader built so would avoid the same way."""
 
     def __init__(self, name: str, batches: list[Encoded], device: torch.device, images: list[bytes], batch: int):
-        self.name, self.kind = name, name.removesuffix("-process")
+        self.kind = name.removesuffix("-process")
         self.feed: DeviceFeed | None = None
         self.child: Any = None
         self.ring: list[torch.Tensor] = []
@@ -266,11 +263,7 @@ def main(
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    model = torchvision.models.__dict__[arch]().to(device, memory_format=torch.channels_last)
-    model = torch.nn.parallel.DistributedDataParallel(model)
-    if mode != "none":
-        model = torch.compile(model, mode=mode)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    model, optimizer = docs_model(arch, 1000, mode, device)
     shape = (batch_size, 3, SIZE, SIZE)
     inputs = (
         torch.randn(shape, device=device).contiguous(memory_format=torch.channels_last),

@@ -55,12 +55,15 @@ fi
 bench() { # train.py's rows: ceiling and fed, epochs as long as ImageNet's
   python3 bench/throughput.py --gpus 1 --data "$work/shards" --work "$work/label" --no-breakdown --no-dali-loop "$@"
 }
-own() { # docs/library.md's loop as written, which sets 32 queues before CUDA starts
+loop() { # SCRIPT NAME OPTION...: bench/SCRIPT.py under torchrun, 32 queues as docs/library.md's loop sets before CUDA starts
+  local script=$1 name=$2
+  shift 2
   CUDA_DEVICE_MAX_CONNECTIONS=32 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
-    bench/own_loop.py --data "$work/shards" --json-out "$out/own.jsonl" "$@" "${extra[@]}" >>"$out/own.log" 2>&1 \
-    || echo "own_loop $* failed: see $out/own.log" >&2
-  tail -1 "$out/own.log"
+    "bench/$script.py" --json-out "$out/$name.jsonl" "$@" "${extra[@]}" >>"$out/$name.log" 2>&1 \
+    || echo "$script $* failed: see $out/$name.log" >&2
+  tail -1 "$out/$name.jsonl" 2>/dev/null || true
 }
+own() { loop own_loop own --data "$work/shards" "$@"; }
 case $what in
   own) for mode in "$@"; do own --compile "$mode"; done ;;
   spy) # where each thread's time goes, ceiling against fed (bench/spy_split.py)
@@ -71,12 +74,7 @@ case $what in
     done
     ;;
   beside) # the feed's parts apart, in this process and in one of their own (generated JPEGs: no shards needed)
-    for mode in "$@"; do
-      CUDA_DEVICE_MAX_CONNECTIONS=32 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
-        bench/beside_step.py --compile "$mode" --json-out "$out/beside.jsonl" "${extra[@]}" >>"$out/beside.log" 2>&1 \
-        || echo "beside_step --compile $mode failed: see $out/beside.log" >&2
-      tail -1 "$out/beside.jsonl" 2>/dev/null || true
-    done
+    for mode in "$@"; do loop beside_step beside --compile "$mode"; done
     ;;
   train)
     for size in "$@"; do bench --preset multi-gpu --image-size "$size" --json-out "$out/train-$size.json"; done

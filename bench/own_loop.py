@@ -125,6 +125,17 @@ def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: torch
     optimizer.step()
 
 
+def docs_model(
+    arch: str, classes: int, mode: str, device: torch.device
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """docs/library.md's model and optimizer: channels-last under DDP, compiled in ``mode`` ("none": eager)."""
+    model = torchvision.models.__dict__[arch](num_classes=classes).to(device, memory_format=torch.channels_last)
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    if mode != "none":
+        model = torch.compile(model, mode=mode)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+
 def per_step(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]], wall: float, steps: int) -> dict[str, float]:
     """Milliseconds a step: of the wall time, and on a CPU for the loop's thread and autograd's
     backward thread (``sched_times`` at either end): a step's host work costing more when fed shows here."""
@@ -311,11 +322,7 @@ def main(
         cpu_share=float(cpu_share) if cpu_share != "auto" else cpu_share,
         **({"workers": workers} if workers is not None else {}),
     )
-    model = torchvision.models.__dict__[arch](num_classes=len(loader.classes)).cuda()
-    model = torch.nn.parallel.DistributedDataParallel(model.to(memory_format=torch.channels_last))
-    if mode != "none":
-        model = torch.compile(model, mode=mode)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    model, optimizer = docs_model(arch, len(loader.classes), mode, torch.device("cuda"))
     shape = (batch_size, 3, image_size, image_size)
     gc.callbacks.append(GC_CLOCK)
     spy = (profile, profile_mode) if profile and dist.get_rank() == 0 else None

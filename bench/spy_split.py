@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -55,24 +56,27 @@ def category(frames: list[str]) -> str:
     return "waits" if native and WAITS.search(inner.partition(" (")[0]) else "runs"
 
 
-def split(path: Path) -> dict[str, Counter[str]]:
-    """Samples per category of each thread (by its name, over all threads of that name)."""
-    threads: dict[str, Counter[str]] = defaultdict(Counter)
+def stacks(path: Path) -> Iterator[tuple[str, list[str], int]]:
+    """Each line of py-spy's raw output: the thread's name, its frames (outermost first), the samples."""
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         head, *frames = stack.split(";")
-        name = head.partition(": ")[2] or head
-        threads[name][category(frames)] += int(count)
+        yield head.partition(": ")[2] or head, frames, int(count)
+
+
+def split(path: Path) -> dict[str, Counter[str]]:
+    """Samples per category of each thread (by its name, over all threads of that name)."""
+    threads: dict[str, Counter[str]] = defaultdict(Counter)
+    for name, frames, count in stacks(path):
+        threads[name][category(frames)] += count
     return threads
 
 
 def driver_calls(path: Path, thread: str) -> Counter[tuple[str, str]]:
     """``thread``'s samples inside the CUDA driver, by (entry point, lock waited in or "-")."""
     calls: Counter[tuple[str, str]] = Counter()
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        head, *frames = stack.split(";")
-        if (head.partition(": ")[2] or head) != thread or category(frames) not in ("driver lock", "driver"):
+    for name, frames, count in stacks(path):
+        if name != thread or category(frames) not in ("driver lock", "driver"):
             continue
         inside = next(i for i, f in enumerate(frames) if "libcuda" in f)
         named = [f for f in frames[: inside + 1] if re.match(r"cu[A-Z]|cuda[A-Z]", f)]
@@ -80,7 +84,7 @@ def driver_calls(path: Path, thread: str) -> Counter[tuple[str, str]]:
         lock = next(
             (kind for kind in ("rwlock_wrlock", "rwlock_rdlock", "mutex") if any(kind in f for f in frames)), "-"
         )
-        calls[entry, lock] += int(count)
+        calls[entry, lock] += count
     return calls
 
 
