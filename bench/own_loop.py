@@ -282,6 +282,7 @@ def sleep_in_cuda_waits(device: int) -> None:
 @click.option("--cpu-share", default="auto", show_default=True, help="ShardLoader's cpu_share (a diagnosis)")
 @click.option("--switch-interval", type=float, help="sys.setswitchinterval for the run, in ms (a diagnosis)")
 @click.option("--workers", type=int, help="ShardLoader's workers (a diagnosis; default: its own)")
+@click.option("--decode", default="auto", show_default=True, help="ShardLoader's decode (a diagnosis: dali)")
 @click.option("--blocking-sync", is_flag=True, help="CUDA's host threads sleep in their waits, not spin (a diagnosis)")
 @click.option("--profile", type=click.Path(dir_okay=False, path_type=Path), help="py-spy raw samples here")
 @click.option("--profile-mode", type=click.Choice(sorted(SPY_MODES)), default="gil", show_default=True)
@@ -298,6 +299,7 @@ def main(
     cpu_share: str,
     switch_interval: float | None,
     workers: int | None,
+    decode: str,
     blocking_sync: bool,
     profile: Path | None,
     profile_mode: str,
@@ -320,6 +322,7 @@ def main(
         image_size=image_size,
         channels_last=True,
         cpu_share=float(cpu_share) if cpu_share != "auto" else cpu_share,
+        decode=decode,
         **({"workers": workers} if workers is not None else {}),
     )
     model, optimizer = docs_model(arch, len(loader.classes), mode, torch.device("cuda"))
@@ -334,7 +337,7 @@ def main(
     row = {
         "arch": arch, "batch": batch_size, "size": image_size, "compile": mode, "ranks": dist.get_world_size(),
         "queues": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset"), "workers": loader.workers,
-        "cpu_share": cpu_share, "switch_ms": switch_interval, "blocking_sync": blocking_sync,
+        "cpu_share": cpu_share, "decode": decode, "switch_ms": switch_interval, "blocking_sync": blocking_sync,
         "ceiling": round(top, 1), "ceiling_before": round(before, 1), "ceiling_after": round(after, 1),
         "ceiling_per_step": {"before": before_steps, "after": after_steps},
         "ratio": round(float(got["fed"]) / top, 3), **got,  # type: ignore[arg-type]
