@@ -27,7 +27,8 @@ of ``--rounds`` rounds (each round starting at the next variant). A variant's wi
 against the mean of the two "none" windows around it, so that the host's drift (a default-mode
 step's own rate moves 14% between minutes) cancels. Prints each variant's ratios, their median,
 and the loop's thread's CPU milliseconds a step beside it and beside none, as a JSON line after
-each round and at the end (the last also to ``--json-out``).
+each round and at the end (the last also to ``--json-out``). Run AW's answer: in this process
+the parts cost the step 5-13%, in a process of their own more (0.77-0.80: the GPU time-sliced).
 
     bash bench/fast_steps.sh OUT beside default   # or: PYTHONPATH=. torchrun --nproc-per-node 1 bench/beside_step.py
 """
