@@ -8,7 +8,8 @@
 #   bench/fast_steps.sh OUT spy default                        # the same under py-spy --native: OUT/spy.log splits each thread
 #   bench/fast_steps.sh OUT beside default                     # each part of the feed beside that loop's step, in turns (bench/beside_step.py)
 #   bench/fast_steps.sh OUT train 160 192                      # train.py's ResNet-50 at these sizes
-#   bench/fast_steps.sh OUT resnet18                           # train.py's ResNet-18 bs512 at 224 px
+#   bench/fast_steps.sh OUT resnet18 [full|MAX_SIDE...]        # train.py's ResNet-18 bs512 at 224 px, from the shards as generated (full, the default)
+#                                                              # or converted again with --max-side MAX_SIDE --quality 90
 #
 # Each own-loop row takes 2-3 minutes (torch.compile from a cold cache the longest), each
 # train.py size about 100 s, a beside row about 6 minutes: put what fits in one call's time after it. The shards (40,000
@@ -17,7 +18,7 @@
 # it is there (as for bench/long_epochs.sh: webdataset, braceexpand, loguru, tenacity, py-spy;
 # nvidia-nvimgcodec-cu13 and nvidia-nvjpeg for beside's nvimgcodec variant).
 set -euo pipefail
-usage="usage: bench/fast_steps.sh OUT own|spy|beside MODE... [-- OPTION...] | train SIZE... | resnet18"
+usage="usage: bench/fast_steps.sh OUT own|spy|beside MODE... [-- OPTION...] | train SIZE... | resnet18 [full|MAX_SIDE...]"
 out=$(realpath -m "${1:?$usage}")
 what=${2:?$usage}
 shift 2
@@ -52,8 +53,10 @@ if [ "$what" != beside ] && [ ! -f "$work/shards/manifest.json" ]; then
     --size 500 375 --quality 95 --workers "$(nproc)" >/dev/null
   python3 imagenet_shards.py convert "$work/tree" "$work/shards" --splits train --workers "$(nproc)" >/dev/null
 fi
-bench() { # train.py's rows: ceiling and fed, epochs as long as ImageNet's
-  python3 bench/throughput.py --gpus 1 --data "$work/shards" --work "$work/label" --no-breakdown --no-dali-loop "$@"
+bench() { # SHARDS OPTION...: train.py's rows, ceiling and fed, epochs as long as ImageNet's
+  local data=$1
+  shift
+  python3 bench/throughput.py --gpus 1 --data "$data" --work "$work/label" --no-breakdown --no-dali-loop "$@"
 }
 loop() { # SCRIPT NAME OPTION...: bench/SCRIPT.py under torchrun, 32 queues as docs/library.md's loop sets before CUDA starts
   local script=$1 name=$2
@@ -77,7 +80,17 @@ case $what in
     for mode in "$@"; do loop beside_step beside --compile "$mode"; done
     ;;
   train)
-    for size in "$@"; do bench --preset multi-gpu --image-size "$size" --json-out "$out/train-$size.json"; done
+    for size in "$@"; do bench "$work/shards" --preset multi-gpu --image-size "$size" --json-out "$out/train-$size.json"; done
     ;;
-  resnet18) bench --preset resnet18 --json-out "$out/resnet18.json" ;;
+  resnet18)
+    for side in "${@:-full}"; do
+      if [ "$side" = full ]; then
+        bench "$work/shards" --preset resnet18 --json-out "$out/resnet18.json"
+        continue
+      fi # smaller stored pictures (docs/shards.md's --max-side)
+      [ -f "$work/shards-$side/manifest.json" ] || python3 imagenet_shards.py convert "$work/tree" "$work/shards-$side" \
+        --splits train --max-side "$side" --quality 90 --workers "$(nproc)" >/dev/null
+      bench "$work/shards-$side" --preset resnet18 --json-out "$out/resnet18-$side.json"
+    done
+    ;;
 esac
