@@ -22,6 +22,8 @@ a step, so its work starts when the step does, as the loader's does.
   own CUDA context), taken from once a step through a queue; ``feed-process`` writes its images
   into a ring of buffers this process opened once by CUDA IPC, and the step trains on them.
 
+Each stage's milliseconds a batch are timed alone first, and again beside the step in each window
+(in this process only): the difference is the time its work waits behind the step's on the device.
 Windows of ``--window`` steps take turns: none beside, then a variant, for every variant in each
 of ``--rounds`` rounds (each round starting at the next variant). A variant's window counts
 against the mean of the two "none" windows around it, so that the host's drift (a default-mode
@@ -43,7 +45,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import click
 import torch
@@ -56,11 +58,11 @@ from imagenet_ais.loader.device_feed import DeviceFeed
 from imagenet_ais.loader.wire import Encoded
 
 VARIANTS = ("decode", "crop", "feed", "decode-process", "feed-process", "nvimgcodec")
-SIZE = 224
 RING = 8  # a process's output buffers, shared once (more than its queue and feed hold ahead)
+DRAIN = 32  # batches taken before a feed is timed alone: more than its queues and threads hold (about 11)
 
 
-def stages(kind: str, device: torch.device) -> list[tuple[str, Callable[[Any], Any]]]:
+def stages(kind: str, device: torch.device, size: int) -> list[tuple[str, Callable[[Any], Any]]]:
     """The loader's stages (engine._OnDevice's) for ``kind``: decode, crop, or both. The decode
     alone ends in a stage that drops its pictures there, as the loader's crop stage does (on the
     loop's thread their hundreds of frees would be driver calls the loader never makes there)."""
@@ -68,7 +70,7 @@ def stages(kind: str, device: torch.device) -> list[tuple[str, Callable[[Any], A
     if kind == "nvimgcodec":
         return [nvimgcodec_decode(device), drop]
     decode = ("decode", lambda batch: decode_encoded(batch, device))
-    crop = ("crop", lambda decoded: (crop_decoded(decoded, SIZE, device, channels_last=True),))
+    crop = ("crop", lambda decoded: (crop_decoded(decoded, size, device, channels_last=True),))
     return {"decode": [decode, drop], "crop": [crop], "feed": [decode, crop]}[kind]
 
 
@@ -98,6 +100,16 @@ def items(kind: str, batches: list[Encoded], device: torch.device) -> Iterator[E
     return itertools.cycle(decoded)
 
 
+class Window(NamedTuple):
+    """One window's figures: its variant ("none": nothing beside), images a second, the loop's
+    thread's CPU milliseconds a step, and (in this process) each stage's milliseconds a step."""
+
+    variant: str
+    img_s: float
+    loop_cpu_ms: float
+    stage_ms: dict[str, float]
+
+
 class Beside:
     """A variant's work beside the step: ``take`` once a step while its windows run.
 
@@ -106,18 +118,18 @@ class Beside:
     by IPC costs its receiver driver calls when it arrives and a synchronize when it is freed,
     which a loader built so would avoid the same way."""
 
-    def __init__(self, name: str, batches: list[Encoded], device: torch.device, images: list[bytes], batch: int):
+    def __init__(self, name: str, batches: list[Encoded], device: torch.device, images: list[bytes], size: int):
         self.kind = name.removesuffix("-process")
         self.feed: DeviceFeed | None = None
         self.child: Any = None
         self.ring: list[torch.Tensor] = []
         if not name.endswith("-process"):
-            self.feed = DeviceFeed(items(self.kind, batches, device), stages(self.kind, device), device, ahead=4)
+            self.feed = DeviceFeed(items(self.kind, batches, device), stages(self.kind, device, size), device, ahead=4)
             next(self.feed)  # (the stages' first call: nvJPEG's and Triton's set-up)
             return
         spawn = torch.multiprocessing.get_context("spawn")  # (its queue passes CUDA tensors by IPC handle)
         self.made, self.stop = spawn.Queue(maxsize=2), spawn.Event()
-        args = (self.kind, images, batch, str(device), self.made, self.stop)
+        args = (self.kind, images, len(batches[0].boxes), size, str(device), self.made, self.stop)
         self.child = spawn.Process(target=_process_feed, args=args, daemon=True)
         self.child.start()
         try:
@@ -133,6 +145,10 @@ class Beside:
             return self.ring[index] if self.ring else None
         item = next(self.feed)
         return item[0] if self.kind == "feed" else None
+
+    def busy(self) -> dict[str, float]:
+        """Seconds each of its stages worked since the last call (in this process; else none)."""
+        return self.feed.busy() if self.feed is not None else {}
 
     def _get(self, timeout: float) -> Any:
         """The child's next message; an error at once if it ended, or after ``timeout`` seconds."""
@@ -157,14 +173,14 @@ class Beside:
             self.child.kill()
 
 
-def _process_feed(kind: str, images: list[bytes], batch: int, device: str, made: Any, stop: Any) -> None:
+def _process_feed(kind: str, images: list[bytes], batch: int, size: int, device: str, made: Any, stop: Any) -> None:
     """(In a process of its own, spawned) the stages of ``kind`` on ``images`` in batches of
     ``batch``: first the RING buffers (``feed``; else an empty list) into ``made``, then for each
     batch the number of the buffer it was written into (else None), until ``stop``."""
     where = torch.device(device)
     if where.type == "cuda":
         torch.cuda.set_device(where)
-    feed = DeviceFeed(items(kind, host_batches(images, batch), where), stages(kind, where), where, ahead=4)
+    feed = DeviceFeed(items(kind, host_batches(images, batch), where), stages(kind, where, size), where, ahead=4)
     ring: list[torch.Tensor] = []
     try:
         for n, item in enumerate(feed):
@@ -195,23 +211,40 @@ def timed(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     inputs: tuple[torch.Tensor, torch.Tensor],
+    name: str,
     beside: Beside | None,
     settle: int,
     steps: int,
-) -> tuple[float, float]:
-    """Images a second over ``steps`` steps after ``settle`` (the feed's queued batches taken), and
-    the loop's thread's CPU milliseconds a step meanwhile."""
+) -> Window:
+    """``steps`` steps after ``settle`` (the feed's queued batches taken): the window of ``name``.
+    A stage's milliseconds a step beside the step, against its time alone, show how long its
+    work waits for the step's on the device."""
     images, labels = inputs
     groups = thread_groups()
     for i in range(settle + steps):
         if i == settle:
             sync()
             start, began = time.perf_counter(), sched_times(groups)["loop"][0]
+            if beside:
+                beside.busy()
         made = beside.take() if beside else None
         step(model, optimizer, images if made is None else made, labels)
     sync()
     wall = time.perf_counter() - start
-    return steps * images.shape[0] / wall, (sched_times(groups)["loop"][0] - began) / 1e6 / steps
+    stages = {stage: 1000 * seconds / steps for stage, seconds in (beside.busy() if beside else {}).items()}
+    cpu = (sched_times(groups)["loop"][0] - began) / 1e6 / steps
+    return Window(name, steps * images.shape[0] / wall, cpu, stages)
+
+
+def alone(beside: Beside, batches: int = 30) -> dict[str, float]:
+    """Each of its stages' milliseconds a batch with no step beside (in this process): timed once
+    its queues ran dry, so that each batch taken was made meanwhile."""
+    for _ in range(DRAIN):
+        beside.take()
+    beside.busy()
+    for _ in range(batches):
+        beside.take()
+    return {stage: round(1000 * seconds / batches, 2) for stage, seconds in beside.busy().items()}
 
 
 def sync() -> None:
@@ -219,23 +252,26 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def summary(name: str, windows: list[tuple[str, float, float]]) -> dict[str, Any]:
+def summary(name: str, windows: list[Window]) -> dict[str, Any]:
     """A variant's windows, each against the mean of the "none" windows before and after it."""
-    at = [i for i, (n, _, _) in enumerate(windows) if n == name]
-    ratios = [windows[i][1] / ((windows[i - 1][1] + windows[i + 1][1]) / 2) for i in at]
+    at = [i for i, w in enumerate(windows) if w.variant == name]
+    ratios = [windows[i].img_s / ((windows[i - 1].img_s + windows[i + 1].img_s) / 2) for i in at]
+    stages = windows[at[0]].stage_ms.keys()
     return {
         "variant": name,
         "median": round(statistics.median(ratios), 3),
         "ratios": [round(r, 3) for r in ratios],
-        "img_s": [round(windows[i][1]) for i in at],
-        "loop_cpu_ms": round(statistics.median(windows[i][2] for i in at), 2),
-        "loop_cpu_ms_none": round(statistics.median(cpu for n, _, cpu in windows if n == "none"), 2),
+        "img_s": [round(windows[i].img_s) for i in at],
+        "loop_cpu_ms": round(statistics.median(windows[i].loop_cpu_ms for i in at), 2),
+        "loop_cpu_ms_none": round(statistics.median(w.loop_cpu_ms for w in windows if w.variant == "none"), 2),
+        "stage_ms": {stage: round(statistics.median(windows[i].stage_ms[stage] for i in at), 2) for stage in stages},
     }
 
 
 @click.command()
 @click.option("--arch", default="resnet50", show_default=True)
 @click.option("--batch-size", default=256, show_default=True)
+@click.option("--image-size", default=224, show_default=True)
 @click.option("--compile", "mode", default="default", type=click.Choice(["none", "default", "reduce-overhead"]))
 @click.option("--variants", default=",".join(VARIANTS), show_default=True)
 @click.option("--rounds", default=5, show_default=True)
@@ -246,6 +282,7 @@ def summary(name: str, windows: list[tuple[str, float, float]]) -> dict[str, Any
 def main(
     arch: str,
     batch_size: int,
+    image_size: int,
     mode: str,
     variants: str,
     rounds: int,
@@ -265,7 +302,7 @@ def main(
     if cuda:
         torch.cuda.set_device(device)
     model, optimizer = docs_model(arch, 1000, mode, device)
-    shape = (batch_size, 3, SIZE, SIZE)
+    shape = (batch_size, 3, image_size, image_size)
     inputs = (
         torch.randn(shape, device=device).contiguous(memory_format=torch.channels_last),
         torch.randint(0, 1000, (batch_size,), device=device),
@@ -274,24 +311,25 @@ def main(
     besides: dict[str, Beside] = {}
     for name in names:  # (a variant that fails is reported and left out: the others' windows still count)
         try:
-            besides[name] = Beside(name, batches, device, pictures, batch_size)
+            besides[name] = Beside(name, batches, device, pictures, image_size)
         except Exception as e:
             print(f"{name}: {type(e).__name__}: {e}: left out", flush=True)
-    head = {"arch": arch, "batch": batch_size, "compile": mode, "window": window, "settle": settle}
-    windows: list[tuple[str, float, float]] = []  # (variant, img/s, the loop's CPU ms a step): none, v, none, ...
+    head = {"arch": arch, "batch": batch_size, "size": image_size, "compile": mode, "window": window, "settle": settle}
+    head["stage_ms_alone"] = {name: alone(beside) for name, beside in besides.items() if beside.feed}
+    windows: list[Window] = []  # none, a variant, none, ...
     try:
-        timed(model, optimizer, inputs, None, 0, 30)  # compile, warm up
-        windows.append(("none", *timed(model, optimizer, inputs, None, settle, window)))
+        timed(model, optimizer, inputs, "none", None, 0, 30)  # compile, warm up
+        windows.append(timed(model, optimizer, inputs, "none", None, settle, window))
         for r in range(rounds):
             order, shift = list(besides), r % max(1, len(besides))  # (each round starts elsewhere)
             for name in order[shift:] + order[:shift]:
                 try:
-                    got = timed(model, optimizer, inputs, besides[name], settle, window)
+                    got = timed(model, optimizer, inputs, name, besides[name], settle, window)
                 except Exception as e:
                     print(f"{name}: {type(e).__name__}: {e}: left out from here on", flush=True)
                     besides.pop(name).close()
                     continue
-                windows += [(name, *got), ("none", *timed(model, optimizer, inputs, None, settle, window))]
+                windows += [got, timed(model, optimizer, inputs, "none", None, settle, window)]
             print(json.dumps({**head, "rounds": r + 1, **results(names, windows)}), flush=True)  # (so far)
     finally:
         for beside in besides.values():
@@ -304,11 +342,11 @@ def main(
     dist.destroy_process_group()
 
 
-def results(names: list[str], windows: list[tuple[str, float, float]]) -> dict[str, Any]:
+def results(names: list[str], windows: list[Window]) -> dict[str, Any]:
     """Each variant's summary, and the rates of the windows with none beside."""
     return {
-        "none_img_s": [round(r) for n, r, _ in windows if n == "none"],
-        "variants": [summary(name, windows) for name in names if any(n == name for n, _, _ in windows)],
+        "none_img_s": [round(w.img_s) for w in windows if w.variant == "none"],
+        "variants": [summary(name, windows) for name in names if any(w.variant == name for w in windows)],
     }
 
 

@@ -7,6 +7,7 @@
 #   bench/fast_steps.sh OUT own default -- --cpu-share 0.5     # after --: more of own_loop.py's options, for each mode
 #   bench/fast_steps.sh OUT spy default                        # the same under py-spy --native: OUT/spy.log splits each thread
 #   bench/fast_steps.sh OUT beside default                     # each part of the feed beside that loop's step, in turns (bench/beside_step.py)
+#   bench/fast_steps.sh OUT beside reduce-overhead -- --image-size 160 --variants decode,feed   # beside_step's options after --
 #   bench/fast_steps.sh OUT train 160 192                      # train.py's ResNet-50 at these sizes
 #   bench/fast_steps.sh OUT resnet18 [full|MAX_SIDE...]        # train.py's ResNet-18 bs512 at 224 px, from the shards as generated (full, the default)
 #                                                              # or converted again with --max-side MAX_SIDE --quality 90
