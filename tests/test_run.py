@@ -250,9 +250,9 @@ def test_each_lock_pins_its_ranges_and_agrees_with_the_dev_lock() -> None:
     assert dev["uv"] == [(uv_version, "")], "the uv the dev lock pins is the one ./run installs (UV_VERSION)"
 
 
-# What builds this checkout runs one build at a time (in one group, each build after the other):
-# setuptools writes into the source tree (build/, *.egg-info), and two pips preparing it at once
-# failed there (2026-12-02, a clean clone's CI).
+# The tests that build this checkout run one build at a time: setuptools writes into the source
+# tree (build/, *.egg-info). The pip resolve failed once in a clean clone's CI (2026-12-02) while
+# its two pips prepared the tree at once; its cause was not kept (pip's stderr was dropped then).
 SOURCE_TREE = pytest.mark.xdist_group("source-tree")
 
 
