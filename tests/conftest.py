@@ -40,17 +40,54 @@ UNSIZED = ["--arch", TINY_ARCH, "--batch-size", "4", "--warmup-epochs", "0"]  # 
 TINY = [*UNSIZED, "--image-size", "32"]
 
 
-def run_cli(*args: str | Path, check: bool = True, env: dict[str, str] | None = None, timeout: float = 600):
-    """Run a project script (or torchrun) with this interpreter; output captured."""
+def run_cli(*args: str | Path, check: bool = True, env: dict[str, str] | None = None, timeout: float = 300):
+    """Run a project script (or torchrun) with this interpreter; output captured.
+
+    One still running after ``timeout`` s (under the tests' 600) fails with what it printed and
+    every thread's stack of each Python process under it: a hang says where it hangs."""
     cmd = [str(a) for a in args]
     if cmd[0].endswith(".py"):
         cmd = [sys.executable, str(ROOT / cmd[0]), *cmd[1:]]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout
-    )
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as child:
+        try:
+            out, err = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            tree = _tree(child.pid)  # (before any dies: its children would move to init)
+            _signal(tree, signal.SIGABRT)  # faulthandler prints the stacks, then the process ends
+            time.sleep(3)
+            _signal(tree, signal.SIGKILL)
+            out, err = child.communicate(timeout=30)
+            raise AssertionError(f"{cmd} still running after {timeout:.0f} s:\n{out}\n{err}") from None
+        finally:
+            if child.returncode is None:  # the test timed out meanwhile: nothing of it runs on
+                _signal(_tree(child.pid), signal.SIGKILL)
+    proc = subprocess.CompletedProcess(cmd, child.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every process under it (torchrun starts its ranks in sessions of their own,
+    so its process group would miss them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    tree = [pid]
+    for p in tree:
+        tree.extend(children.get(p, []))
+    return tree
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # (ended already)
+            os.kill(pid, sig)
 
 
 @contextlib.contextmanager

@@ -409,6 +409,7 @@ def test_two_runs_given_one_upload_location_never_mix_their_files(
     # the first run, restarted into its --output (it died before its first checkpoint), is that run
     loop.train(tiny_synthetic(first, uploads, max_steps=2, resume=None))
     assert {"ckpt-00000002.pt", "latest.json", "metrics.jsonl"} <= {p.name for p in uploads.iterdir()}
+    assert "uploader" not in {t.name for t in threading.enumerate()}, "a run leaves no thread behind"
     assert run_of(uploads) == "0123abcd" and json.loads((uploads / "latest.json").read_text())["run"] == "0123abcd"
     assert not second.exists(), "the refused start left no folder of its own behind"
     # upload.sh from another run's output into it is refused the same way
@@ -418,10 +419,10 @@ def test_two_runs_given_one_upload_location_never_mix_their_files(
     with pytest.raises(upload.Claimed, match="the location is another run's"):
         upload.sync(second, str(uploads))
     # a location taken over mid-run (its run.json replaced): nothing more goes up, and the run says so
-    uploader = upload.Uploader(str(uploads), "0123abcd", first, retry_seconds=1)
-    (uploads / "run.json").write_text('{"run": "ffff0000"}')
-    uploader.submit(first / "metrics.jsonl")
-    assert uploader.flush(5) == ["metrics.jsonl"]
+    with upload.Uploader(str(uploads), "0123abcd", first, retry_seconds=1) as uploader:
+        (uploads / "run.json").write_text('{"run": "ffff0000"}')
+        uploader.submit(first / "metrics.jsonl")
+        assert uploader.flush(5) == ["metrics.jsonl"]
     assert "run.json: the location is another run's (run ffff0000" in capsys.readouterr().err
 
 
@@ -469,5 +470,6 @@ def test_a_full_upload_location_never_stops_training_and_a_rerun_uploads_what_is
     assert f"uploaded to {uploads} what was missing or behind there: ckpt-00000004.pt, metrics.jsonl" in said
     assert json.loads((uploads / "latest.json").read_text())["checkpoint"] == "ckpt-00000004.pt"
     assert (uploads / "metrics.jsonl").read_bytes() == (output / "metrics.jsonl").read_bytes()
+    assert "uploader" not in {t.name for t in threading.enumerate()}, "catching up leaves no thread behind"
     again = loop.train(tiny_synthetic(output, uploads, epochs=2, epoch_size=4))
     assert again["exit_code"] == 0 and "behind there: train.log\n" in capsys.readouterr().out  # its new line only

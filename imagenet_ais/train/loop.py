@@ -135,6 +135,8 @@ def _resume_and_train(
         return epochs(run, sizes)
     finally:
         run.stop.restore()  # the caller's signal handlers back, however the run ended
+        if run.uploader:
+            run.uploader.close()
 
 
 def epochs(run: Run, sizes: list[int]) -> dict[str, Any]:
@@ -438,24 +440,25 @@ def catch_up(cfg: TrainConfig, output: Path, train_state: TrainState, echo: Call
     unreachable location) goes up now. Its exit code: EXIT_UPLOAD_FAILED while some still cannot."""
     if not cfg.upload:
         return 0
-    uploader = upload.Uploader(cfg.upload, upload.run_id(output, train_state.run_id), output, cfg.upload_retry_seconds)
-    final = output / checkpoint.name_for(train_state.step)
-    try:
-        pointer = upload.latest(uploader.store)
-        behind = [f for f in logs(output) if not uploader.store.matches(f.name, f)]
-    except upload.BadPointer:
-        raise
-    except Exception as e:  # each SDK has its own errors
-        echo(f"ERROR: {cfg.upload} cannot be read ({type(e).__name__}: {e}): its uploads may be incomplete", err=True)
-        return EXIT_UPLOAD_FAILED
-    if final.exists() and (pointer is None or pointer["step"] < train_state.step):
-        uploader.submit(final, checkpoint_step=train_state.step)
-    for file in behind:
-        uploader.submit(file)
-    if missing := uploader.flush(cfg.flush_timeout):
-        echo(f"ERROR: never uploaded to {cfg.upload}: {', '.join(missing)} (local copies in {output})", err=True)
-        return EXIT_UPLOAD_FAILED
-    sent = [final.name] if uploader.pointer_step == train_state.step else []
+    with upload.Uploader(cfg.upload, upload.run_id(output, train_state.run_id), output, cfg.upload_retry_seconds) as up:
+        final = output / checkpoint.name_for(train_state.step)
+        try:
+            pointer = upload.latest(up.store)
+            behind = [f for f in logs(output) if not up.store.matches(f.name, f)]
+        except upload.BadPointer:
+            raise
+        except Exception as e:  # each SDK has its own errors
+            failure = f"{type(e).__name__}: {e}"
+            echo(f"ERROR: {cfg.upload} cannot be read ({failure}): its uploads may be incomplete", err=True)
+            return EXIT_UPLOAD_FAILED
+        if final.exists() and (pointer is None or pointer["step"] < train_state.step):
+            up.submit(final, checkpoint_step=train_state.step)
+        for file in behind:
+            up.submit(file)
+        if missing := up.flush(cfg.flush_timeout):
+            echo(f"ERROR: never uploaded to {cfg.upload}: {', '.join(missing)} (local copies in {output})", err=True)
+            return EXIT_UPLOAD_FAILED
+        sent = [final.name] if up.pointer_step == train_state.step else []
     if sent := sent + [f.name for f in behind]:
         echo(f"uploaded to {cfg.upload} what was missing or behind there: {', '.join(sent)}")
     return 0

@@ -24,7 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from imagenet_ais.errors import DataError, InUse
 from imagenet_ais.storage import LocalStore, Store, download, open_store
@@ -105,7 +105,7 @@ class Uploader:
         # a full one must not fill up with them. A killed run's are its dead jobs': gone.
         self.snapshots = output / SNAPSHOTS
         shutil.rmtree(self.snapshots, ignore_errors=True)
-        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.jobs: queue.Queue[Job | Literal["end"] | None] = queue.Queue()
         self.failed: list[Job] = []
         self.lost: list[str] = []  # files that could not even be copied to go up
         self.pointer_step = -1
@@ -163,13 +163,27 @@ class Uploader:
                     return list(dict.fromkeys(self.lost))
             time.sleep(0.1)
         with self.lock:
-            left = [j.name for j in (self.in_flight, *self.failed, *list(self.jobs.queue)) if j is not None]
+            left = [j.name for j in (self.in_flight, *self.failed, *list(self.jobs.queue)) if isinstance(j, Job)]
         return list(dict.fromkeys([*self.lost, *left]))
+
+    def close(self) -> None:
+        """The upload thread ends: at once when idle (after a ``flush`` that got everything up), or
+        after its upload in flight otherwise; a run leaves no thread of its own behind."""
+        self.jobs.put("end")
+        self.thread.join(timeout=5)
+
+    def __enter__(self) -> Uploader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # the upload thread ------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             job = self.jobs.get()  # None: a flush, just one more round for the failures
+            if job == "end":
+                return
             try:
                 self._retry_failed()
                 if job is not None:
