@@ -45,7 +45,7 @@ sample_rank0() { # py-spy on rank 0's training process for 15 s, once the first 
     sleep 1
   done
   [ -n "$pid" ] || return 0
-  sleep 45 # past compilation and CUDA graph capture, inside the 750 steps (--nonblocking: the
+  sleep 45 # past compilation and CUDA graph capture, inside the 1,100 steps (--nonblocking: the
   # default pauses the process for each sample, which slowed 4 GPUs from 19,000 img/s to 15,400)
   # which thread holds the GIL, then what every thread does
   py-spy record --nonblocking --gil --threads --rate 100 --duration 10 --format raw -p "$pid" \
