@@ -314,10 +314,7 @@ def _convert_locked(
             "(nothing was changed)"
         )
     _refuse_rewritten(kept, journal, list(plans))
-    if isinstance(store, LocalStore):  # scratch files of killed runs (object stores' are in the temp dir)
-        for pattern in SCRATCH:
-            for left in store.root.glob(pattern):
-                left.unlink(missing_ok=True)
+    _remove_scratch(store)  # a killed run's
     if published:
         _tidy(store, published, known, check_lock)  # a run killed while tidying up: finish that first
         # Readers must not see a manifest naming shards this run may rewrite; the journal keeps
@@ -410,5 +407,15 @@ def _build(
         # lost with its process (killed, or its error unpicklable), did not
         for _, tmp in publishing.values():
             tmp.unlink(missing_ok=True)
+        _remove_scratch(store)  # those of uploads whose process was killed, or terminated with its broken pool
         raise
     return results
+
+
+def _remove_scratch(store: Store) -> None:
+    """This tool's scratch files in a local DEST, while none of its processes writes there (DEST's
+    lock keeps other runs out). An object store's are in the temp directory."""
+    if isinstance(store, LocalStore):
+        for pattern in SCRATCH:
+            for left in store.root.glob(pattern):
+                left.unlink(missing_ok=True)
