@@ -53,7 +53,7 @@ def run_cli(*args: str | Path, check: bool = True, env: dict[str, str] | None = 
         try:
             out, err = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            tree = _tree(child.pid)  # (before any dies: its children would move to init)
+            tree = {child.pid, *descendants(child.pid)}  # (before any dies: its children would move to init)
             _signal(tree, signal.SIGABRT)  # faulthandler prints the stacks, then the process ends
             time.sleep(3)
             _signal(tree, signal.SIGKILL)
@@ -61,30 +61,14 @@ def run_cli(*args: str | Path, check: bool = True, env: dict[str, str] | None = 
             raise AssertionError(f"{cmd} still running after {timeout:.0f} s:\n{out}\n{err}") from None
         finally:
             if child.returncode is None:  # the test timed out meanwhile: nothing of it runs on
-                _signal(_tree(child.pid), signal.SIGKILL)
+                _signal({child.pid, *descendants(child.pid)}, signal.SIGKILL)
     proc = subprocess.CompletedProcess(cmd, child.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and every process under it (torchrun starts its ranks in sessions of their own,
-    so its process group would miss them)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue  # gone meanwhile
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    tree = [pid]
-    for p in tree:
-        tree.extend(children.get(p, []))
-    return tree
-
-
-def _signal(pids: list[int], sig: signal.Signals) -> None:
+def _signal(pids: set[int], sig: signal.Signals) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):  # (ended already)
             os.kill(pid, sig)
@@ -228,6 +212,21 @@ def _stat(pid: int) -> list[str]:
 
 def child_pids(pid: int) -> set[int]:
     return {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _stat(int(p.name))[1:2] == [str(pid)]}
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process under ``pid``, however deep (torchrun starts its ranks in sessions of their
+    own, so a process group would miss them); one pass over /proc."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and (fields := _stat(int(proc.name))):
+            children.setdefault(int(fields[1]), []).append(int(proc.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
 
 
 def outliving(pids: set[int], seconds: float) -> set[int]:

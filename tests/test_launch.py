@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_ARCH, child_pids, free_port, outliving, run_cli, tiny_run_env, wait_until, write_shards
+from conftest import ROOT, TINY_ARCH, descendants, free_port, outliving, run_cli, tiny_run_env, wait_until, write_shards
 
 SECRET = "s3cr3t-token-value"
 
@@ -277,15 +277,6 @@ def test_local2_really_runs_two_cpu_processes(tmp_path: Path) -> None:
     assert done.returncode == 0 and "OMP_NUM_THREADS" not in done.stderr, done.stderr
     state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
     assert state["step"] == 2 and len(state["rng"]) == 2
-
-
-def descendants(pid: int) -> set[int]:
-    found, todo = set(), [pid]
-    while todo:
-        for child in child_pids(todo.pop()) - found:
-            found.add(child)
-            todo.append(child)
-    return found
 
 
 @pytest.mark.slow

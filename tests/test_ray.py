@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port, run_cli, tiny_run_env, write_shards
+from conftest import ROOT, descendants, free_port, run_cli, tiny_run_env, write_shards
 
 # one Ray cluster on this machine at a time: these tests in one of ./run test's processes
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.slow]
@@ -124,7 +124,7 @@ def test_sigterm_to_run_ray_saves_exits_75_and_leaves_no_process(tmp_path: Path)
         while len(_train_steps(output)) < 2 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()
-        ours = _descendants(proc.pid)
+        ours = descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)  # ./run's PID: it execs the driver
         out, err = proc.communicate(timeout=180)
         assert proc.returncode == 75, err
@@ -141,20 +141,6 @@ def test_sigterm_to_run_ray_saves_exits_75_and_leaves_no_process(tmp_path: Path)
             proc.kill()
         _stop(session)
         shutil.rmtree(session, ignore_errors=True)
-
-
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rpartition(")")[2].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
 
 
 def _alive(pid: int) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, child_pids, free_port, run_cli, train_here, wait_until, write_shards
+from conftest import ROOT, TINY, descendants, free_port, run_cli, train_here, wait_until, write_shards
 from test_train import metrics
 
 pytestmark = pytest.mark.slow  # torchrun runs and resumes: 15-120 s a test
@@ -175,10 +175,7 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_keeps_the_epoch_exac
     )
     state = torch.load(output / "last.pt", weights_only=True)
     assert len(state["rng"]) == 2, "both agents trained together"
-    tree = {lost.pid}
-    while new := {c for p in tree for c in child_pids(p)} - tree:  # its worker is in a session of its own
-        tree |= new
-    for pid in tree:
+    for pid in {lost.pid, *descendants(lost.pid)}:  # its worker is in a session of its own
         os.kill(pid, signal.SIGKILL)
     lost.wait()
     assert survivor.wait(timeout=300) == 0, logs[0].read_text()[-20000:]
