@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #48's rows on one lent GPU (bench/RESULTS.md runs AQ-AW): where the step is fast, each
+# Issue #48's rows on one lent GPU (bench/RESULTS.md runs AQ-AZ): where the step is fast, each
 # against its own ceiling in the same call, with the GPU's clocks, temperature, power and
 # throttle reasons every 5 s (OUT/gpus.csv).
 #
