@@ -11,6 +11,8 @@
 #   bench/fast_steps.sh OUT train 160 192                      # train.py's ResNet-50 at these sizes
 #   bench/fast_steps.sh OUT resnet18 [full|MAX_SIDE...]        # train.py's ResNet-18 bs512 at 224 px, from the shards as generated (full, the default)
 #                                                              # or converted again with --max-side MAX_SIDE --quality 90
+#   bench/fast_steps.sh OUT indexed [converted] [hub]          # train.py's ResNet-50 at 224 px from the converted shards, and from
+#                                                              # the same pictures in the hub's layout (bench/hub_copy.py), indexed in place
 #
 # Each own-loop row takes 2-3 minutes (torch.compile from a cold cache the longest), each
 # train.py size about 100 s, a beside row about 6 minutes: put what fits in one call's time after it. The shards (40,000
@@ -19,7 +21,7 @@
 # it is there (as for bench/long_epochs.sh: webdataset, braceexpand, loguru, tenacity, py-spy;
 # nvidia-nvimgcodec-cu13 and nvidia-nvjpeg for beside's nvimgcodec variant).
 set -euo pipefail
-usage="usage: bench/fast_steps.sh OUT own|spy|beside MODE... [-- OPTION...] | train SIZE... | resnet18 [full|MAX_SIDE...]"
+usage="usage: bench/fast_steps.sh OUT own|spy|beside MODE... [-- OPTION...] | train SIZE... | resnet18 [full|MAX_SIDE...] | indexed [converted] [hub]"
 out=$(realpath -m "${1:?$usage}")
 what=${2:?$usage}
 shift 2
@@ -33,7 +35,7 @@ for i in $(seq 1 $#); do
 done
 case $what in
   own | spy | beside | train) [ $# -gt 0 ] || { echo "$usage" >&2 && exit 2; } ;;
-  resnet18) ;;
+  resnet18 | indexed) ;;
   *) echo "$usage" >&2 && exit 2 ;;
 esac
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -92,6 +94,21 @@ case $what in
       [ -f "$work/shards-$side/manifest.json" ] || python3 imagenet_shards.py convert "$work/tree" "$work/shards-$side" \
         --splits train --max-side "$side" --quality 90 --workers "$(nproc)" >/dev/null
       bench "$work/shards-$side" --preset resnet18 --json-out "$out/resnet18-$side.json"
+    done
+    ;;
+  indexed) # shards another tool made, indexed where they are, against ours (the same bytes)
+    if [ ! -f "$work/hub/manifest.json" ]; then
+      python3 bench/hub_copy.py "$work/shards" "$work/hub"
+      start=$EPOCHREALTIME
+      python3 imagenet_shards.py index "$work/hub" --workers "$(nproc)" | tee "$out/index.log"
+      awk -v b="$(du -sb "$work/hub" | cut -f1)" -v s="$(awk -v a="$start" -v z="$EPOCHREALTIME" 'BEGIN { print z - a }')" \
+        'BEGIN { printf "index: %d bytes in %.1f s (with start-up)\n", b, s }' | tee -a "$out/index.log"
+    fi
+    [ $# -gt 0 ] || set -- converted hub
+    for which in "$@"; do
+      data=$work/shards
+      [ "$which" = converted ] || data=$work/hub
+      bench "$data" --preset multi-gpu --json-out "$out/$which.json"
     done
     ;;
 esac

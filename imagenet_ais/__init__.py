@@ -19,6 +19,7 @@ __all__ = [
     "NotFound",
     "Refused",
     "ShardLoader",
+    "ShuffleWarning",
     "Stalled",
     "StateMismatch",
     "StorageError",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import random
 import secrets
@@ -190,8 +191,12 @@ def serve(tmp_path: Path):
             pytest.fail(message)
         pytest.skip(message)
     servers: list[Server] = []
+    public: list[Path] = []
 
     def start(data: Path, **settings: str) -> Server:
+        for path in (data, settings.get("SERVE_HTPASSWD")):
+            if path and os.geteuid() == 0 and not Path(path).is_symlink():
+                public.append(readable_to_nobody(Path(path)))
         server = Server(data, tmp_path / f"serve{len(servers)}", **settings)
         server.start()
         servers.append(server)
@@ -200,6 +205,19 @@ def serve(tmp_path: Path):
     yield start
     for server in servers:
         server.stop()
+    for folder in public:
+        shutil.rmtree(folder)
+
+
+def readable_to_nobody(path: Path) -> Path:
+    """As root, ./run serve's nginx workers run as nobody, whom pytest's temporary folders (0700)
+    keep out: ``path`` moves into a folder of its own that others may pass, and a link to it takes
+    its place (the test's paths keep working). Returns that folder."""
+    folder = Path(tempfile.mkdtemp(prefix="served-"))
+    folder.chmod(0o711)
+    shutil.move(path, folder / path.name)
+    path.symlink_to(folder / path.name)
+    return folder
 
 
 def _stat(pid: int) -> list[str]:
@@ -328,6 +346,70 @@ def write_shards(
         manifest.splits[split] = info
     (dest / "manifest.json").write_text(manifest.to_json())
     return manifest
+
+
+def picture(rng: random.Random, cls: int, ext: str = "jpg") -> bytes:
+    """A small picture of class ``cls``'s colour, in the format its extension names (jpg, png, webp)."""
+    img = Image.new("RGB", (rng.randint(40, 90), rng.randint(40, 90)), (cls * 40 % 256, 80, 200 - cls * 30 % 200))
+    buf = io.BytesIO()
+    img.save(buf, format={"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}[ext])
+    return buf.getvalue()
+
+
+def write_hub_shards(
+    dest: Path,
+    sizes: dict[str, list[int]],
+    classes: int = 4,
+    exts: dict[str, str] | None = None,
+    labels: tuple[str, ...] = ("cls", "json"),
+    names: list[str] | None = None,
+    info: bool = True,
+) -> dict[str, int]:
+    """Shards as the Hugging Face hub's timm/imagenet-1k-wds lays them out, made by another tool:
+    ``imagenet1k-{train|validation}-NNNN.tar`` (the split ``val`` written ``validation``), each
+    sample ``KEY.jpg`` (``.png``/``.webp`` for the keys ``exts`` names), ``KEY.cls`` (the class
+    index) and ``KEY.json`` (``label``: the index, or the class's name from ``names``), keys
+    ``<split>-<shard>-<i>``; and ``_info.json``. No manifest. Returns each key's class."""
+    rng, classes_of = random.Random(1), {}
+    dest.mkdir(parents=True, exist_ok=True)
+    listed: dict[str, dict] = {}
+    for split, counts in sizes.items():
+        hub = "validation" if split == "val" else split
+        listed[hub] = {"name": hub, "filenames": [], "shard_lengths": counts, "num_samples": sum(counts)}
+        for s, count in enumerate(counts):
+            name = f"imagenet1k-{hub}-{s:04d}.tar"
+            listed[hub]["filenames"].append(name)
+            with wds.TarWriter(str(dest / name)) as tar:
+                for i in range(count):
+                    key, cls = f"{split}-{s}-{i}", rng.randrange(classes)
+                    ext = (exts or {}).get(key, "jpg")
+                    label = names[cls] if names else cls
+                    sample = {"__key__": key, ext: picture(rng, cls, ext)}
+                    if "cls" in labels:
+                        sample["cls"] = str(cls).encode()
+                    if "json" in labels:
+                        sample["json"] = json.dumps({"label": label, "filename": f"{key}.JPEG"}).encode()
+                    tar.write(sample)
+                    classes_of[key] = cls
+    if info:
+        (dest / "_info.json").write_text(json.dumps({"name": "imagenet-1k", "splits": listed}))
+    return classes_of
+
+
+def write_sorted_shards(dest: Path, classes: int, per_class: int, per_shard: int) -> dict[str, int]:
+    """The webdataset project's ImageNet example's layout: ``imagenet-train-NNNNNN.tar`` with
+    ``%08d`` keys (``.jpg``, ``.cls``), written in class order: each shard holds one class or two.
+    One picture per class (their bytes are not the point). Returns each key's class."""
+    rng, classes_of = random.Random(2), {}
+    dest.mkdir(parents=True, exist_ok=True)
+    pictures = [picture(rng, c) for c in range(classes)]
+    samples = [(f"{i:08d}", c) for i, c in enumerate(c for c in range(classes) for _ in range(per_class))]
+    for s in range(0, len(samples), per_shard):
+        with wds.TarWriter(str(dest / f"imagenet-train-{s // per_shard:06d}.tar")) as tar:
+            for key, cls in samples[s : s + per_shard]:
+                tar.write({"__key__": key, "jpg": pictures[cls], "cls": str(cls).encode()})
+                classes_of[key] = cls
+    return classes_of
 
 
 @pytest.fixture(scope="session")

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
+import re
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import requests
 from conftest import ROOT, TINY, Server, free_port, run_cli, shards_here, train_here, wait_until, write_shards
 
-from imagenet_ais.errors import StorageError
+from imagenet_ais import ShardLoader
+from imagenet_ais.errors import ConfigError, StorageError
 from imagenet_ais.storage import HTTPStore
 
 UNEVEN = [3, 11, 7, 19, 8]  # 48 training samples: 12 steps per epoch at batch 4
@@ -63,11 +68,12 @@ def test_serve_is_read_only_and_stop_stops_only_its_own(serve, tmp_path: Path) -
     assert "no nginx started by ./run serve is running" in mine.stop()
 
 
-def test_serve_refuses_a_directory_without_a_manifest(tmp_path: Path) -> None:
+def test_serve_refuses_a_directory_without_a_manifest_or_shards(tmp_path: Path) -> None:
     out = run_cli(ROOT / "run", "serve", tmp_path, check=False, env={"SERVE_ROOT": str(tmp_path / "serve")})
     assert out.returncode == 1
     assert out.stderr.strip() == (
-        f"run: serve: {tmp_path} has no manifest.json: give a directory of converted shards (./run shards convert)"
+        f"run: serve: {tmp_path} has no manifest.json and no .tar shards: give a directory of shards (./run shards "
+        "convert, or another tool's to index)"
     )
 
 
@@ -192,3 +198,87 @@ def test_served_with_credentials_only_a_reader_that_sends_them_reads(serve, tmp_
     monkeypatch.setenv("SHARDS_HTTP_TOKEN", token)  # a run's workers send it too
     train_here("--data", by_token.url, "--output", tmp_path / "run", *TINY, "--epochs", "1", "--workers", "1")
     assert by_token.gets()["imagenet-train-000001.tar"] >= 1
+
+
+@contextlib.contextmanager
+def recording(address: str, root: Path | None = None, to: str = "") -> Iterator[tuple[str, list[str | None]]]:
+    """Python's HTTP server on ``address`` (a free port), serving ``root``, or redirecting every
+    request to ``to``: its URL, and each request's Authorization header (what it was sent)."""
+    sent: list[str | None] = []
+
+    class Handler(SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, directory=str(root), **kwargs)
+
+        def send_head(self):  # (GET's and HEAD's)
+            sent.append(self.headers.get("Authorization"))
+            if not to:
+                return super().send_head()
+            self.send_response(302)
+            self.send_header("Location", f"{to}{self.path}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return None
+
+        def log_message(self, *args) -> None:
+            pass
+
+    with ThreadingHTTPServer((address, 0), Handler) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        yield f"http://{address}:{server.server_port}", sent
+        server.shutdown()
+
+
+def test_credentials_go_to_the_host_they_are_for_alone(serve, tmp_path: Path, monkeypatch) -> None:
+    token = "t0ken-" + "h" * 24
+    write_shards(tmp_path / "a", {"train": [4, 4]}, prefix="a-")
+    write_shards(tmp_path / "b", {"train": [4]}, prefix="b-")
+    mine = serve(tmp_path / "a", SERVE_TOKEN=token)
+    monkeypatch.setenv("SHARDS_HTTP_TOKEN", token)
+    options = {"image_size": 16, "workers": 1, "device": "cpu"}
+    with recording("127.0.0.3", tmp_path / "b") as (other, sent):
+        # it was sent to both (and a mixture's workers sent it on with every shard they read)
+        says = f"{other}: SHARDS_HTTP_TOKEN would go to 127.0.0.1:{mine.port} and to {other[7:]}: set SHARDS_HTTP_HOST"
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            ShardLoader([mine.url, other], "train", 4, **options)
+        assert sent == [], "nothing sent to the second host"
+        monkeypatch.setenv("SHARDS_HTTP_HOST", f"127.0.0.1:{mine.port}")
+        with ShardLoader([mine.url, other], "train", 4, epoch_mode="exact", **options) as loader:
+            keys = [key for _, _, batch in loader for key in batch]
+        assert sorted(key[0] for key in keys) == ["a"] * 8 + ["b"] * 4
+        assert sent and not any(sent), "the second host read from without the token"
+    # a redirect to another host does not take them along
+    monkeypatch.setenv("SHARDS_HTTP_HOST", "127.0.0.1")  # (any port of it)
+    with (
+        recording("127.0.0.3", tmp_path / "b") as (elsewhere, theirs),
+        recording("127.0.0.1", to=elsewhere) as (moved, ours),
+    ):
+        assert json.loads(HTTPStore(moved).read_bytes("manifest.json"))["splits"]
+    assert (ours, theirs) == ([f"Bearer {token}"], [None])
+
+
+def test_credentials_in_a_url_are_refused_and_not_repeated(tmp_path: Path) -> None:
+    secret = "pa55-" + "w" * 12
+    write_shards(tmp_path / "shards", {"train": [4], "val": [2]})
+    with recording("127.0.0.1", tmp_path / "shards") as (url, sent):
+        given = url.replace("http://", f"http://alice:{secret}@") + "/"
+        says = f"{url}/: credentials in a location would be written to logs, metrics and config.json: give it "
+        says += "without them, and set SHARDS_HTTP_USER and SHARDS_HTTP_PASSWORD (or SHARDS_HTTP_TOKEN) instead"
+        with pytest.raises(ConfigError) as refused:
+            HTTPStore(given)
+        assert str(refused.value) == says
+        # (it trained, the password in its log, metrics and config.json)
+        out = train_here("--data", given, "--output", tmp_path / "run", *TINY, "--epochs", "1", check=False)
+        assert out.returncode == 1 and out.stderr.strip() == f"Error: {says}"
+        assert secret not in out.stdout and not (tmp_path / "run").exists()
+    assert sent == [], "nothing asked of the server"
+
+
+def test_one_shard_set_under_two_spellings_of_its_url_is_given_twice(tmp_path: Path) -> None:
+    write_shards(tmp_path / "shards", {"train": [4]})
+    with recording("127.0.0.1", tmp_path / "shards") as (url, _):
+        # each was mixed as two sets: every sample trained twice an epoch
+        for other in (url.replace("127.0.0.1", "localhost"), f"{url}/./", f"{url}//"):
+            with pytest.raises(ConfigError, match=re.escape(f"{other}: given twice in the mixture (as {url}")):
+                ShardLoader([url, other], "train", 4, image_size=16, workers=1, device="cpu")

@@ -9,6 +9,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -279,13 +280,12 @@ def test_local2_really_runs_two_cpu_processes(tmp_path: Path) -> None:
     assert state["step"] == 2 and len(state["rng"]) == 2
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("verb", [["local1"], ["local2"], ["nodes", "localhost,localhost"]], ids=lambda v: v[0])
-def test_sigterm_to_run_saves_exits_75_and_leaves_no_process(verb: list[str], tmp_path: Path) -> None:
-    # as a supervisor, timeout or a batch script stops the PID it started: ./run's own
+def training(verb: list[str], tmp_path: Path) -> tuple[subprocess.Popen, set[int]]:
+    """./run VERB training on tiny shards into tmp_path/run, once it has logged step 3; with the
+    processes it started (the trainer, or torchrun and its ranks)."""
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [40, 40], "val": [4]})
-    env = {**os.environ, **tiny_run_env(data, output), "EPOCHS": "50", "RDZV_PORT": str(free_port())}
+    env = {**os.environ, **tiny_run_env(data, output), "EPOCHS": "1000", "RDZV_PORT": str(free_port())}
     if verb[0] == "nodes":
         env |= {"NPROC": "1", "EPOCH_MODE": "exact"}  # two agents of one rank each
     proc = subprocess.Popen(
@@ -302,13 +302,52 @@ def test_sigterm_to_run_saves_exits_75_and_leaves_no_process(verb: list[str], tm
         lambda: log.exists() and any(json.loads(r)["step"] >= 3 for r in log.read_text().split("\n")[:-1]),
         "step 3",
     )
-    started = descendants(proc.pid)  # the trainer, or torchrun and its ranks
+    return proc, descendants(proc.pid)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verb", [["local1"], ["local2"], ["nodes", "localhost,localhost"]], ids=lambda v: v[0])
+def test_sigterm_to_run_saves_exits_75_and_leaves_no_process(verb: list[str], tmp_path: Path) -> None:
+    # as a supervisor, timeout or a batch script stops the PID it started: ./run's own
+    proc, started = training(verb, tmp_path)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err[-3000:]
     assert "checkpoint saved" in out
-    assert torch.load(output / "last.pt", weights_only=True)["step"] >= 3
+    assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["step"] >= 3
     assert not outliving(started, 10), "no process of the run left behind"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verb", [["local2"], ["nodes", "localhost,localhost"]], ids=lambda v: v[0])
+def test_sigkill_of_run_stops_torchrun_and_its_ranks_as_sigterm_does(verb: list[str], tmp_path: Path) -> None:
+    # ./run waits for torchrun (to exit 75 for a stopped run): killed outright, it left torchrun
+    # and its ranks training
+    proc, started = training(verb, tmp_path)
+    proc.kill()
+    alive = outliving(started, 60)
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)  # (to the end of what torchrun and its ranks print)
+    assert not alive, "torchrun and its ranks end with ./run"
+    assert "checkpoint saved" in out, err[-3000:]
+
+
+def test_sigterm_while_train_py_imports_says_so_and_exits_as_stopped(tmp_path: Path) -> None:
+    # in its first seconds (importing torch) SIGTERM killed it: 143, with nothing said
+    proc = subprocess.Popen(
+        [sys.executable, ROOT / "train.py", "--data", tmp_path / "shards", "--output", tmp_path / "run"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    maps = Path(f"/proc/{proc.pid}/maps")
+    wait_until(proc, lambda: "libtorch" in maps.read_text(), "torch's libraries loading", poll=0.005)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, err
+    assert err == "train.py: stopped by SIGTERM where no training was under way: nothing to save\n"
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow

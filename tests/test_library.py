@@ -113,3 +113,23 @@ print(pid, flush=True)
 """
     child = int(run_python(script).stdout)
     assert not outliving({child}, 5)
+
+
+def test_under_the_forkserver_start_method_workers_read_and_end_with_their_loader(tmp_path: Path) -> None:
+    # Python 3.14's default: each worker's parent is the server, not the loader's process, and
+    # they took that for their parent gone and exited at once (WorkerDied)
+    write_shards(tmp_path / "shards", {"train": [16]})
+    script = f"""
+import multiprocessing as mp, os, signal
+from imagenet_ais import ShardLoader
+mp.set_start_method("forkserver")
+loader = ShardLoader({str(tmp_path / "shards")!r}, "train", 4, image_size=32, workers=2, device="cpu")
+keys = [key for _, _, batch in loader for key in batch]
+print(len(keys), *(child.pid for child in mp.active_children()), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr
+    read, *workers = map(int, proc.stdout.split())
+    assert read == 16 and len(workers) == 2
+    assert not outliving(set(workers), 5), "killed outright: its workers end with it"

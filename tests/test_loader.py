@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -151,6 +152,48 @@ def _sixteen_bits(img: Image.Image) -> torch.Tensor:
     return torch.zeros((3, 8, 8), dtype=torch.int16)  # (it was taken as floats, never normalised)
 
 
+class _Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def _unprintable(img: Image.Image) -> torch.Tensor:
+    raise RuntimeError(_Unprintable())  # (it came as torch's "Caught RuntimeError in DataLoader worker process 0")
+
+
+def _quoting_ours(img: Image.Image) -> torch.Tensor:
+    raise RuntimeError("imagenet_ais.loader.failures.TransformFailed: not this")  # (it was all the line said)
+
+
+def _exits(img: Image.Image) -> torch.Tensor:
+    raise SystemExit(3)  # (it was a worker "killed? the OOM killer says so")
+
+
+def _interrupted(img: Image.Image) -> torch.Tensor:
+    raise KeyboardInterrupt
+
+
+def _moves_away(img: Image.Image) -> torch.Tensor:
+    os.chdir("/")  # (the rest of the worker's shards were unread: their paths were relative)
+    return _sevens(img)
+
+
+def _nothing(images: torch.Tensor) -> None:
+    return None
+
+
+def _as_a_list(images: torch.Tensor) -> list[torch.Tensor]:
+    return list(images)
+
+
+def _one_dropped(images: torch.Tensor) -> torch.Tensor:
+    return images[1:]  # (handed out: 7 images, 8 labels)
+
+
+def _ninth(images: torch.Tensor) -> torch.Tensor:
+    return images[8]
+
+
 def test_your_own_transforms_with_torchvision_v2(data: str) -> None:
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
     crop = v2.Compose([
@@ -177,18 +220,22 @@ def test_your_own_transforms_with_torchvision_v2(data: str) -> None:
 @pytest.mark.parametrize(
     ("transform", "says"),
     [
-        (_raising, r"the transform raised on sample 'train-\d+-\d+': ValueError: no crop of \d+×\d+$"),
+        (_raising, r"the transform _raising raised on sample 'train-\d+-\d+': ValueError: no crop of \d+×\d+$"),
         (
             _as_big_as_given,
             r"samples 'train-\d+-\d+' and 'train-\d+-\d+' of a batch are torch.uint8 \(\d+, \d+, 3\)",
         ),
         (
             _a_number,
-            r"the transform gave int for sample 'train-\d+-\d+': return a PIL image, or a uint8 or float",
+            r"the transform _a_number gave int for sample 'train-\d+-\d+': return a PIL image, or a uint8 or float",
         ),
-        (_sixteen_bits, r"the transform gave a torch.int16 tensor of shape \(3, 8, 8\) for sample 'train-\d+-\d+'"),
+        (_sixteen_bits, r"_sixteen_bits gave a torch.int16 tensor of shape \(3, 8, 8\) for sample 'train-\d+-\d+'"),
+        (_unprintable, r"_unprintable raised on sample 'train-\d+-\d+': RuntimeError: \(its message cannot be shown"),
+        (_quoting_ours, r"_quoting_ours raised on sample 'train-\d+-\d+': RuntimeError: imagenet_ais.loader.failures"),
+        (_exits, r"the transform _exits raised on sample 'train-\d+-\d+': SystemExit: 3$"),
+        (_interrupted, r"the transform _interrupted raised on sample 'train-\d+-\d+': KeyboardInterrupt$"),
     ],
-    ids=["raises", "sizes", "kind", "dtype"],
+    ids=["raises", "sizes", "kind", "dtype", "unprintable", "quoting", "exits", "interrupted"],
 )
 def test_a_transform_that_fails_names_the_sample_in_one_line(transform, says: str, data: str) -> None:
     with (
@@ -198,13 +245,72 @@ def test_a_transform_that_fails_names_the_sample_in_one_line(transform, says: st
         next(iter(loader))
     assert "\n" not in str(raised.value)
     if transform is not _as_big_as_given:  # (a batch's samples come from several shards)
-        assert re.match(rf"{re.escape(data)}/imagenet-train-\d+\.tar: the transform ", str(raised.value))
-    says = r"the batch_transform raised on the batch of 'train-\d+-\d+' and 7 more: IndexError: index 8 is out"
+        assert re.match(rf"{re.escape(data)}/imagenet-train-\d+\.tar: the transform _", str(raised.value))
+
+
+@pytest.mark.parametrize(
+    ("batch_transform", "says"),
+    [
+        (_ninth, r"_ninth raised on the batch of 'train-\d+-\d+' and 7 more: IndexError: index 8 is out"),
+        # each was handed out as it came
+        (_nothing, r"_nothing gave NoneType for the batch of 'train-\d+-\d+' and 7 more: return a float tensor"),
+        (_as_a_list, r"_as_a_list gave list for the batch of 'train-\d+-\d+' and 7 more: return a float tensor"),
+        (_one_dropped, r"_one_dropped gave a torch.float32 tensor of shape \(7, 3, 32, 32\) for .* its 8 images"),
+    ],
+    ids=["raises", "none", "list", "one-dropped"],
+)
+def test_a_batch_transform_that_fails_names_the_batch_in_one_line(batch_transform, says: str, data: str) -> None:
     with (
-        ShardLoader(data, "train", 8, **OPTIONS, batch_transform=lambda x: x[8]) as loader,
-        pytest.raises(TransformFailed, match=says),
+        ShardLoader(data, "train", 8, **OPTIONS, batch_transform=batch_transform) as loader,
+        pytest.raises(TransformFailed, match=rf"^{re.escape(data)}: the batch_transform {says}") as raised,
     ):
         next(iter(loader))
+    assert "\n" not in str(raised.value)
+
+
+def test_a_transform_spawned_workers_cannot_be_sent_is_refused_in_one_line(data: str) -> None:
+    # the first batch failed with pickle's "Can't pickle local object" from deep inside the DataLoader
+    before = mp.get_start_method(allow_none=True)
+    mp.set_start_method("spawn", force=True)
+    try:
+        says = r"^transform=.*<lambda> cannot be sent to the DataLoader workers \('spawn'.*module-level function"
+        with pytest.raises(ConfigError, match=says):
+            ShardLoader(data, "train", 8, **OPTIONS, transform=lambda img: _sevens(img))
+        ShardLoader(data, "train", 8, **OPTIONS, transform=_sevens).close()  # a module-level function can be
+    finally:
+        mp.set_start_method(before, force=True)
+
+
+def test_a_transform_that_changes_directory_leaves_every_sample_readable(
+    data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(Path(data).parent)
+    with ShardLoader(Path(data).name, "train", 8, **OPTIONS, transform=_moves_away) as loader:
+        monkeypatch.chdir(tmp_path)  # the caller's own, after the loader was made
+        keys = [key for batch in loader for key in batch.keys]
+        assert loader.counters()["unread"] == 0
+    assert Counter(keys) == Counter(ALL), "every sample once (40 of 64 were unread)"
+
+
+def test_a_shard_lost_during_an_exact_epoch_is_named_with_the_samples_padded(data: str, tmp_path: Path) -> None:
+    copy = tmp_path / "shards"
+    shutil.copytree(data, copy)
+    with ShardLoader(str(copy), "train", 8, **OPTIONS) as loader:
+        (copy / "imagenet-train-000002.tar").unlink()  # its 7 samples, after the loader was made
+        with pytest.warns(UserWarning) as said:
+            keys = [key for batch in loader for key in batch.keys]
+        assert loader.counters()["padded"] == 7
+    assert len(keys) == 64 and len(set(keys)) == 57
+    lines = [str(w.message) for w in said if "padded" in str(w.message)]
+    assert len(lines) == 1, "said once"
+    where = re.escape(str(copy))
+    says = rf"^{where}: epoch 1 was padded with 7 repeats .* 7 of {where}/imagenet-train-000002\.tar"
+    assert re.search(says, lines[0]) and "\n" not in lines[0]
+    with ShardLoader(str(copy), "train", 8, **OPTIONS) as loader, warnings.catch_warnings():
+        warnings.simplefilter("error")  # a caller that takes the problems names them (train.py): no warning
+        problems = loader.problems
+        assert len(list(loader)) == 8
+        assert "imagenet-train-000002.tar: could not be read" in problems.get(timeout=30)
 
 
 @pytest.mark.parametrize(
@@ -324,6 +430,7 @@ def test_a_rank_of_several_without_a_process_group_cannot_save_mid_epoch(data: s
         ({"augment": "ra"}, "augment='ra': give an Augment"),
         ({"rank": 1}, "rank=1, world_size=None: give both, or neither"),  # ran as rank 0 of 1
         ({"device": "gpu9"}, "device='gpu9':"),
+        ({"classes": ["c0", "c1", "c2", "c3", "c1"]}, "classes= names 'c1' more than once"),  # 5 outputs for 4
     ],
 )
 def test_arguments_a_loader_cannot_work_with_are_one_line(given: dict, says: str, data: str) -> None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import io
 import json
 import re
+import shutil
 from collections import Counter
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -124,16 +126,28 @@ def test_a_mixture_stopped_mid_epoch_goes_on_on_two_ranks_each_sample_as_often_a
     assert Counter(before + after[0] + after[1]) == planned
 
 
-def test_a_mixture_restored_under_other_weights_starts_its_epoch_over(sources: tuple[str, str]) -> None:
+@pytest.mark.parametrize(
+    ("mixture", "says"),
+    [
+        (lambda a, b: [(a, 1), (b, 3)], "over other shards or weights, or with another seed"),
+        # fewer shards listed than the state names (b's part pass dropped, b dropped): a DataError was
+        # raised, "a ShardLoader state naming shard 12: these shards are 0 to 11"
+        (lambda a, b: [(a, 1), (b, 2)], "over other shards or weights, or with another seed"),
+        (lambda a, b: [a], "over other shards or with another seed"),
+        (lambda a, b: [(b, 2.5)], "over other shards or weights, or with another seed"),
+    ],
+)
+def test_a_mixture_restored_under_other_weights_or_sources_starts_its_epoch_over(
+    mixture, says: str, sources: tuple[str, str]
+) -> None:
     options = {**OPTIONS, "epoch_mode": "exact"}
-    with ShardLoader([(sources[0], 1), (sources[1], 2)], "train", 4, **options) as loader:
+    with ShardLoader([(sources[0], 1), (sources[1], 2.5)], "train", 4, **options) as loader:
         keys_of(loader, steps=2)
         state = loader.state_dict()
-    with (
-        ShardLoader([(sources[0], 1), (sources[1], 3)], "train", 4, **options) as loader,
-        pytest.raises(StateMismatch, match="over other shards or with another seed"),
-    ):
-        loader.load_state_dict(state)
+    with ShardLoader(mixture(*sources), "train", 4, **options) as loader:
+        with pytest.raises(StateMismatch, match=re.escape(f"epoch 1 stopped at step 2 of 9 on 1 × 4 {says}")):
+            loader.load_state_dict(state)
+        assert len(keys_of(loader)) == len(loader) * 4, "the epoch whole, from its start"
 
 
 @pytest.mark.parametrize(
@@ -145,6 +159,7 @@ def test_a_mixture_restored_under_other_weights_starts_its_epoch_over(sources: t
         (lambda a, b: [(a, 1), (b, float("inf"))], "weight inf in the mixture"),
         (lambda a, b: [(a, 1), (b, "2")], "weight '2' in the mixture"),
         (lambda a, b: [(a, 1), (a + "/", 2)], "given twice in the mixture"),
+        (lambda a, b: [(a, 1), ("/" + a, 2)], "given twice in the mixture"),  # ("//tmp/...": the same directory)
         (lambda a, b: [a, (b, 1, 2)], "give (location, weight) pairs or locations"),
         (lambda a, b: [], "give a shard location, or a list of them"),
         (lambda a, b: 123, "location=123: give a shard location"),
@@ -153,6 +168,58 @@ def test_a_mixture_restored_under_other_weights_starts_its_epoch_over(sources: t
 def test_bad_mixtures_are_one_line(mixture, says: str, sources: tuple[str, str]) -> None:
     with pytest.raises(ConfigError, match=re.escape(says)):
         ShardLoader(mixture(*sources), "train", 4, **OPTIONS)
+
+
+@pytest.mark.parametrize(
+    ("mode", "weight", "says"),
+    [
+        # each trained without b (0.02 × 10 samples rounds to none), its weight in the banner still
+        (
+            "exact",
+            0.02,
+            "weight 0.02 takes none of its 10 samples an exact epoch (0.02 × 10 rounds to 0): give it 0.1 or more",
+        ),
+        ("exact", 1e-300, "weight 1e-300 takes none of its 10 samples an exact epoch"),
+        ("resampled", 1e-300, "weight 1e-300 draws 2.2e-299 of every 22 samples: give it 0.0477 or more (one in 22)"),
+        ("resampled", 5e-324, "weight 4.94066e-324 draws 1.1e-322 of every 22 samples"),
+        # an OverflowError and a MemoryError (every pass of every shard listed)
+        ("exact", 1e308, "weight 1e+308 in exact mode takes each sample 1e+308 times an epoch: give 1000 or less"),
+        ("exact", 1e9, "weight 1e+09 in exact mode takes each sample 1e+09 times an epoch: give 1000 or less"),
+    ],
+)
+def test_a_weight_that_gives_a_source_no_samples_or_no_plan_is_one_line(
+    mode: str, weight: float, says: str, sources: tuple[str, str]
+) -> None:
+    a, b = sources
+    with pytest.raises(ConfigError, match=re.escape(f"{b}: {says}")):
+        ShardLoader([(a, 1), (b, weight)], "train", 4, epoch_mode=mode, **OPTIONS)
+
+
+def test_the_least_weight_it_names_gives_the_source_its_samples(sources: tuple[str, str]) -> None:
+    a, b = sources
+    with ShardLoader([(a, 1), (b, 0.1)], "train", 4, epoch_mode="exact", **OPTIONS) as loader:
+        assert loader.samples == 12 + 1
+    # weights too small or too large for a float sum: their shares, as weights 1 and 1 give
+    with ShardLoader([(a, 5e-324), (b, 5e-324)], "train", 4, epoch_mode="resampled", **OPTIONS) as loader:
+        assert {key[0] for key in keys_of(loader)} == {"a", "b"}  # (a ValueError: "Total of weights ...")
+    with ShardLoader([(a, 1e308), (b, 1e308)], "train", 4, epoch_mode="resampled", **OPTIONS) as loader:
+        assert {key[0] for key in keys_of(loader)} == {"a", "b"}
+
+
+@pytest.mark.parametrize("weight", [np.int64(2), Fraction(5, 2), np.float32(2.5), 2])
+def test_a_weight_is_any_real_number(weight: object, sources: tuple[str, str]) -> None:
+    a, b = sources
+    with ShardLoader([(a, 1), (b, weight)], "train", 4, epoch_mode="exact", **OPTIONS) as loader:
+        assert loader.samples == 12 + round(float(weight) * 10)  # ("not a number" for numpy's ints and Fraction)
+
+
+def test_the_same_shards_under_another_name_are_given_twice(sources: tuple[str, str], tmp_path: Path) -> None:
+    a, b = sources
+    (tmp_path / "link").symlink_to(b)
+    shutil.copytree(b, tmp_path / "copy")
+    for other in (tmp_path / "link", tmp_path / "copy"):
+        with pytest.raises(ConfigError, match=re.escape(f"{other}: given twice in the mixture (as {b}")):
+            ShardLoader([a, b, str(other)], "train", 4, **OPTIONS)
 
 
 def test_what_a_mixture_cannot_be_asked_is_one_line(sources: tuple[str, str], tmp_path: Path) -> None:

@@ -17,7 +17,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, descendants, free_port, run_cli, train_here, wait_until, write_shards
+from conftest import (
+    ROOT,
+    TINY,
+    descendants,
+    free_port,
+    run_cli,
+    shards_here,
+    train_here,
+    wait_until,
+    write_hub_shards,
+    write_shards,
+)
 from test_train import metrics
 
 pytestmark = pytest.mark.slow  # torchrun runs and resumes: 15-120 s a test
@@ -61,20 +72,25 @@ def stop_mid_epoch(cmd: list[str], output: Path, stop: str, at: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("first", "second", "stop"),
+    ("first", "second", "stop", "made_by"),
     [
-        ((4, 4, 2), (2, 4, 1), "sigterm"),  # (world, per-rank batch, workers per rank)
-        ((4, 4, 2), (2, 8, 2), "max-steps"),
-        ((2, 4, 1), (3, 3, 2), "max-steps"),
-        ((1, 4, 2), (2, 4, 1), "max-steps"),
-        ((2, 4, 2), (1, 8, 3), "max-steps"),
+        ((4, 4, 2), (2, 4, 1), "sigterm", "convert"),  # (world, per-rank batch, workers per rank)
+        ((4, 4, 2), (2, 8, 2), "max-steps", "convert"),
+        ((2, 4, 1), (3, 3, 2), "max-steps", "convert"),
+        ((1, 4, 2), (2, 4, 1), "max-steps", "convert"),
+        ((2, 4, 2), (1, 8, 3), "max-steps", "convert"),
+        ((1, 4, 2), (2, 4, 1), "max-steps", "index"),  # another tool's shards (the hub's layout), indexed
     ],
 )
 def test_an_exact_epoch_stopped_on_one_topology_ends_on_another_with_each_sample_once(
-    first: tuple[int, int, int], second: tuple[int, int, int], stop: str, tmp_path: Path
+    first: tuple[int, int, int], second: tuple[int, int, int], stop: str, made_by: str, tmp_path: Path
 ) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
-    write_shards(data, {"train": TRAIN, "val": [4]})
+    if made_by == "convert":
+        write_shards(data, {"train": TRAIN, "val": [4]})
+    else:
+        write_hub_shards(data, {"train": TRAIN, "val": [4]})
+        shards_here("index", data)
     (world1, batch1, workers1), (world2, batch2, workers2) = first, second
     steps1, steps2 = len(ALL_KEYS) // (world1 * batch1), len(ALL_KEYS) // (world2 * batch2)
     stop_mid_epoch([*launch(world1), *args(data, output, batch1, workers1)], output, stop, steps1 // 3)

@@ -37,6 +37,7 @@ from conftest import (
 )
 from PIL import Image
 
+from imagenet_ais import ShardLoader
 from imagenet_ais.cli import shards as shards_cli
 from imagenet_ais.shards import convert, synth
 from imagenet_ais.shards.convert import file_sha256
@@ -793,6 +794,36 @@ def bomb_png(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
 
 
+HOLDS = "a sample holds an image (.jpg, .jpeg, .png, .webp) and text (.cls, .txt, .json) only"
+
+
+def shard_holding(dest: Path, names: list[str], samples: int) -> Path:
+    """A set of one shard holding members ``names`` (``NAME=VALUE``: VALUE's bytes, or a bomb, a
+    sparse member, a PNG; else a JPEG or "1"), its manifest entry saying ``samples`` and its size
+    and checksum as they are: only reading it can tell what is wrong in it."""
+    write_shards(dest, {"train": [1]})
+    shard = dest / "imagenet-train-000000.tar"
+    with tarfile.open(shard, "w") as tar:
+        for name in names:
+            name, _, value = name.partition("=")
+            if value == "sparse":
+                continue  # put in front below
+            if value in ("bomb", "png"):
+                data = bomb_png(20000, 20000) if value == "bomb" else photo_bytes((60, 40), "PNG")
+            else:
+                jpeg = name.lower().endswith((".jpg", ".jpeg")) and not value
+                data = tiny_jpeg(random.Random(0), 1) if jpeg else (value or "1").encode()
+            member = tarfile.TarInfo(name)
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    if sparse := [n.partition("=")[0] for n in names if n.endswith("=sparse")]:
+        shard.write_bytes(sparse_member(sparse[0], 65 * 2**20) + shard.read_bytes())
+    doc = json.loads((dest / "manifest.json").read_text())
+    doc["splits"]["train"]["shards"][0].update(samples=samples, bytes=shard.stat().st_size, sha256=file_sha256(shard))
+    (dest / "manifest.json").write_text(json.dumps(doc))
+    return shard
+
+
 @pytest.mark.parametrize(
     ("names", "samples", "says"),
     [
@@ -801,12 +832,9 @@ def bomb_png(width: int, height: int) -> bytes:
             2,
             "duplicate key 'k0': k0.jpg is in the shard twice",
         ),
-        (["k0.jpg", "k0.cls", "k0.pyd"], 1, "unexpected member 'k0.pyd': a shard holds only <key>.jpg and <key>.cls"),
-        (
-            ["k0.pickle", "k0.jpg", "k0.cls"],
-            1,
-            "unexpected member 'k0.pickle': a shard holds only <key>.jpg and <key>.cls",
-        ),
+        (["k0.jpg", "k0.cls", "k0.pyd"], 1, f"unexpected member 'k0.pyd': {HOLDS}"),
+        (["k0.pickle", "k0.jpg", "k0.cls"], 1, f"unexpected member 'k0.pickle': {HOLDS}"),
+        (["k0.json", "k0.cls"], 1, "sample 'k0' lacks its image (.jpg, .jpeg, .png, .webp)"),
         (["k0.jpg", "k0.cls=99"], 1, "k0.cls: label '99' is not a class of the manifest (0..3)"),
         (["k0.jpg", "k0.cls=-1"], 1, "k0.cls: label '-1' is not a class of the manifest (0..3)"),
         (["k0.jpg", "k0.cls=one"], 1, "k0.cls: label 'one' is not a class of the manifest (0..3)"),
@@ -843,25 +871,7 @@ def bomb_png(width: int, height: int) -> bytes:
 )
 def test_verify_names_what_is_wrong_inside_a_shard(names: list[str], samples: int, says: str, tmp_path: Path) -> None:
     """Shards whose size and checksum match the manifest, so only reading them can tell."""
-    write_shards(tmp_path, {"train": [1]})
-    shard = tmp_path / "imagenet-train-000000.tar"
-    with tarfile.open(shard, "w") as tar:
-        for name in names:
-            name, _, value = name.partition("=")
-            if value == "sparse":
-                continue  # put in front below
-            if value == "bomb":
-                data = bomb_png(20000, 20000)
-            else:
-                data = tiny_jpeg(random.Random(0), 1) if name.endswith(".jpg") else (value or "1").encode()
-            member = tarfile.TarInfo(name)
-            member.size = len(data)
-            tar.addfile(member, io.BytesIO(data))
-    if sparse := [n.partition("=")[0] for n in names if n.endswith("=sparse")]:
-        shard.write_bytes(sparse_member(sparse[0], 65 * 2**20) + shard.read_bytes())
-    doc = json.loads((tmp_path / "manifest.json").read_text())
-    doc["splits"]["train"]["shards"][0].update(samples=samples, bytes=shard.stat().st_size, sha256=file_sha256(shard))
-    (tmp_path / "manifest.json").write_text(json.dumps(doc))
+    shard_holding(tmp_path, names, samples)
     proc = shards_here("verify", tmp_path, check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == f"BAD {tmp_path}/imagenet-train-000000.tar: {says}"
@@ -1116,3 +1126,57 @@ def test_convert_max_side_stores_large_images_smaller_and_keeps_small_ones_as_th
     shards_here("convert", tree, dest, "--splits", "train", "--max-side", "256", "--workers", "1")
     assert max(max(size) for size in sides(stored()).values()) == 256, "another N: rebuilt"
     assert json.loads((dest / "manifest.json").read_text())["source"]["max_side"] == 256
+
+
+def test_a_decompression_bomb_under_max_side_is_rejected_and_named_by_convert_and_summary(tmp_path: Path) -> None:
+    tree, dest = tmp_path / "tree", tmp_path / "shards"
+    small_tree(tree, {f"train/{cls}/{i}.JPEG": "jpeg" for cls in ("n0", "n1") for i in range(2)})
+    (tree / "train" / "n0" / "bomb.png").write_bytes(bomb_png(20000, 20000))
+    bomb = "DecompressionBombError: Image size (400000000 pixels) exceeds limit of"
+    out = shards_here("convert", tree, dest, "--splits", "train", "--max-side", "64", "--workers", "1")
+    assert out.returncode == 0, "as for any other input that cannot be read: listed, and the rest converted"
+    lines = out.stdout.strip().splitlines()
+    assert lines[-2].startswith(f"  rejected train/n0/bomb.png: {bomb}")
+    assert lines[-1] == "train: 4 samples in 1 shard, 1 rejected (listed above and in the manifest)", "said last"
+    manifest = json.loads((dest / "manifest.json").read_text())
+    assert [r["path"] for r in manifest["splits"]["train"]["rejected"]] == ["train/n0/bomb.png"]
+    summary = shards_here("summary", dest).stdout.splitlines()
+    train = next(i for i, line in enumerate(summary) if line.startswith("train: imagenet-train-"))
+    assert summary[train].endswith("rejected=1")
+    assert summary[train + 1].startswith(f"  rejected train/n0/bomb.png: {bomb}"), "summary names it too"
+
+
+def test_the_quality_of_re_encoded_images_is_recorded_and_used_without_max_side(tmp_path: Path) -> None:
+    tree, dest = tmp_path / "tree", tmp_path / "shards"
+    for split, cls in [(s, c) for s in ("train", "val") for c in ("n0", "n1")]:
+        (tree / split / cls).mkdir(parents=True)
+        (tree / split / cls / "flat.JPEG").write_bytes(photo_bytes((300, 200), "PNG"))  # re-encoded
+        (tree / split / cls / "photo.JPEG").write_bytes(photo_bytes((300, 200)))  # kept as it is
+    out = shards_here("convert", tree, dest, "--quality", "10", "--workers", "1")
+    source = json.loads((dest / "manifest.json").read_text())["source"]
+    assert source["quality"] == 10 and "max_side" not in source
+    said = "images stored as they are, those re-encoded (no RGB or gray JPEG) at JPEG quality 10"
+    for text in (out.stdout, shards_here("summary", dest).stdout, shards_here("verify", dest).stdout):
+        assert said in text
+    at_10 = io.BytesIO()
+    Image.open(tree / "train" / "n0" / "flat.JPEG").convert("RGB").save(at_10, format="JPEG", quality=10)
+    for shard in dest.glob("imagenet-*.tar"):
+        for name, data in members(shard).items():
+            if name.startswith("flat") and name.endswith(".jpg"):
+                assert Image.open(io.BytesIO(data)).quantization == Image.open(at_10).quantization, "quality 10"
+            elif name.endswith(".jpg"):
+                assert data == (tree / "train" / "n0" / "photo.JPEG").read_bytes(), "an RGB JPEG keeps its bytes"
+    proc = shards_here("convert", tree, dest, "--splits", "val", "--quality", "50", "--workers", "1", check=False)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"Error: {dest}/manifest.json holds train stored with --quality 10 (not --quality 50): convert those splits "
+        "too (--splits train,val) or give the same settings (nothing was changed)"
+    ]
+
+
+def test_verify_passes_every_member_training_reads_or_passes_over(tmp_path: Path) -> None:
+    # PNG and JPEG images under any of their names, other tools' .json and .txt notes beside them
+    names = ["k0.png=png", "k0.cls=1", "k1.jpeg", "k1.cls=2", "k1.json={}", "k1.txt=x", "k2.JPG", "k2.cls=3"]
+    shard_holding(tmp_path, [*names, "notes.json={}"], 3)
+    assert "all shards match" in shards_here("verify", tmp_path).stdout
+    with ShardLoader(str(tmp_path), "train", 3, image_size=32, workers=1, epoch_mode="exact", device="cpu") as loader:
+        assert [sorted(batch.labels.tolist()) for batch in loader] == [[1, 2, 3]], "training reads the same 3 samples"

@@ -695,18 +695,25 @@ def test_a_timm_model_trains_resumes_and_loads_back_into_timm(opt: str, tmp_path
     assert not torch.isnan(next(iter(again.parameters()))).any()
 
 
-def test_timm_pretrained_weights_come_from_the_hugging_face_cache(tmp_path: Path, monkeypatch) -> None:
+def hub_cache(tmp_path: Path, monkeypatch, state: dict[str, torch.Tensor]) -> Path:
+    """A Hugging Face cache (as the hub lays it out) holding ``state`` as timm's test_convnext.r160_in1k."""
     import huggingface_hub.constants
-    import timm
     from safetensors.torch import save_file
 
-    released = timm.create_model("test_convnext", num_classes=1000)  # as the hub's file: 1,000 classes
     snapshot = tmp_path / "hub" / "models--timm--test_convnext.r160_in1k" / "snapshots" / ("0" * 40)
     snapshot.mkdir(parents=True)
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
-    save_file(released.state_dict(), snapshot / "model.safetensors")
+    save_file(state, snapshot / "model.safetensors")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return snapshot / "model.safetensors"
+
+
+def test_timm_pretrained_weights_come_from_the_hugging_face_cache(tmp_path: Path, monkeypatch) -> None:
+    import timm
+
+    released = timm.create_model("test_convnext", num_classes=1000)  # as the hub's file: 1,000 classes
+    hub_cache(tmp_path, monkeypatch, released.state_dict())
     arch, tag = "timm/test_convnext", "timm/test_convnext.r160_in1k"
     mine = model.build_model(arch, 4)
     model.load_weights(mine, tag, arch)
@@ -723,6 +730,37 @@ def test_timm_pretrained_weights_come_from_the_hugging_face_cache(tmp_path: Path
         model.load_weights(mine, "timm/test_convnext.nope", arch)
     with pytest.raises(DataError, match=r"^--weights timm/test_resnet.r160_in1k: not in the Hugging Face cache"):
         model.load_weights(model.build_model("timm/test_resnet", 4), "timm/test_resnet.r160_in1k", "timm/test_resnet")
+
+
+def test_timm_weights_partial_damaged_or_of_another_model_in_the_cache_are_refused(tmp_path: Path, monkeypatch) -> None:
+    import timm
+    from safetensors.torch import save_file
+
+    released = timm.create_model("test_convnext", num_classes=1000).state_dict()
+    file = hub_cache(tmp_path, monkeypatch, {k: v for k, v in released.items() if not k.startswith("stages.1.")})
+    arch, tag = "timm/test_convnext", "timm/test_convnext.r160_in1k"
+    cache = rf"^--weights {tag}: the Hugging Face cache's"
+    refused = rf"{cache} {re.escape(str(file))} is damaged or not timm's test_convnext"
+    fetch = r"\): delete that file and fetch it again, python -c .+timm.create_model\('test_convnext.r160_in1k', pre"
+    with pytest.raises(DataError, match=rf"{refused} \(Missing key\(s\) in state_dict: 22 \(stages.1.downsample.0.we"):
+        model.load_weights(model.build_model(arch, 4), tag, arch)  # a partial download: before, what it held
+    save_file(timm.create_model("test_convnext2", num_classes=1000).state_dict(), file)  # another model's
+    with pytest.raises(DataError, match=rf"{refused} \(Missing key.+size mismatch for stem.0.weight: .+{fetch}"):
+        model.load_weights(model.build_model(arch, 4), tag, arch)
+    save_file(released, file)
+    file.write_bytes(file.read_bytes()[:-100])  # cut short
+    with pytest.raises(DataError, match=rf"{refused} \(SafetensorError: Error while deserializing header: .+{fetch}"):
+        model.load_weights(model.build_model(arch, 4), tag, arch)
+    blob = tmp_path / "blob"  # as the hub keeps them: the snapshot's file links to a blob
+    blob.write_bytes(b"\0" * 100)
+    file.unlink()
+    file.symlink_to(blob)
+    refused = rf"{cache} {re.escape(str(blob))} is damaged or not timm's test_convnext"
+    with pytest.raises(DataError, match=rf"{refused} \(SafetensorError: .+{fetch}"):
+        model.load_weights(model.build_model(arch, 4), tag, arch)
+    blob.unlink()  # so deleted: the cache holds it no more
+    with pytest.raises(DataError, match=rf"^--weights {tag}: not in the Hugging Face cache \(HF_HOME\): fetch it"):
+        model.load_weights(model.build_model(arch, 4), tag, arch)
 
 
 def test_timm_names_are_checked_and_a_missing_timm_is_one_line(tmp_path: Path, monkeypatch) -> None:

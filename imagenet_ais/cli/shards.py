@@ -1,4 +1,5 @@
-"""Make, check, describe and copy ImageNet WebDataset shards: synth, convert, verify, summary, preload."""
+"""Make, index, reshard, check, describe and copy ImageNet WebDataset shards: synth, convert, index, reshard,
+verify, summary, preload."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from pathlib import Path
 import click
 
 from imagenet_ais.cli.one_line import one_line
-from imagenet_ais.shards import cache, convert, synth, verify
+from imagenet_ais.shards import cache, convert, index, labels, layouts, reshard, synth, verify
 from imagenet_ais.shards.inputs import Stored
-from imagenet_ais.shards.manifest import Manifest, brace_pattern, load_manifest
+from imagenet_ais.shards.manifest import Manifest, SplitInfo, brace_pattern, load_manifest
+from imagenet_ais.shards.quality import quality_line
 from imagenet_ais.storage import open_store
 
 
@@ -136,12 +138,14 @@ def convert_cmd(
         manifest = convert.convert(
             src, dest, split_list, maxcount, maxsize, workers, seed, allow_empty, read_back, stored=stored
         )
-    if stored.max_side:
-        click.echo(_stored(manifest).removeprefix("; "))
-    for name, split in manifest.splits.items():
-        click.echo(f"{name}: {split.samples} samples in {_shards(split.shards)}, {len(split.rejected)} rejected")
-        for r in split.rejected:
-            click.echo(f"  rejected {r['path']}: {r['reason']}")
+    click.echo(_stored(manifest).removeprefix("; "))
+    for split in manifest.splits.values():
+        _echo_rejected(split)
+    for name, split in manifest.splits.items():  # last, where they are seen: what each split holds, and lost
+        rejected = f"{len(split.rejected)} rejected" + (" (listed above and in the manifest)" if split.rejected else "")
+        click.echo(f"{name}: {split.samples} samples in {_shards(split.shards)}, {rejected}")
+    if line := quality_line(dest, manifest.class_counts.get("train", [])):
+        click.echo(f"train: {line}")
 
 
 @cli.command("verify")
@@ -176,25 +180,132 @@ def preload_cmd(url: str, dest: Path, splits: str | None, workers: int) -> None:
         click.echo(f"{dest}: {name}: {_shards(split.shards)}, {split.samples} samples, {_human(split.bytes)}")
 
 
+@cli.command("index")
+@click.argument("location")
+@click.option(
+    "--manifest-to",
+    metavar="LOCATION",
+    help="write the manifest there (a directory or bucket) where LOCATION is read-only; train with --data LOCATION",
+)
+@click.option(
+    "--split",
+    "splits",
+    multiple=True,
+    metavar="NAME=PATTERN",
+    help="a split's shards: a glob or brace pattern relative to LOCATION (repeatable) [default: from the shards' "
+    "names, or the hub's _info.json]",
+)
+@click.option("--label", default="cls", show_default=True, help=f"the member holding each label: {labels.RULES}")
+@click.option(
+    "--classes",
+    "classes_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="class names, one per line: line i names class index i [default: the names the labels are, sorted, else "
+    "the indices]",
+)
+@workers_option(lambda: 8, "parallel shard reads; auto: 8")
+def index_cmd(
+    location: str, manifest_to: str | None, splits: tuple[str, ...], label: str, classes_file: Path | None, workers: int
+) -> None:
+    """Write a manifest for the WebDataset shards at LOCATION that another tool made, in place.
+
+    Each shard is read once (counted, SHA-256 hashed, its samples' labels read); none is
+    written, moved or deleted. Re-running after an interruption goes on where it stopped.
+    """
+    with one_line():
+        patterns = [layouts.split_option(s) for s in splits]
+        manifest = index.index(
+            location,
+            manifest_to=manifest_to,
+            patterns=patterns,
+            label=label,
+            classes_file=classes_file,
+            workers=workers,
+        )
+    data_at = manifest_to or location
+    click.echo(f"{data_at}: {len(manifest.classes)} classes; {_origin(manifest)}")
+    for name, split in manifest.splits.items():
+        click.echo(f"{name}: {split.samples} samples in {_shards(split.shards)}, {len(split.rejected)} rejected")
+        _echo_rejected(split, most=20)
+    if line := quality_line(manifest.shards_location(data_at), manifest.class_counts.get("train", [])):
+        click.echo(f"train: {line}")
+    click.echo(f"train with --data {data_at}")
+
+
+def _origin(manifest: Manifest) -> str:
+    """Where a manifest came from, as summary and index say it."""
+    source = manifest.source
+    if source.get("made_by") == "reshard":
+        return f"made by reshard from {source.get('from')}, labels from {manifest.labels}"
+    if source.get("made_by") != "index":
+        return "made by convert"
+    where = f", shards at {manifest.shards_at}" if manifest.shards_at else ""
+    return f"made by index ({source.get('layout')}), labels from {manifest.labels}{where}"
+
+
+@cli.command("reshard")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--maxcount", default=1000, show_default=True, type=click.IntRange(min=1), help="samples per new shard")
+@click.option("--seed", default=0, show_default=True, help="seed of the permutation")
+@click.option(
+    "--spool",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="local folder for the samples between the two passes (as much free space as the shards take) "
+    "[default: the system's temp folder]",
+)
+@CPU_WORKERS
+def reshard_cmd(src: str, dst: str, maxcount: int, seed: int, spool: Path | None, workers: int) -> None:
+    """Write a shuffled copy of the shards at SRC (converted or indexed) to DST.
+
+    Samples are moved as they are, every member's name and bytes kept: nothing is decoded or
+    re-encoded. Re-running after an interruption goes on where it stopped.
+    """
+    with one_line():
+        manifest = reshard.reshard(
+            src, dst, maxcount=maxcount, seed=seed, workers=workers, spool=str(spool) if spool else None
+        )
+    for name, split in manifest.splits.items():
+        click.echo(f"{dst}: {name}: {split.samples} samples in {_shards(split.shards)}")
+    if line := quality_line(dst, manifest.class_counts.get("train", [])):
+        click.echo(f"train: {line}")
+
+
 @cli.command("summary")
 @click.argument("dest")
 def summary_cmd(dest: str) -> None:
     """Print each split of DEST as a brace pattern with counts and sizes."""
     with one_line():
         manifest = load_manifest(open_store(dest))
-    click.echo(f"{dest}: {len(manifest.classes)} classes{_stored(manifest)}")
+    click.echo(f"{dest}: {len(manifest.classes)} classes{_stored(manifest)}; {_origin(manifest)}")
     for name, split in manifest.splits.items():
         pattern = brace_pattern([s.name for s in split.shards])
         click.echo(
             f"{name}: {pattern}  shards={len(split.shards)} samples={split.samples} "
             f"size={_human(split.bytes)} rejected={len(split.rejected)}"
         )
+        _echo_rejected(split, most=20)
+    if line := quality_line(manifest.shards_location(dest), manifest.class_counts.get("train", [])):
+        click.echo(f"train: {line}")
 
 
 def _stored(manifest: Manifest) -> str:
-    """How the manifest says its images were stored, where convert was given --max-side (else nothing)."""
-    side, quality = manifest.source.get("max_side"), manifest.source.get("quality")
-    return f"; images stored at most {side} px a side, JPEG quality {quality}" if side else ""
+    """How the manifest says its images were stored (nothing where it does not: made by an older
+    convert, or by index)."""
+    side, jpeg_quality = manifest.source.get("max_side"), manifest.source.get("quality")
+    if side:
+        return f"; images stored at most {side} px a side, JPEG quality {jpeg_quality}"
+    if jpeg_quality:
+        return f"; images stored as they are, those re-encoded (no RGB or gray JPEG) at JPEG quality {jpeg_quality}"
+    return ""
+
+
+def _echo_rejected(split: SplitInfo, most: int | None = None) -> None:
+    """The inputs convert (or the samples index) rejected from ``split``, each with its reason (the first ``most``)."""
+    for r in split.rejected[:most]:
+        click.echo(f"  rejected {r['path']}: {r['reason']}")
+    if most is not None and len(split.rejected) > most:
+        click.echo(f"  ... and {len(split.rejected) - most} more (the manifest lists them all)")
 
 
 if __name__ == "__main__":  # python -m imagenet_ais.cli.shards

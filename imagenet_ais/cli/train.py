@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import sys
@@ -294,6 +295,7 @@ def main(compile_: bool, **options: object) -> None:
     whose data never came, without: from the last checkpoint): continue with --resume auto.
     """
     signal.signal(signal.SIGTERM, _stopped)  # for the rest of this process (the run sets its own meanwhile)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # (one held while train.py imported this: now)
     with one_line():
         outcome = train(config(click.get_current_context()))  # (a --recipe's settings are checked too)
     # The run is over. A SIGTERM in the process's last steps would replace its status by the
@@ -308,6 +310,8 @@ def _stopped(signum: int, frame: object) -> None:
     winds down after it ended, say on a data error): the process ends with a stopped run's status,
     not by the signal (the run's handler saves first; here nothing is left to save). Raised in
     the process's last steps (its exit handlers), the status already given stands."""
+    # (os.write, not print: the signal may have come in the middle of a print to stderr)
+    os.write(2, b"train.py: stopped by SIGTERM where no training was under way: nothing to save\n")
     raise SystemExit(EXIT_PREEMPTED)
 
 

@@ -23,6 +23,7 @@ from imagenet_ais.errors import ConfigError, DataError, NotFound, Refused, Stora
 from imagenet_ais.loader.engine import Batch
 from imagenet_ais.loader.failures import (
     Interrupted,
+    ShuffleWarning,
     Stalled,
     StateMismatch,
     TransformFailed,
@@ -39,6 +40,7 @@ __all__ = [
     "NotFound",
     "Refused",
     "ShardLoader",
+    "ShuffleWarning",
     "Stalled",
     "StateMismatch",
     "StorageError",

@@ -30,6 +30,7 @@ import os
 import random
 import signal
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,8 +224,10 @@ class _ShardLoader:
                 self.slots.pin()
             yield from map(functools.partial(wire.unpack, self.slots), batches)
         except (UnreadableData, TransformFailed) as e:  # a worker's: torch raises it again, its traceback the message
-            raised = f"{type(e).__module__}.{type(e).__name__}: "  # (where the worker's message starts)
-            raise type(e)(str(e).rpartition(raised)[2].strip()) from None
+            # the worker's message follows the first line that starts with its type (a caller's
+            # exception quoted in it may name the type too); raised in this process, it is the message
+            raised = f"\n{type(e).__module__}.{type(e).__name__}: "
+            raise type(e)(str(e).partition(raised)[2].strip() or str(e)) from None
         except RuntimeError as e:  # torch's "DataLoader worker (pid(s) 1234) exited unexpectedly"
             if not str(e).startswith("DataLoader worker"):
                 raise
@@ -339,7 +342,7 @@ class TrainLoader(_ShardLoader):
         counts, the seed): a resumed epoch can be exact only over the same."""
         shards = self.spec.shards
         plan: list = [shards.names, shards.counts, self.spec.seed]
-        if len(shards.locations) > 1 or shards.weights != [1.0]:  # (a single source's digest as it always was)
+        if shards.mixed:  # (a single source's digest as it always was)
             plan += [shards.source, shards.weights, shards.taken]
         return hashlib.sha256(json.dumps(plan).encode()).hexdigest()[:16]
 
@@ -371,6 +374,29 @@ class TrainLoader(_ShardLoader):
         for shard, index in torch.cat(self.delivered).tolist() if self.delivered else []:
             delivered.setdefault(shard, set()).add(index)
         return {"epoch": self.epoch, "delivered": {k: sorted(v) for k, v in delivered.items()}}
+
+    def padding(self, padded: int) -> str:
+        """The line that says this epoch's last batches were padded with ``padded`` repeats, and of
+        which shards samples were not handed out (exact mode: the rank's share of the epoch less
+        what it handed out)."""
+        line = f"{self.spec.location}: epoch {self.epoch + 1} was padded with {padded} repeats of other samples"
+        if self.mode != "exact":  # (resampled: no share of samples planned to compare with)
+            return line
+        s, (epoch, done, _) = self.spec, self.dataset.resumed
+        done = done if epoch == self.epoch else {}  # (trained before a restart: not this rank's to hand out)
+        pieces = exact_assignment(s.counts, s.world, s.batch, s.seed, self.epoch, done, s.shards.runs)[0][s.rank]
+        handed = set(map(tuple, torch.cat(self.delivered).tolist())) if self.delivered else set()
+        missing = Counter(
+            s.shards.where(p.shard)
+            for p in pieces
+            for i in range(p.start, p.stop)
+            if (p.shard, i) not in handed and i not in done.get(p.shard, ())
+        )
+        if not missing:
+            return line
+        listed = ", ".join(f"{n} of {where}" for where, n in missing.most_common(3))
+        more = f" and {len(missing) - 3} more shards" if len(missing) > 3 else ""
+        return f"{line} in place of samples that could not be read: {listed}{more} (the loader's problems say why)"
 
     def restore(self, epoch: int, restart: str, position: dict | None = None, step: int = 0) -> int:
         """Continue ``epoch`` mid-way; returns the step of the epoch it continues at.

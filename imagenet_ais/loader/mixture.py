@@ -22,13 +22,21 @@ to any world size as a single source's do.
 from __future__ import annotations
 
 import math
+import numbers
 import os
+import posixpath
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from decimal import ROUND_CEILING, Decimal
 
 from imagenet_ais.errors import ConfigError, DataError
+from imagenet_ais.shards.labels import LabelRule
 from imagenet_ais.shards.manifest import Manifest, ShardInfo, SplitInfo
+
+# exact mode: a source's passes an epoch at most (its shards are listed once per pass: 1e9 is no plan)
+MAX_PASSES = 1000
 
 
 @dataclass(frozen=True)
@@ -68,8 +76,12 @@ def _source(item: object) -> Source:
 
 
 def checked_weight(weight: object, location: str) -> float:
-    """``weight`` as a float above 0, else a one-line ConfigError naming ``location``."""
-    value = float(weight) if isinstance(weight, int | float) and not isinstance(weight, bool) else math.nan
+    """``weight`` (any real number: int, float, numpy's, Fraction) as a float above 0, else a
+    one-line ConfigError naming ``location``."""
+    try:
+        value = float(weight) if isinstance(weight, numbers.Real) and not isinstance(weight, bool) else math.nan
+    except OverflowError:  # (an int or Fraction beyond a float's range)
+        value = math.inf
     if not (math.isfinite(value) and value > 0):
         raise ConfigError(f"{location}: weight {weight!r} in the mixture: give a number above 0 (e.g. 1, 0.5, 2)")
     return value
@@ -95,10 +107,17 @@ def _bare_host(head: str) -> bool:
 
 
 def _same(location: str) -> str:
-    """What two spellings of one location share (a directory's absolute path, a URL less its last '/')."""
-    if "://" in location and not location.startswith("file://"):
-        return location.rstrip("/")
-    return os.path.abspath(location.removeprefix("file://"))
+    """What two spellings of one location share: a directory's real path (links, '//' and '.'
+    resolved), an HTTP URL's host in lower case and path less '.' and repeated or last '/' (as
+    the server reads it), another URL less its last '/'. Other spellings still (localhost for
+    127.0.0.1, a copy) are told by their manifests (``mixed``)."""
+    scheme, sep, rest = location.partition("://")
+    if not sep or scheme == "file":
+        return os.path.realpath(rest if sep else location)
+    if scheme in ("http", "https"):
+        host, _, path = rest.partition("/")
+        return f"{scheme}://{host.lower()}{posixpath.normpath(re.sub('/+', '/', f'/{path}')).rstrip('/')}"
+    return location.rstrip("/")
 
 
 def merged_classes(manifests: list[Manifest], locations: list[str], given: list[str] | None = None) -> list[str]:
@@ -141,11 +160,19 @@ class Shards:
     taken: list[int] | None = None  # exact: samples of each shard an epoch takes (None: all)
     copies: list[int] | None = None  # exact: which pass over its source each shard is (0 the first)
     weights: list[float] = field(default_factory=lambda: [1.0])
+    # per source: the rule its labels are read by, and its class names' indices (for labels that are names)
+    rules: list[LabelRule] = field(default_factory=lambda: [LabelRule()])
+    class_ids: list[dict[str, int]] = field(default_factory=lambda: [{}])
 
     @property
     def samples(self) -> int:
         """Samples an exact epoch takes; a resampled one's shards' count."""
         return sum(self.taken) if self.taken is not None else sum(self.counts)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether these are a mixture's: several sources, or one by a weight other than 1."""
+        return len(self.locations) > 1 or self.weights != [1.0]
 
     @property
     def bytes(self) -> int:
@@ -171,6 +198,15 @@ class Shards:
     def where(self, shard: int) -> str:
         return f"{self.locations[self.source[shard]]}/{self.names[shard]}"
 
+    def rule(self, shard: int) -> LabelRule:
+        """The rule ``shard``'s labels are read by."""
+        return self.rules[self.source[shard]]
+
+    def label_of(self, shard: int, sample: dict) -> int:
+        """A sample's label in the merged classes (labels.py reads it by its source's rule); a
+        ValueError (DataError) where its manifest has no such class."""
+        return self.label(shard, self.rule(shard).index(sample, self.class_ids[self.source[shard]]))
+
     def label(self, shard: int, label: int) -> int:
         """A label of ``shard`` in the merged classes; one its manifest does not have: DataError."""
         remap = self.remaps[self.source[shard]]
@@ -181,12 +217,24 @@ class Shards:
         return remap[label]
 
 
-def one_source(split: SplitInfo, location: str, remap: list[int] | None = None) -> Shards:
-    """The shards of one location, as they are (their labels mapped by ``remap``, if any)."""
+def one_source(
+    split: SplitInfo, location: str, remap: list[int] | None = None, manifest: Manifest | None = None
+) -> Shards:
+    """The shards of one location, as they are (their labels mapped by ``remap``, if any; read
+    by ``manifest``'s rule)."""
+    rule, ids = _reading(manifest)
     return Shards(
         [s.name for s in split.shards], [s.samples for s in split.shards], [(s.bytes, s.sha256) for s in split.shards],
-        [0] * len(split.shards), [location], [remap], [{s.name: s for s in split.shards}],
+        [0] * len(split.shards), [location], [remap], [{s.name: s for s in split.shards}], rules=[rule],
+        class_ids=[ids],
     )  # fmt: skip
+
+
+def _reading(manifest: Manifest | None) -> tuple[LabelRule, dict[str, int]]:
+    """How a source's labels are read: its manifest's rule, and its classes by name."""
+    if manifest is None:
+        return LabelRule(), {}
+    return manifest.label_rule(), {c: i for i, c in enumerate(manifest.classes)}
 
 
 def shards_of(
@@ -196,7 +244,8 @@ def shards_of(
     locations = [s.location for s in sources]
     merged = merged_classes(manifests, locations, classes)
     if len(sources) == 1 and sources[0].weight == 1:
-        return one_source(manifests[0].split(split), locations[0], remap(manifests[0].classes, merged)), merged
+        at, manifest = manifests[0].shards_location(locations[0]), manifests[0]
+        return one_source(manifest.split(split), at, remap(manifest.classes, merged), manifest), merged
     if split != "train":
         raise ConfigError(
             f"the {split} split of a mixture of {len(sources)} sources: {split} reads one location; give it alone"
@@ -209,7 +258,8 @@ def mixed(sources: list[Source], manifests: list[Manifest], classes: list[str], 
     source's shards once per whole or part of its weight, each copy's share of its shards in
     ``taken``; in resampled mode once each, with the chance to be drawn that gives its source
     its weight's share of the samples (a shard drawn gives all its samples, and shards are drawn
-    by their counts within a source: so by count / the sum of its shards' squared counts)."""
+    by their counts within a source: so by count / the sum of its shards' squared counts).
+    A mixture in which a source would count twice, or get no samples, is a one-line ConfigError."""
     names: list[str] = []
     counts: list[int] = []
     listed: list[tuple[int, str]] = []
@@ -218,30 +268,91 @@ def mixed(sources: list[Source], manifests: list[Manifest], classes: list[str], 
     copy_of: list[int] = []
     draws: list[float] = []
     splits = [m.split("train") for m in manifests]
+    _check_apart(sources, splits)
+    shares = _shares(sources, splits) if mode != "exact" else [1.0] * len(sources)
     for s, (source, split) in enumerate(zip(sources, splits, strict=True)):
-        total, squares = split.samples, sum(sh.samples**2 for sh in split.shards)
-        if total == 0:
-            raise ConfigError(f"{source.location}: its training split has no samples: leave it out of the mixture")
-        whole, part = divmod(source.weight, 1.0) if mode == "exact" else (1.0, 0.0)
-        copies = [1.0] * int(whole) + ([part] if part > 1e-9 else [])
-        for copy, share in enumerate(copies):
-            shares = _apportioned([sh.samples for sh in split.shards], round(share * total))
-            for shard, k in zip(split.shards, shares, strict=True):
+        squares = sum(sh.samples**2 for sh in split.shards)
+        passes = _passes(source, split) if mode == "exact" else [[sh.samples for sh in split.shards]]
+        for copy, takes in enumerate(passes):
+            for shard, k in zip(split.shards, takes, strict=True):
                 names.append(shard.name)
                 counts.append(shard.samples)
                 listed.append((shard.bytes, shard.sha256))
                 source_of.append(s)
                 taken.append(k)
                 copy_of.append(copy)
-                # a draw is a whole shard, by its count: its source's draws give weight-many samples
-                draws.append(source.weight * shard.samples / squares)
+                # a draw is a whole shard, by its count: its source's draws give its share of the samples
+                draws.append(shares[s] * shard.samples / squares)
     remaps = [remap(m.classes, classes) for m in manifests]
     infos = [{sh.name: sh for sh in split.shards} for split in splits]
+    rules, ids = zip(*map(_reading, manifests), strict=True)
+    at = [m.shards_location(s.location) for s, m in zip(sources, manifests, strict=True)]
     return Shards(
-        names, counts, listed, source_of, [s.location for s in sources], remaps, infos,
-        draws=draws if mode != "exact" else None, taken=taken if mode == "exact" else None,
-        copies=copy_of if mode == "exact" else None, weights=[s.weight for s in sources],
+        names, counts, listed, source_of, at, remaps, infos, draws=draws if mode != "exact" else None,
+        taken=taken if mode == "exact" else None, copies=copy_of if mode == "exact" else None,
+        weights=[s.weight for s in sources], rules=list(rules), class_ids=list(ids),
     )  # fmt: skip
+
+
+def _check_apart(sources: list[Source], splits: list[SplitInfo]) -> None:
+    """Each source holds training samples, and shards no other source holds under another
+    spelling (a link, localhost for 127.0.0.1, a copy: the same names, sizes and SHA-256s)."""
+    seen: dict[tuple[tuple[str, int, str], ...], str] = {}
+    for source, split in zip(sources, splits, strict=True):
+        if split.samples == 0:
+            raise ConfigError(f"{source.location}: its training split has no samples: leave it out of the mixture")
+        shards = tuple((sh.name, sh.bytes, sh.sha256) for sh in split.shards)
+        if shards in seen:
+            raise ConfigError(
+                f"{source.location}: given twice in the mixture (as {seen[shards]}: its manifest lists the same "
+                "shards, names, sizes and SHA-256s): give each shard set once, with the weight it should have"
+            )
+        seen[shards] = source.location
+
+
+def _passes(source: Source, split: SplitInfo) -> list[list[int]]:
+    """The samples of each shard an exact epoch takes, per pass over the source: its whole
+    passes, then its part (a run of that share of each shard). A weight above ``MAX_PASSES``,
+    or too small to take one sample, is a one-line ConfigError."""
+    weight, total = source.weight, split.samples
+    if weight > MAX_PASSES:
+        raise ConfigError(
+            f"{source.location}: weight {weight:g} in exact mode takes each sample {weight:g} times an epoch: give "
+            f"{MAX_PASSES} or less (or resampled epochs, where a weight is a share of the samples)"
+        )
+    whole, part = divmod(weight, 1.0)
+    counts = [sh.samples for sh in split.shards]
+    passes = [_apportioned(counts, round(share * total)) for share in [1.0] * int(whole) + [part]]
+    if not (passes := [p for p in passes if any(p)]):  # (a part too small for a sample is no pass)
+        raise ConfigError(
+            f"{source.location}: weight {weight:g} takes none of its {total} samples an exact epoch ({weight:g} × "
+            f"{total} rounds to 0): give it {_rounded_up(1 / total)} or more (one sample an epoch)"
+        )
+    return passes
+
+
+def _shares(sources: list[Source], splits: list[SplitInfo]) -> list[float]:
+    """Each source's share of a resampled epoch's samples: its weight's share of the weights
+    (scaled by the largest first, so that no sum overflows nor a share underflows). A share of
+    less than one in as many samples as the sources hold is a one-line ConfigError."""
+    top = max(s.weight for s in sources)
+    scaled = [s.weight / top for s in sources]
+    held, whole = sum(split.samples for split in splits), sum(scaled)
+    for source, weight in zip(sources, scaled, strict=True):
+        if held * weight / whole < 1:
+            least = top * (whole - weight) / (held - 1)  # (held > 1: each source holds samples)
+            raise ConfigError(
+                f"{source.location}: weight {source.weight:g} draws {held * weight / whole:.2g} of every {held} "
+                f"samples: give it {_rounded_up(least)} or more (one in {held})"
+            )
+    return [weight / whole for weight in scaled]
+
+
+def _rounded_up(value: float) -> str:
+    """``value`` to 3 significant digits, rounded up (a least weight that gives what it says)."""
+    exact = Decimal(repr(value))  # (as it reads: 0.1 is 0.1, not the float's 0.1000000000000000055)
+    step = Decimal(1).scaleb(exact.adjusted() - 2)
+    return f"{float((exact / step).to_integral_value(ROUND_CEILING) * step):.3g}"
 
 
 def _apportioned(counts: list[int], total: int) -> list[int]:

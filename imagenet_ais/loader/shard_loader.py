@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import multiprocessing as mp
 import os
 import warnings
+from collections import Counter
 from collections.abc import Callable, Generator, Iterator, Sequence
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
 import torch
@@ -31,18 +34,19 @@ import torch.distributed as dist
 from PIL import Image
 
 from imagenet_ais.distributed import WORK_QUEUES, auto_workers, gather_objects
-from imagenet_ais.errors import ConfigError, DataError, first_line
+from imagenet_ais.errors import ConfigError, DataError
 from imagenet_ais.loader.augment import NO_AUGMENT, Augment
 from imagenet_ais.loader.cpu_share import AUTO, checked
 from imagenet_ais.loader.dali_decode import available as dali_available
 from imagenet_ais.loader.engine import Batch, Feeding, TrainLoader, ValLoader
-from imagenet_ais.loader.failures import StateMismatch, TransformFailed
-from imagenet_ais.loader.mixture import shards_of, sources_of
+from imagenet_ais.loader.failures import ShuffleWarning, StateMismatch, TransformFailed, raised, shown, transform_name
+from imagenet_ais.loader.mixture import Source, shards_of, sources_of
 from imagenet_ais.loader.sampling import merge_positions
 from imagenet_ais.loader.transforms import VAL_CROP
 from imagenet_ais.loader.worker import CacheSpec, LoaderSpec
 from imagenet_ais.shards.manifest import Manifest, load_manifest
-from imagenet_ais.storage import open_store
+from imagenet_ais.shards.quality import low_quality_line
+from imagenet_ais.storage import is_local, open_store
 
 STATE_VERSION = 1
 
@@ -104,7 +108,7 @@ class ShardLoader:
       a PIL image or a uint8 3×H×W tensor (normalised then as the loader's own crops are), or a
       float 3×H×W tensor (taken as it is); one size for all. Its random draws are the workers'
       own, not the loader's seed. ``batch_transform``: your own on each batch's images on the
-      device, as iterating would give them (any decode).
+      device, as iterating would give them (any decode); it gives a float tensor of as many images.
 
     Its state (``state_dict()``, training only; a plain dict, for ``torch.save``):
 
@@ -148,7 +152,7 @@ class ShardLoader:
         classes: Sequence[str] | None = None,
     ):
         _check_sizes(batch_size=batch_size, image_size=image_size, epoch_size=epoch_size, shuffle_buffer=shuffle_buffer)
-        sources = sources_of(location)
+        sources = [_absolute(source) for source in sources_of(location)]
         _check_kinds(manifest, augment, workers, seed, data_timeout)
         if manifest is not None and len(sources) > 1:
             raise ConfigError("manifest= is one location's: leave it out for a mixture (each source's is read)")
@@ -163,12 +167,21 @@ class ShardLoader:
         if cache_size is not None and not cache_dir:
             raise ConfigError("--cache-size bounds --cache-dir: give --cache-dir too")
         manifests = [manifest] if manifest else [load_manifest(open_store(s.location)) for s in sources]
-        given = list(classes) if classes is not None else None
-        data, self.classes = shards_of(sources, manifests, split, epoch_mode, given)
+        data, self.classes = shards_of(sources, manifests, split, epoch_mode, _checked_classes(classes))
+        # what a caller should know of its data: shards sorted by class, say (also a warning)
+        self.notes = [
+            line
+            for source, made in zip(sources, manifests, strict=True)
+            if split == "train" and (line := low_quality_line(source.location, made.class_counts.get(split, [])))
+        ]
+        for line in self.notes:
+            warnings.warn(line, ShuffleWarning, stacklevel=2)
         self.sources, self.split = sources, split
         self.location = " + ".join(s.location for s in sources)  # (what its messages name)
         self.rank, self.world_size, self.batch_size, self.device = rank, world_size, batch_size, device
         self.workers = workers if workers is not None else auto_workers(device)
+        if transform is not None and self.workers:
+            _sendable(transform)
         spec = LoaderSpec(
             world_size, rank, batch_size, seed, image_size, self.decode, len(self.classes),
             CacheSpec(cache_dir, cache_size) if cache_dir else None, augment=augment, transform=transform,
@@ -189,6 +202,7 @@ class ShardLoader:
         self._step = 0  # steps of ``epoch`` handed out (with those before a restore)
         self._active: _Pass | None = None
         self.continued: Continued | None = None  # what the last ``load_state_dict`` went on from
+        self._warns = True  # of an epoch padded with repeats: until the caller takes ``problems``
 
     @property
     def cpu_share(self) -> float | str:
@@ -204,7 +218,10 @@ class ShardLoader:
 
     @property
     def problems(self) -> Any:
-        """The queue the workers name unreadable shards and samples in ("where: what" lines)."""
+        """The queue the workers name unreadable shards and samples in ("where: what" lines). A
+        caller that takes it names what they say (as train.py does): the loader then no longer warns
+        of an epoch padded with repeats, which would name those shards again."""
+        self._warns = False
         return self._loader.signals.problems
 
     def __len__(self) -> int:
@@ -238,18 +255,25 @@ class ShardLoader:
         if not self._pending:
             self.set_epoch(self.epoch + 1)
         self._pending = False
+        padded = self._loader.padded
         for batch in self._loader:
             self._step += 1
             yield self._transformed(batch) if self.batch_transform is not None else batch
+        if self._warns and isinstance(self._loader, TrainLoader) and (padded := self._loader.padded - padded):
+            # counters() only counts them: a loop that reads no problems would train on repeats unsaid
+            warnings.warn(self._loader.padding(padded), stacklevel=3)  # (the caller's loop, past _Pass)
 
     def _transformed(self, batch: Batch) -> Batch:
+        """The batch_transform's images of ``batch``: a float tensor of as many images, else TransformFailed."""
+        said = f"{self.location}: the batch_transform {transform_name(self.batch_transform)}"
+        which, n = f"the batch of {batch.keys[0]!r} and {len(batch.keys) - 1} more", len(batch.keys)
         try:
-            return batch._replace(images=self.batch_transform(batch.images))  # type: ignore[misc]
+            out = self.batch_transform(batch.images)  # type: ignore[misc]
         except Exception as e:
-            raise TransformFailed(
-                f"{self.location}: the batch_transform raised on the batch of {batch.keys[0]!r} and "
-                f"{len(batch.keys) - 1} more: {type(e).__name__}: {first_line(e)}"
-            ) from None
+            raise TransformFailed(f"{said} raised on {which}: {raised(e)}") from None
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and out.dim() == 4 and len(out) == n:
+            return batch._replace(images=out)
+        raise TransformFailed(f"{said} gave {shown(out)} for {which}: return a float tensor of its {n} images, N×C×H×W")
 
     def state_dict(self) -> dict[str, Any]:
         """Where training stands in its epochs (the class's docstring says what it holds), for
@@ -311,7 +335,7 @@ class ShardLoader:
                 "(for ... in loader) to continue from the state loaded"
             )
             self._active = None
-        state = _checked_state(state, loader.spec.counts)
+        state = _checked_state(state)
         epoch, step, position = state["epoch"], state["step"], state["position"]
         self._pending = False  # (the epoch is set afresh, whatever was restored before)
         self.set_epoch(epoch)
@@ -320,14 +344,16 @@ class ShardLoader:
         if not step:
             return
         at = str(self.continued)
-        if state["plan"] != loader.plan():
-            raise StateMismatch(f"{at} over other shards or with another seed (ShardLoader's seed=, train.py's --seed)")
+        if state["plan"] != loader.plan():  # (before its position's shards are looked up: they may be others)
+            other = "other shards or weights," if loader.spec.shards.mixed else "other shards"
+            raise StateMismatch(f"{at} over {other} or with another seed (ShardLoader's seed=, train.py's --seed)")
         if state.get("identity") not in (None, loader.identity()):
             raise StateMismatch(f"{at} over other shards: the same names and counts, other bytes (converted again?)")
         restart = f"{epoch}:{step}"  # names the streams a resampled epoch draws from here on
         if loader.mode == "exact":
             if not position:
                 raise StateMismatch(f"{at} in {state['mode']} mode, which keeps no record of its samples")
+            _check_position(position, loader.spec.counts)
             self._step = loader.restore(epoch, restart, position)
         else:
             self._step = loader.restore(
@@ -373,7 +399,7 @@ class ShardLoader:
 STATE_KEYS = ("version", "epoch", "step", "steps", "mode", "plan", "position", "world_size", "batch_size")
 
 
-def _checked_state(state: object, counts: list[int]) -> dict[str, Any]:
+def _checked_state(state: object) -> dict[str, Any]:
     """``state`` if it is a state this loader can read (the class's docstring), else a one-line DataError."""
     if not isinstance(state, dict):
         raise DataError(f"a ShardLoader state is a dict (state_dict()'s), not {type(state).__name__}")
@@ -387,16 +413,18 @@ def _checked_state(state: object, counts: list[int]) -> dict[str, Any]:
     position = state["position"]
     if position is not None:
         delivered = position.get("delivered") if isinstance(position, dict) else None
-        if not isinstance(delivered, dict):
-            raise DataError("a ShardLoader state whose position holds no 'delivered' samples")
-        for shard, indices in delivered.items():
-            if not _whole(shard) or not 0 <= shard < len(counts) or not isinstance(indices, list):
-                raise DataError(f"a ShardLoader state naming shard {shard!r}: these shards are 0 to {len(counts) - 1}")
-            if not all(_whole(i) and 0 <= i < counts[shard] for i in indices):
-                raise DataError(
-                    f"a ShardLoader state naming samples of shard {shard} it does not hold ({counts[shard]})"
-                )
+        if not isinstance(delivered, dict) or not all(isinstance(indices, list) for indices in delivered.values()):
+            raise DataError("a ShardLoader state whose position holds no 'delivered' samples ({shard: [index, ...]})")
     return state
+
+
+def _check_position(position: dict, counts: list[int]) -> None:
+    """A position of these shards (``counts``: their samples), else a one-line DataError."""
+    for shard, indices in position["delivered"].items():
+        if not _whole(shard) or not 0 <= shard < len(counts):
+            raise DataError(f"a ShardLoader state naming shard {shard!r}: these shards are 0 to {len(counts) - 1}")
+        if not all(_whole(i) and 0 <= i < counts[shard] for i in indices):
+            raise DataError(f"a ShardLoader state naming samples of shard {shard} it does not hold ({counts[shard]})")
 
 
 def _whole(value: object) -> bool:
@@ -432,6 +460,40 @@ def _check_kinds(manifest: object, augment: object, workers: object, seed: objec
         raise ConfigError(f"seed={seed!r}: give a whole number")
     if data_timeout is not None and (not isinstance(data_timeout, int | float) or not data_timeout > 0):
         raise ConfigError(f"data_timeout={data_timeout!r}: give seconds (more than 0), or None to wait for ever")
+
+
+def _absolute(source: Source) -> Source:
+    """A local source at its absolute path: the workers read it wherever the caller (or a
+    transform in a worker) moves the working directory later."""
+    if not is_local(source.location):
+        return source
+    return dataclasses.replace(source, location=open_store(source.location).url)
+
+
+def _checked_classes(classes: Sequence[str] | None) -> list[str] | None:
+    """``classes=`` as a list, each named once (a name twice is an output no label is given), else a
+    one-line ConfigError."""
+    if classes is None:
+        return None
+    given = list(classes)
+    if twice := [name for name, n in Counter(given).items() if n > 1]:
+        raise ConfigError(f"classes= names {twice[0]!r} more than once: give each class once")
+    return given
+
+
+def _sendable(transform: object) -> None:
+    """A ``transform`` that can reach the DataLoader workers, else a one-line ConfigError: under the
+    spawn and forkserver start methods it is pickled to them, which a lambda or local function cannot be."""
+    method = mp.get_start_method()  # (this fixes the process's, as the loader's shared counters made next would)
+    if method == "fork":
+        return
+    try:
+        ForkingPickler.dumps(transform)
+    except Exception as e:
+        raise ConfigError(
+            f"transform={transform_name(transform)} cannot be sent to the DataLoader workers ({method!r} start "
+            f"method: {raised(e)}): give a module-level function or a functools.partial of one, or workers=0"
+        ) from None
 
 
 def max_workers() -> int:

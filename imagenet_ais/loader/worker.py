@@ -10,7 +10,6 @@ Only image and ``.cls`` members are read: nothing in a shard is unpickled.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import itertools
 import signal
@@ -26,10 +25,10 @@ from webdataset.filters import shuffle
 from webdataset.tariterators import group_by_keys
 
 from imagenet_ais.children import exit_with_parent
-from imagenet_ais.errors import ConfigError, DataError, StorageError, first_line
+from imagenet_ais.errors import ConfigError, DataError, StorageError
 from imagenet_ais.loader.augment import NO_AUGMENT, Augment
 from imagenet_ais.loader.cpu_share import CpuShare, offload
-from imagenet_ais.loader.failures import TransformFailed, UnreadableData
+from imagenet_ais.loader.failures import TransformFailed, UnreadableData, raised, shown, transform_name
 from imagenet_ais.loader.mixture import Shards, one_source
 from imagenet_ais.loader.sampling import (
     Done,
@@ -49,42 +48,21 @@ from imagenet_ais.loader.transforms import (
     pixels_of,
 )
 from imagenet_ais.shards.cache import ShardCache
+from imagenet_ais.shards.labels import LabelRule, image_member
 from imagenet_ais.shards.manifest import SplitInfo
 from imagenet_ais.shards.members import members
-from imagenet_ais.storage import process_store
+from imagenet_ais.storage import HashingReader, process_store
 
-IMAGE_EXTS = ("jpg", "jpeg", "png")
 DECODERS = ("cpu", "gpu", "dali")  # "gpu" and "dali" hand over JPEG bytes and crops
 FAILED_IN_A_ROW = 50  # shard reads of a worker that may fail one after another before it gives up
 SKIPPED_IN_A_ROW = 1000  # its samples that may fail to decode one after another (none are images?)
 
 
-def _wanted_member(name: str) -> bool:
-    return name.rpartition("/")[2].partition(".")[2].lower() in (*IMAGE_EXTS, "cls")
-
-
-class _Hashing:
-    """A shard stream that counts and hashes (SHA-256) every byte read through it."""
-
-    def __init__(self, raw: BinaryIO) -> None:
-        self.raw, self.sha, self.count = raw, hashlib.sha256(), 0
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.raw.read(n)
-        self.sha.update(data)
-        self.count += len(data)
-        return data
-
-    def read_to_end(self) -> None:
-        while self.read(1 << 20):
-            pass
-
-
-def _files(stream: BinaryIO | _Hashing, where: str, errors: list[Exception]) -> Iterator[dict]:
-    """The wanted members of a shard as webdataset's grouping takes them; a member that cannot be
-    read (or must not be: members.py) ends them, its error in ``errors``."""
+def _files(stream: HashingReader, where: str, errors: list[Exception], rule: LabelRule) -> Iterator[dict]:
+    """The members ``rule`` reads (images and labels) as webdataset's grouping takes them; a
+    member that cannot be read (or must not be: members.py) ends them, its error in ``errors``."""
     try:
-        for name, data in members(cast(BinaryIO, stream), _wanted_member):  # (tarfile only reads it)
+        for name, data in members(cast(BinaryIO, stream), rule.wanted):  # (tarfile only reads it)
             yield {"fname": name, "data": data, "__url__": where}
     except Exception as e:  # each storage SDK raises its own errors mid-read (GCS: GoogleAPICallError)
         errors.append(e)
@@ -211,10 +189,13 @@ class ShardStream(IterableDataset):
             return
         end = piece.start  # one past the last sample seen
         with stream:
-            hashed = _Hashing(stream)
+            hashed = HashingReader(stream)
             # past a broken member nothing is trusted: the rest of the shard is skipped
-            files = _files(hashed, where, errors)
-            samples = itertools.islice(enumerate(group_by_keys(files, handler=errors.append)), piece.start, piece.stop)
+            rule = shards.rule(piece.shard)
+            grouped = group_by_keys(_files(hashed, where, errors, rule), handler=errors.append)
+            # (the samples its manifest counts: those its index, or convert, found whole)
+            usable = (sample for sample in grouped if rule.problem(sample) is None)
+            samples = itertools.islice(enumerate(usable), piece.start, piece.stop)
             for i, sample in samples:
                 end = i + 1
                 if i not in done:
@@ -290,11 +271,15 @@ class ShardStream(IterableDataset):
         """The caller's transform of a decoded image, as the batch takes it: uint8 H×W×3 (from a
         PIL image or a uint8 3×H×W tensor: normalised later as the loader's own crops are), or a
         float 3×H×W tensor, taken as it is."""
-        where = f"{self.spec.shards.where(shard)}: the transform"
+        where = f"{self.spec.shards.where(shard)}: the transform {transform_name(self.spec.transform)}"
         try:
             out = self.spec.transform(image)  # type: ignore[misc]
-        except Exception as e:
-            raise TransformFailed(f"{where} raised on sample {key!r}: {type(e).__name__}: {first_line(e)}") from None
+        except BaseException as e:
+            # SystemExit or KeyboardInterrupt would end a worker with no word (a worker "killed"), but
+            # in this process (no workers) they are the caller's to have
+            if not isinstance(e, Exception) and get_worker_info() is None:
+                raise
+            raise TransformFailed(f"{where} raised on sample {key!r}: {raised(e)}") from None
         if isinstance(out, Image.Image):
             return pixels_of(out.convert("RGB"))
         if isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[0] == 3:
@@ -302,11 +287,8 @@ class ShardStream(IterableDataset):
                 return out.permute(1, 2, 0).contiguous()
             if out.is_floating_point():
                 return out.float().contiguous()
-        shown = (
-            f"a {out.dtype} tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-        )
         raise TransformFailed(
-            f"{where} gave {shown} for sample {key!r}: return a PIL image, or a uint8 or float 3×H×W tensor"
+            f"{where} gave {shown(out)} for sample {key!r}: return a PIL image, or a uint8 or float 3×H×W tensor"
         )
 
     def _skip(self, shard: int, key: str, what: str) -> None:
@@ -317,8 +299,8 @@ class ShardStream(IterableDataset):
         self._skip(sample[3], sample[2], what)  # (image, label, key, shard, index)
 
     def _decode(self, sample: dict, train: bool, size: int, shard: int) -> tuple[torch.Tensor | tuple, int]:
-        data = next(sample[e] for e in IMAGE_EXTS if e in sample)
-        label = self.spec.shards.label(shard, int(sample["cls"]))  # (a mixture's: mapped to the merged classes)
+        data = image_member(sample)
+        label = self.spec.shards.label_of(shard, sample)  # (a mixture's: mapped to the merged classes)
         if self.spec.classes and not 0 <= label < self.spec.classes:
             raise DataError(f"label {label} is not among the manifest's {self.spec.classes} classes")
         drawn_as = self.spec.shards.drawn_as(shard, sample["__key__"])  # (a mixture's second pass: its own crop)
@@ -337,7 +319,7 @@ class ShardStream(IterableDataset):
         return pixels, label
 
 
-def worker_init(_: int, parent: int | None = None) -> None:
+def worker_init(_: int, parent: int) -> None:
     # Preemption signals are the training process's to handle (checkpoint, then exit); a worker
     # dying of one first would only turn that into a DataLoader error.
     for sig in (signal.SIGTERM, signal.SIGUSR1):

@@ -169,12 +169,17 @@ def preload(url: str, dest: Path, splits: list[str] | None, workers: int) -> Man
     """Copy the shards of ``splits`` (default: all) from ``url`` to the directory ``dest``, then
     its manifest (of those splits only). Shards already there and intact are kept: a re-run
     after a kill resumes. Without the manifest, ``dest`` is not a dataset yet."""
-    store, local = open_store(url), LocalStore(dest)
-    manifest = load_manifest(store)
+    local = LocalStore(dest)
+    manifest = load_manifest(open_store(url))
+    store = open_store(manifest.shards_location(url))  # (an indexed set's shards may be elsewhere)
     wanted = splits or list(manifest.splits)
     if missing := [s for s in wanted if s not in manifest.splits]:
         raise DataError(f"{url}/{MANIFEST} has no split {missing[0]!r} (it has {', '.join(manifest.splits)})")
-    kept = Manifest(manifest.classes, {s: manifest.splits[s] for s in wanted}, manifest.source)
+    # the copy's manifest: those splits, its shards beside it
+    kept = Manifest(
+        manifest.classes, {s: manifest.splits[s] for s in wanted}, manifest.source, labels=manifest.labels,
+        class_counts={s: c for s, c in manifest.class_counts.items() if s in wanted},
+    )  # fmt: skip
     shards = [s for split in kept.splits.values() for s in split.shards]
     dest.mkdir(parents=True, exist_ok=True)
     if local.exists(MANIFEST):  # a dataset's, replaced by this one; anything else is not ours to remove

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import io
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
@@ -275,9 +276,10 @@ def convert(
     for split, (split_plans, _) in plans.items():
         if not allow_empty:
             check_counts(split, classes, _labels(split_plans))
-    source: dict[str, object] = {"seed": seed, "maxcount": maxcount, "maxsize": maxsize}
+    # the quality too where no image is resized: CMYK, PNG and other files are re-encoded at it
+    source: dict[str, object] = {"seed": seed, "maxcount": maxcount, "maxsize": maxsize, "quality": stored.quality}
     if stored.max_side is not None:
-        source |= {"max_side": stored.max_side, "quality": stored.quality}
+        source["max_side"] = stored.max_side
     if made := synth.description(src):
         source["synthetic"] = made
     try:
@@ -287,6 +289,13 @@ def convert(
         if e.errno in DISK_FULL:
             raise _disk_full(e, store.url, store) from None
         raise
+
+
+def _settings(source: dict[str, object]) -> str:
+    """How a manifest's ``source`` says its images were stored, as convert's options (a manifest
+    made before the quality was recorded without --max-side: at the default, as far as it says)."""
+    side = f"--max-side {source['max_side']} " if source.get("max_side") else ""
+    return f"{side}--quality {source.get('quality', AS_GIVEN.quality)}"
 
 
 def _convert_locked(
@@ -313,6 +322,11 @@ def _convert_locked(
             f"convert those splits too (--splits {','.join([*kept, *plans])}) or use another DEST "
             "(nothing was changed)"
         )
+    if kept and old and (was := _settings(old.source)) != (now := _settings(source)):
+        raise DataError(
+            f"{store.url}/{MANIFEST} holds {', '.join(kept)} stored with {was} (not {now}): convert those splits "
+            f"too (--splits {','.join([*kept, *plans])}) or give the same settings (nothing was changed)"
+        )
     _refuse_rewritten(kept, journal, list(plans))
     _remove_scratch(store)  # a killed run's
     if published:
@@ -323,15 +337,19 @@ def _convert_locked(
         store.delete(MANIFEST)
     results = _build(store, src, [p for ps, _ in plans.values() for p in ps], known, workers, read_back)
 
-    manifest = Manifest(classes, dict(kept), source)
+    kept_counts = {name: c for name, c in old.class_counts.items() if name in kept} if old else {}
+    manifest = Manifest(classes, dict(kept), source, class_counts=kept_counts)
     for split, (split_plans, unread) in plans.items():
         if not allow_empty:  # again: every file of a class may have been rejected
             check_counts(split, classes, _labels(split_plans, results))
         info = SplitInfo(rejected=list(unread))
+        manifest.class_counts[split] = []
         for plan in split_plans:
             shard, rejected = results[plan.name]
             info.shards.append(shard)
             info.rejected.extend({**r, "shard": plan.name} for r in rejected)
+            per_class = Counter(str(c) for c in _labels([plan], results))  # (the shuffle-quality figure's)
+            manifest.class_counts[split].append(dict(sorted(per_class.items(), key=lambda kv: int(kv[0]))))
         manifest.splits[split] = info
     _check_published(store, manifest)
     check_lock()

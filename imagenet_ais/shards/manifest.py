@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import get_type_hints
 
 from imagenet_ais.errors import DataError, NotFound, Refused
+from imagenet_ais.shards.labels import LabelRule
 from imagenet_ais.storage import Store, is_inside, open_store, stream_sha256
 
 MANIFEST = "manifest.json"
@@ -64,6 +65,10 @@ class Manifest:
     classes: list[str]
     splits: dict[str, SplitInfo]
     source: dict[str, object] = field(default_factory=dict)
+    labels: str = "cls"  # which member holds a sample's label (labels.py: cls, txt, json:FIELD)
+    shards_at: str = ""  # where the shards are, where not beside the manifest (index --manifest-to)
+    # per split, each shard's samples by class index ({"12": 300}): what the shuffle-quality figure reads
+    class_counts: dict[str, list[dict[str, int]]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         splits = {
@@ -71,7 +76,16 @@ class Manifest:
             for name, split in self.splits.items()
         }
         doc = {"format": FORMAT, "version": VERSION, "classes": self.classes, "splits": splits, "source": self.source}
+        extra = {"labels": self.labels if self.labels != "cls" else "", "shards_at": self.shards_at}
+        doc |= {k: v for k, v in {**extra, "class_counts": self.class_counts}.items() if v}
         return json.dumps(doc, indent=1) + "\n"
+
+    def shards_location(self, at: str) -> str:
+        """Where the shards of the manifest found at ``at`` are."""
+        return self.shards_at or at
+
+    def label_rule(self) -> LabelRule:
+        return LabelRule.parse(self.labels)
 
     @classmethod
     def from_json(cls, text: str, where: str = MANIFEST) -> Manifest:
@@ -95,7 +109,8 @@ class Manifest:
                     _rejected(split["rejected"], f'"rejected" of {name!r}'),
                 )
                 _check_shards(splits[name].shards, name)
-            return cls(classes, splits, _object(doc.get("source", {}), '"source"'))
+            extra = _extras(doc, splits)
+            return cls(classes, splits, _object(doc.get("source", {}), '"source"'), **extra)
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{where}: unreadable manifest ({e}); re-run `imagenet_shards.py convert`") from e
         except RecursionError:  # (json nested past Python's stack: no manifest is)
@@ -135,6 +150,22 @@ def _shard(fields: object, where: str) -> ShardInfo:
         if not isinstance(value := fields[name], hints[name]) or (hints[name] is int and isinstance(value, bool)):
             raise DataError(f"{where}: {name!r} is {_short(value)}, not {hints[name].__name__}")
     return ShardInfo(**fields)
+
+
+def _extras(doc: dict, splits: dict[str, SplitInfo]) -> dict:
+    """The fields of an indexed set's manifest (index.py), checked: its label rule, where its
+    shards are, its class counts (one {class index: samples} per shard of each split)."""
+    labels, shards_at = doc.get("labels", "cls"), doc.get("shards_at", "")
+    if not isinstance(labels, str) or not isinstance(shards_at, str):
+        raise DataError(f'"labels" or "shards_at" is {_short([labels, shards_at])}, not text')
+    LabelRule.parse(labels)
+    counts = _object(doc.get("class_counts", {}), '"class_counts"')
+    for name, per_shard in counts.items():
+        if name not in splits or not isinstance(per_shard, list) or len(per_shard) != len(splits[name].shards):
+            raise DataError(f'"class_counts" of {name!r} does not list one object per shard of the split')
+        if not all(isinstance(c, dict) and all(isinstance(n, int) for n in c.values()) for c in per_shard):
+            raise DataError(f'"class_counts" of {name!r} holds other than {{class: count}} objects')
+    return {"labels": labels, "shards_at": shards_at, "class_counts": counts}
 
 
 def _rejected(entries: object, what: str) -> list[dict[str, str]]:
@@ -181,7 +212,8 @@ def load_manifest(store: Store) -> Manifest:
     if not store.exists(MANIFEST):
         raise NotFound(
             f"no {MANIFEST} in {store.url}: give the location of shards made by `imagenet_shards.py convert` (a "
-            "directory, or its ais://, gs://, s3:// or http(s):// copy)"
+            "directory, or its ais://, gs://, s3:// or http(s):// copy); for WebDataset shards another tool made, "
+            "write one with `imagenet_shards.py index LOCATION`"
         )
     return Manifest.from_json(store.read_bytes(MANIFEST).decode(), f"{store.url}/{MANIFEST}")
 

@@ -1,5 +1,10 @@
 """``imagenet_shards.py verify``: every shard read back in worker processes and checked against its
-manifest entry (size, SHA-256, members), every image decoded and every label in range."""
+manifest entry (size, SHA-256, members), every image decoded and every label in range.
+
+It reads what training reads (labels.py: the images, and the member the manifest's label rule
+names) and passes over text members of other tools (``.txt``, ``.json``), as training does; any
+other member is refused (a ``.pyd`` or ``.pickle`` would even be unpickled by another reader).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from PIL import Image
 
 from imagenet_ais.children import worker_pool
 from imagenet_ais.shards import progress
+from imagenet_ais.shards.labels import IMAGE_EXTS, LabelRule
 from imagenet_ais.shards.manifest import (
     ShardInfo,
     load_manifest,
@@ -18,55 +24,84 @@ from imagenet_ais.shards.manifest import (
 from imagenet_ais.shards.members import members
 from imagenet_ais.storage import open_store, process_store
 
+TEXT_EXTS = ("cls", "txt", "json")  # what a sample may hold beside its image: plain text, never run
+HOLDS = f"a sample holds an image (.{', .'.join(IMAGE_EXTS)}) and text (.{', .'.join(TEXT_EXTS)}) only"
 
-def check_shard(dest_url: str, info: ShardInfo, num_classes: int) -> str | None:
-    """None when the shard matches its manifest entry and every image decodes; else the problem
-    (in a worker process)."""
+
+def check_shard(
+    dest_url: str, info: ShardInfo, classes: list[str], rule: LabelRule, rejected: frozenset[str] = frozenset()
+) -> str | None:
+    """None when the shard matches its manifest entry, every image decodes and every label is
+    one of ``classes`` (read by ``rule``), but for the samples its manifest lists as
+    ``rejected`` (index's: not counted, never read); else the problem (in a worker process)."""
     store = process_store(dest_url)
     if problem := info.problem(store):
         return problem
-    samples: dict[str, set[str]] = {}
+    exts: dict[str, set[str]] = {}  # key → the extensions of its members
+    labels: dict[str, bytes] = {}  # key → its label member's bytes
     try:
         with store.open(info.name) as f:
-            for name, data in members(f):
+            for name, data in members(f):  # every header judged as training judges it
                 key, _, ext = name.partition(".")
                 if "/" in name or ".." in name or not key:
                     return f"bad member name {name!r}"
-                if ext not in ("jpg", "cls"):  # a .pyd or .pickle would even be unpickled by a reader
-                    return f"unexpected member {name!r}: a shard holds only <key>.jpg and <key>.cls"
-                if ext in samples.setdefault(key, set()):
+                if (ext := ext.lower()) not in (*IMAGE_EXTS, *TEXT_EXTS):
+                    return f"unexpected member {name!r}: {HOLDS}"
+                if ext in exts.setdefault(key, set()):
                     return f"duplicate key {key!r}: {name} is in the shard twice"
-                samples[key].add(ext)
-                if ext == "jpg":
+                exts[key].add(ext)
+                if ext in IMAGE_EXTS:
                     with Image.open(io.BytesIO(data)) as img:
                         img.load()
-                elif (label := _label(data)) is None or not 0 <= label < num_classes:
-                    shown = data[:20].decode(errors="replace")
-                    return f"{name}: label {shown!r} is not a class of the manifest (0..{num_classes - 1})"
+                elif ext == rule.member:
+                    labels[key] = data
     except (OSError, ValueError, tarfile.TarError, Image.DecompressionBombError) as e:
         return f"unreadable ({type(e).__name__}: {e})"
-    if incomplete := [k for k, exts in samples.items() if len(exts) < 2]:
-        return f"sample {incomplete[0]!r} lacks its .{({'jpg', 'cls'} - samples[incomplete[0]]).pop()}"
-    if len(samples) != info.samples:
-        return f"{len(samples)} samples != manifest {info.samples}"
+    # (others passed over, as in training)
+    read = [key for key, found in exts.items() if found & set(rule.exts) and key not in rejected]
+    for key in read:
+        if problem := _sample_problem(key, exts[key], labels.get(key), classes, rule):
+            return problem
+    if len(read) != info.samples:
+        return f"{len(read)} samples != manifest {info.samples}"
     return None
 
 
-def _label(data: bytes) -> int | None:
+def _sample_problem(key: str, exts: set[str], label: bytes | None, classes: list[str], rule: LabelRule) -> str | None:
+    """Why training could not take the sample ``key`` (its members' extensions, its label
+    member's bytes), else None."""
+    if not exts & set(IMAGE_EXTS):
+        return f"sample {key!r} lacks its image (.{', .'.join(IMAGE_EXTS)})"
+    if label is None:
+        return f"sample {key!r} lacks its .{rule.member}"
     try:
-        return int(data)
+        index = rule.index({rule.member: label}, {name: i for i, name in enumerate(classes)})
     except ValueError:
-        return None
+        index = -1
+    if not 0 <= index < len(classes):
+        shown = label[:20].decode(errors="replace")
+        return f"{key}.{rule.member}: label {shown!r} is not a class of the manifest (0..{len(classes) - 1})"
+    return None
 
 
 def verify(dest_url: str, workers: int) -> dict[str, str]:
     """Problems by shard name (empty when all is well)."""
-    store = open_store(dest_url)
-    manifest = load_manifest(store)
+    manifest = load_manifest(open_store(dest_url))
+    shards_at = manifest.shards_location(dest_url)
+    rejected: dict[str, set[str]] = {}  # shard → the keys index rejected in it ("SHARD#KEY")
+    for split in manifest.splits.values():
+        for path in (r.get("path", "") for r in split.rejected):
+            shard, hash_, key = path.partition("#")
+            if hash_:
+                rejected.setdefault(shard, set()).add(key)
     shards = [s for split in manifest.splits.values() for s in split.shards]
     problems: dict[str, str] = {}
+    rule = manifest.label_rule()
     with worker_pool(workers) as pool:
-        futures = {pool.submit(check_shard, dest_url, s, len(manifest.classes)): s for s in shards}
+        futures = {
+            pool.submit(check_shard, shards_at, s, manifest.classes, rule, frozenset(rejected.get(s.name, ()))): s
+            for s in shards
+        }
         with progress.bar(len(futures), f"verify {dest_url}", "shards") as bar:
             for future in as_completed(futures):
                 if problem := future.result():

@@ -17,7 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from imagenet_ais.errors import ConfigError
-from imagenet_ais.storage.base import Store, download, is_inside, stream_sha256
+from imagenet_ais.storage.base import HashingReader, Store, check_location, download, is_inside, stream_sha256
 from imagenet_ais.storage.local import LocalStore
 
 if TYPE_CHECKING:
@@ -30,9 +30,11 @@ __all__ = [
     "AISStore",
     "GCSStore",
     "HTTPStore",
+    "HashingReader",
     "LocalStore",
     "S3Store",
     "Store",
+    "check_location",
     "download",
     "file_crc32c",
     "is_inside",
@@ -60,9 +62,11 @@ def is_local(url: str) -> bool:
 
 
 def open_store(url: str, retry_seconds: float = 120) -> Store:
-    """The store for a location URL; unsupported schemes fail with a one-line reason.
+    """The store for a location URL; unsupported schemes, or credentials in it, fail with a
+    one-line reason.
 
     ``retry_seconds`` bounds the retries of a GCS or HTTP call (AIStore uses its SDK's defaults)."""
+    check_location(url)
     scheme, sep, rest = url.partition("://")
     if not sep:
         return LocalStore(url)

@@ -56,6 +56,24 @@ def _bucket_and_prefix(url: str, scheme: str) -> tuple[str, str]:
     return bucket, f"{prefix}/" if prefix else ""
 
 
+def check_location(url: str) -> None:
+    """A location URL with credentials in it (``http://user:password@host/``) is a one-line
+    ConfigError that does not repeat them: they would be written to logs, metrics and config.json."""
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if sep and "@" in netloc:
+        where = f"{scheme}://{netloc.rpartition('@')[2]}{slash}{path}"
+        variables = (
+            "SHARDS_HTTP_USER and SHARDS_HTTP_PASSWORD (or SHARDS_HTTP_TOKEN)"
+            if scheme in ("http", "https")
+            else "its backend's credentials (docs/storage.md)"
+        )
+        raise ConfigError(
+            f"{where}: credentials in a location would be written to logs, metrics and config.json: give it "
+            f"without them, and set {variables} instead"
+        )
+
+
 def _blocks(stream: BinaryIO) -> Iterator[bytes]:
     """Everything left in ``stream``, 1 MiB at a time; the stream is closed afterwards."""
     with stream:
@@ -75,6 +93,24 @@ AIS_CHECKSUMS = ("xxhash2", "sha256", "md5")
 def file_checksum(path: Path, kind: str) -> str:
     """The hex digest of a file, of one of AIS_CHECKSUMS."""
     return _hexdigest(path.open("rb"), xxhash.xxh64(seed=0) if kind == "xxhash2" else hashlib.new(kind))
+
+
+class HashingReader:
+    """A stream that counts and hashes (SHA-256) every byte read through it: a shard checked
+    against its manifest as it is read, with no second pass."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw, self.sha, self.count = raw, hashlib.sha256(), 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.sha.update(data)
+        self.count += len(data)
+        return data
+
+    def read_to_end(self) -> None:
+        while self.read(BLOCK):
+            pass
 
 
 def stream_sha256(stream: BinaryIO) -> str:

@@ -6,21 +6,76 @@ import io
 import os
 import re
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import requests
+from requests.auth import AuthBase, HTTPBasicAuth
 from tenacity import Retrying, retry_if_exception_type, retry_if_not_exception_type, stop_after_delay, wait_exponential
 from urllib3.exceptions import HTTPError
 
 from imagenet_ais.errors import ConfigError, NotFound, StorageError
-from imagenet_ais.storage.base import _checked, _StoreBase
+from imagenet_ais.storage.base import _checked, _StoreBase, check_location
 
 _REFUSED = {
     401: "the server asks for credentials: set SHARDS_HTTP_TOKEN (a bearer token), or SHARDS_HTTP_USER and "
     "SHARDS_HTTP_PASSWORD, to what it was given (./run serve's SERVE_TOKEN or SERVE_HTPASSWD)",
     403: "the server does not let this machine read (./run serve serves only SERVE_ALLOW's networks)",
 }
+
+# the environment's credentials → the one host this process sends them to, where SHARDS_HTTP_HOST names none
+_SENT_TO: dict[tuple[str, ...], str] = {}
+
+
+class _Bearer(AuthBase):
+    def __init__(self, token: str):
+        self.token = token
+
+    def __call__(self, request: requests.PreparedRequest) -> requests.PreparedRequest:
+        request.headers["Authorization"] = f"Bearer {self.token}"
+        return request
+
+
+def _host(netloc: str, scheme: str = "") -> tuple[str, int | None]:
+    """A ``host[:port]``'s host in lower case and port (the scheme's where it names none and
+    ``scheme`` is given); a ConfigError where it is not one."""
+    try:
+        parts = urllib.parse.urlsplit(f"//{netloc}")
+        host, port = parts.hostname, parts.port or {"http": 80, "https": 443}.get(scheme)
+    except ValueError:  # (a port that is no number, a '[' not closed)
+        host = None
+    if not host or "@" in netloc or "/" in netloc:
+        raise ConfigError(f"{netloc!r}: not a host[:port]")
+    return host, port
+
+
+def _credentials(scheme: str, netloc: str) -> AuthBase | None:
+    """The environment's credentials, for the host they are for: SHARDS_HTTP_HOST's, or where
+    it names none, the first this process reads from (a second is a ConfigError: a token given
+    for one server is not sent to another). None where there are none for ``netloc``."""
+    token, user = os.environ.get("SHARDS_HTTP_TOKEN", ""), os.environ.get("SHARDS_HTTP_USER", "")
+    if not (token or user):
+        return None
+    password = os.environ.get("SHARDS_HTTP_PASSWORD", "")
+    auth = _Bearer(token) if token else HTTPBasicAuth(user, password)
+    host, port = _host(netloc, scheme)
+    if only := os.environ.get("SHARDS_HTTP_HOST"):
+        try:
+            theirs = _host(only)
+        except ConfigError as e:
+            raise ConfigError(
+                f"SHARDS_HTTP_HOST={e}: give the host the credentials are for, e.g. 10.0.0.5:8080"
+            ) from None
+        return auth if theirs[0] == host and theirs[1] in (None, port) else None
+    key, this = (token,) if token else (user, password), f"{host}:{port}"
+    if (first := _SENT_TO.setdefault(key, this)) != this:
+        given = "SHARDS_HTTP_TOKEN" if token else "SHARDS_HTTP_USER and SHARDS_HTTP_PASSWORD"
+        raise ConfigError(
+            f"{scheme}://{netloc}: {given} would go to {first} and to {this}: set SHARDS_HTTP_HOST to the one "
+            "host[:port] they are for (the others are read without them)"
+        )
+    return auth
 
 
 class _ServerError(StorageError):
@@ -88,12 +143,16 @@ class HTTPStore(_StoreBase):
     against ``REQUESTS_CA_BUNDLE`` (or ``SSL_CERT_FILE``) when set, else the system's CAs.
     Credentials, for a server that asks (``./run serve`` with SERVE_TOKEN or SERVE_HTPASSWD), come
     from the environment: ``SHARDS_HTTP_TOKEN`` (a bearer token), or ``SHARDS_HTTP_USER`` and
-    ``SHARDS_HTTP_PASSWORD`` (basic auth).
+    ``SHARDS_HTTP_PASSWORD`` (basic auth). They go to one host alone: ``SHARDS_HTTP_HOST``
+    (host[:port]), or where it is unset, the only one the process reads from. A redirect to
+    another host (or port, or scheme) does not take them along (requests drops them).
     """
 
     def __init__(self, url: str, retry_seconds: float = 120):
+        check_location(url)
         scheme, _, rest = url.partition("://")
-        if scheme not in ("http", "https") or not rest.split("/")[0]:
+        netloc = rest.split("/")[0]
+        if scheme not in ("http", "https") or not netloc:
             raise ConfigError(f"bad storage URL {url!r}: expected http(s)://host[:port][/prefix]")
         self.url = url.rstrip("/")
         self.retry_seconds = retry_seconds
@@ -102,10 +161,7 @@ class HTTPStore(_StoreBase):
         bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("SSL_CERT_FILE")
         if bundle:
             self.session.verify = bundle
-        if token := os.environ.get("SHARDS_HTTP_TOKEN"):
-            self.session.headers["Authorization"] = f"Bearer {token}"
-        elif user := os.environ.get("SHARDS_HTTP_USER"):
-            self.session.auth = (user, os.environ.get("SHARDS_HTTP_PASSWORD", ""))
+        self.session.auth = _credentials(scheme, netloc)
 
     def request(self, method: str, name: str, headers: dict[str, str] | None = None) -> requests.Response:
         """One request, retried on connection errors and 5xx; 404 is FileNotFoundError."""
@@ -138,7 +194,10 @@ class HTTPStore(_StoreBase):
             raise NotFound(f"{url}: not found (404)")
         if response.status_code in (401, 403):
             response.close()
-            raise StorageError(f"{url}: refused ({response.status_code}): {_REFUSED[response.status_code]}")
+            why = _REFUSED[response.status_code]
+            if response.status_code == 401 and not self.session.auth and (only := os.environ.get("SHARDS_HTTP_HOST")):
+                why += f" (they go to SHARDS_HTTP_HOST's {only} alone)"
+            raise StorageError(f"{url}: refused ({response.status_code}): {why}")
         if response.status_code >= 400:
             response.close()
             raise StorageError(f"{url}: the server answered {response.status_code}")

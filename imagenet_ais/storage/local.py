@@ -12,10 +12,11 @@ from imagenet_ais.storage.base import _checked, _StoreBase
 
 
 class LocalStore(_StoreBase):
-    """A directory on a local or mounted file system."""
+    """A directory on a local or mounted file system, by its absolute path: a relative one
+    stays where it was when the store was made, wherever the process moves later."""
 
     def __init__(self, root: str | os.PathLike[str]):
-        self.root = Path(root)
+        self.root = Path(root).absolute()
         self.url = str(self.root)
 
     def _path(self, name: str) -> Path:

@@ -10,6 +10,7 @@ from typing import Any
 
 from imagenet_ais.errors import ConfigError
 from imagenet_ais.loader.shard_loader import MAX_IMAGE_SIZE
+from imagenet_ais.storage import check_location
 
 
 @dataclass
@@ -111,6 +112,8 @@ def check(cfg: TrainConfig) -> None:
     """Refuses, in one line, settings no run can train with (train.py's options and TrainConfig alike)."""
     if not cfg.output:
         raise ConfigError("--output '': name a folder for the run's checkpoints, metrics and logs")
+    for location in filter(None, (cfg.data, *cfg.mix, cfg.val_data)):
+        check_location(location)  # (before config.json and the log repeat it)
     if cfg.test_only and not (cfg.weights or cfg.resume):
         raise ConfigError("--test-only: nothing to test; give --weights or --resume (a checkpoint)")
     numbers = ("lr", "weight_decay", "norm_weight_decay", "momentum", "lr_gamma", "upload_retry_seconds")

@@ -101,9 +101,33 @@ def timm_pretrained(tag: str, arch: str, model: nn.Module) -> dict[str, torch.Te
             f"--weights {tag}: not in the Hugging Face cache (HF_HOME): fetch it once with a network, "
             f"python -c \"import timm; timm.create_model('{name}', pretrained=True)\", or give a file"
         )
-    classes = model.get_classifier().out_features  # type: ignore[operator]  # (a timm model's)
-    loaded = timm.create_model(name, pretrained=True, num_classes=classes, pretrained_cfg_overlay={"file": cached})
-    return cast(dict[str, torch.Tensor], loaded.state_dict())
+    return _released_state(timm, tag, cached, pretrained, model)
+
+
+def _released_state(timm: Any, tag: str, cached: str, pretrained: Any, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights in ``cached`` (timm's pretrained ``tag``, of config ``pretrained``) as ``model``
+    takes them: every key loaded and checked by timm into the model as released (its own head:
+    for another head timm loads whatever fits, a partial file too), then ``model``'s own head
+    where the classes differ (timm's rule)."""
+    name = tag.removeprefix(TIMM)
+    try:
+        released = timm.create_model(
+            name, pretrained=True, num_classes=pretrained.num_classes, pretrained_cfg_overlay={"file": cached}
+        )
+    except Exception as e:  # damaged, cut short, or another model's (its checks and torch's say which)
+        loading = isinstance(e, RuntimeError) and str(e).startswith("Error(s) in loading state_dict")
+        why = mismatches(e) if isinstance(e, RuntimeError) and loading else f"{type(e).__name__}: {first_line(e)[:120]}"
+        raise DataError(
+            f"--weights {tag}: the Hugging Face cache's {os.path.realpath(cached)} is damaged or not timm's "
+            f"{name.partition('.')[0]} ({why}): delete that file "
+            f"and fetch it again, python -c \"import timm; timm.create_model('{name}', pretrained=True)\""
+        ) from None
+    state = cast(dict[str, torch.Tensor], released.state_dict())
+    if model.get_classifier().out_features != pretrained.num_classes:  # type: ignore[operator]  # (timm's)
+        heads = {pretrained.classifier} if isinstance(pretrained.classifier, str) else set(pretrained.classifier or ())
+        state = {k: v for k, v in state.items() if k.rpartition(".")[0] not in heads}
+        state |= {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] in heads}
+    return state
 
 
 def released_weights(name: str) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ import random
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from imagenet_ais.errors import ConfigError
 from imagenet_ais.loader.augment import Augment
 from imagenet_ais.loader.cpu_share import AUTO
 from imagenet_ais.loader.engine import nominal_steps
+from imagenet_ais.loader.failures import ShuffleWarning
 from imagenet_ais.loader.mixture import parse_source
 from imagenet_ais.loader.shard_loader import ShardLoader
 from imagenet_ais.loader.synthetic import SYNTHETIC_CLASSES, SYNTHETIC_STEPS, SyntheticLoader
@@ -208,11 +210,15 @@ def loaders(
     )  # fmt: skip
     mixture = [(s.location, s.weight) for s in map(parse_source, cfg.mix)]
     # each epoch gets its size (--progressive) from set_epoch; the workers' buffers hold the largest's crops
-    train_loader = loader(
-        mixture or cfg.data, "train", epoch_mode=cfg.epoch_mode, epoch_size=cfg.epoch_size, image_size=max(sizes),
-        shuffle_buffer=cfg.shuffle_buffer, augment=Augment(cfg.auto_augment, cfg.random_erase),
-        cpu_share=cfg.cpu_share, manifest=None if mixture or val_at != cfg.data else manifest,
-    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShuffleWarning)  # (said below, in one line)
+        train_loader = loader(
+            mixture or cfg.data, "train", epoch_mode=cfg.epoch_mode, epoch_size=cfg.epoch_size, image_size=max(sizes),
+            shuffle_buffer=cfg.shuffle_buffer, augment=Augment(cfg.auto_augment, cfg.random_erase),
+            cpu_share=cfg.cpu_share, manifest=None if mixture or val_at != cfg.data else manifest,
+        )  # fmt: skip
+    for line in train_loader.notes:
+        echo(f"note: {line}", err=True)
     val_loader = None
     val_split = manifest.splits.get("val")
     if not (val_split and val_split.samples):
