@@ -30,7 +30,7 @@ from shard_reads import BUCKET, aistore, make_shards, plain_get, read_all
 
 from imagenet_ais.shards.index import index
 from imagenet_ais.shards.reshard import reshard
-from imagenet_ais.storage import AISStore, open_store
+from imagenet_ais.storage import open_store
 
 
 def cold() -> bool:
@@ -82,7 +82,7 @@ def main(shards: int, per_shard: int, workers: int, ais: bool) -> None:
         if ais:
             with aistore(work / "ais", 1) as endpoint:
                 os.environ["AIS_ENDPOINT"] = endpoint
-                store = AISStore(f"ais://{BUCKET}")
+                store = open_store(f"ais://{BUCKET}")  # (its SDK imported only here)
                 for name in names:
                     store.put_file(data / name, name, keep=True)
                 cold()
