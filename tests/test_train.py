@@ -1087,7 +1087,30 @@ def test_sigterm_stops_a_run_whose_data_never_comes(tmp_path: Path) -> None:
     out, err = proc.communicate(timeout=60)
     server.shutdown()
     assert proc.returncode == loop.EXIT_PREEMPTED, err
-    assert "stopped by a signal at step 0, checkpoint saved" in out
+    assert "stopped by a signal (SIGTERM) at step 0, checkpoint saved" in out
+
+
+def test_ctrl_c_saves_and_exits_as_stopped_and_the_run_goes_on(tmp_path: Path) -> None:
+    # a terminal's Ctrl-C reaches the whole process group, the DataLoader workers too: it printed
+    # "Aborted!" and exited 1 with nothing saved
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [200] * 4, "val": [4]})
+    args = ["--data", data, "--output", output, *TINY, "--epochs", "2", "--workers", "2", "--log-every", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, ROOT / "train.py", *map(str, args)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    records = output / "metrics.jsonl"
+    wait_until(proc, lambda: records.exists() and len(records.read_text().splitlines()) >= 3, "3 steps")
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == loop.EXIT_PREEMPTED, err
+    assert "Ctrl-C: stopping after this step, with a checkpoint" in err
+    assert "stopped by a signal (SIGINT, Ctrl-C) at step" in out and "Aborted!" not in err and "Traceback" not in err
+    saved = torch.load(output / "last.pt", weights_only=True)
+    assert saved["epoch"] == 0 and saved["step_in_epoch"] > 0, "saved mid-epoch"
+    again = train_here(*args, "--resume", "auto", "--max-steps", str(saved["step"] + 1))
+    assert f"resumed from {output / 'last.pt'}" in again.stdout + again.stderr
 
 
 def test_too_few_file_descriptors_for_the_workers_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:

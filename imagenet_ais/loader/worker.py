@@ -320,8 +320,9 @@ class ShardStream(IterableDataset):
 
 
 def worker_init(_: int, parent: int) -> None:
-    # Preemption signals are the training process's to handle (checkpoint, then exit); a worker
-    # dying of one first would only turn that into a DataLoader error.
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    # Preemption signals and Ctrl-C (sent to the terminal's whole process group) are the training
+    # process's to handle (checkpoint, then exit); a worker dying of one first would only turn
+    # that into a DataLoader error.
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     exit_with_parent(parent)  # ignoring SIGTERM, a worker must still end with a training killed outright

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -42,7 +43,7 @@ EXIT_UPLOAD_FAILED = 3  # trained (or stopped cleanly), but some upload never ma
 EXIT_BAD_DATA = 4  # an epoch skipped or padded more than --max-bad of its samples (checkpoint saved)
 EXIT_DIVERGED = 5  # the loss stayed NaN or infinite for NONFINITE_STEPS steps (nothing saved past them)
 NONFINITE_STEPS = 10
-EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after saving (and uploading): resume with --resume auto
+EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1/Ctrl-C after saving (and uploading): resume with --resume auto
 
 
 class Diverged(Exception):
@@ -197,7 +198,10 @@ def stop(run: Run, stopped: Stopped) -> dict[str, Any]:
         return finish(run, complete=False, exit_code=EXIT_PREEMPTED)
     save(run, train_state.epoch, stopped.step_in_epoch)
     if stopped.signalled:
-        run.echo(f"stopped by a signal at step {train_state.step}, checkpoint saved; continue with --resume auto")
+        by = {signal.SIGINT: "SIGINT, Ctrl-C"}.get(run.stop.received, signal.Signals(run.stop.received or 15).name)
+        run.echo(
+            f"stopped by a signal ({by}) at step {train_state.step}, checkpoint saved; continue with --resume auto"
+        )
         return finish(run, complete=False, exit_code=EXIT_PREEMPTED)
     run.echo(f"stopped at step {train_state.step} (--max-steps); continue with --resume auto")
     return finish(run, complete=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import random
 import signal
 import sys
@@ -41,7 +42,8 @@ from imagenet_ais.train.trackers import open_trackers
 
 
 class StopSignal:
-    """SIGTERM / SIGUSR1 (preemption, Slurm's warning): finish the step, save, upload, exit.
+    """SIGTERM / SIGUSR1 (preemption, Slurm's warning) / SIGINT (Ctrl-C): finish the step, save,
+    upload, exit. A second Ctrl-C stops at once, unsaved (KeyboardInterrupt, as Python's own).
 
     Only a main thread can take signals; where training runs in another (a Ray Train worker),
     the framework's side sets ``requested`` instead, which counts as SIGTERM.
@@ -53,7 +55,7 @@ class StopSignal:
         self._received: int | None = None
         self.world, self.requested = world, requested
         main = threading.current_thread() is threading.main_thread()
-        sigs = (signal.SIGTERM, signal.SIGUSR1) if main else ()
+        sigs = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT) if main else ()
         self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
 
     @property
@@ -64,6 +66,11 @@ class StopSignal:
         return self._received
 
     def _handle(self, signum: int, _frame: object) -> None:
+        if signum == signal.SIGINT:
+            if self._received == signal.SIGINT:
+                raise KeyboardInterrupt  # (the second Ctrl-C: at once)
+            # (os.write: a print here could land inside another print's write)
+            os.write(2, b"Ctrl-C: stopping after this step, with a checkpoint; Ctrl-C again stops at once, unsaved\n")
         self._received = signum
 
     def stop_waiting(self, waited: float) -> bool:
