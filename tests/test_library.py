@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, TINY_ARCH, outliving, write_shards
+from conftest import ROOT, TINY_ARCH, outliving, run_cli, write_shards
 
 STATE = """
 import atexit, os, random, signal, torch, torch._dynamo
@@ -133,3 +133,23 @@ os.kill(os.getpid(), signal.SIGKILL)
     read, *workers = map(int, proc.stdout.split())
     assert read == 16 and len(workers) == 2
     assert not outliving(set(workers), 5), "killed outright: its workers end with it"
+
+
+def test_the_docs_plain_loop_runs_as_written_under_torchrun_on_a_cpu(tmp_path: Path) -> None:
+    # as written it called for NCCL and CUDA: "ProcessGroupNCCL is only supported with GPUs"
+    data = tmp_path / "shards"
+    write_shards(data, {"train": [8, 8]})
+    docs = (ROOT / "docs" / "library.md").read_text()
+    code = docs.partition("## A plain DDP loop")[2].partition("```python\n")[2].partition("```")[0]
+    small = {  # the data, its checkpoint here, and a run this machine finishes in seconds: one epoch, batches of 8
+        '"ais://imagenet/shards"': repr(str(data)), '"ckpt.pt': f'"{tmp_path}/ckpt.pt',
+        "range(loader.epoch, 90)": "range(loader.epoch, 1)", '"train", 256,': '"train", 8,', "resnet50": "resnet18",
+    }  # fmt: skip
+    for written, here in small.items():
+        assert written in code, f"the docs' loop no longer holds {written}"
+        code = code.replace(written, here)
+    (tmp_path / "my_train.py").write_text(code + "print('trained', step + 1, 'steps', flush=True)\n")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    out = run_cli(*torchrun, tmp_path / "my_train.py", env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    assert "trained 2 steps" in out.stdout, "one epoch of 16 samples in batches of 8"
+    assert (tmp_path / "ckpt.pt").exists(), "its checkpoint, saved at step 0"
