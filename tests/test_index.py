@@ -132,6 +132,24 @@ def test_an_interrupted_reshard_goes_on_to_the_same_shards(tmp_path: Path) -> No
     assert not journal.exists() or not list(journal.iterdir()), "its records are gone with the manifest up"
 
 
+def test_a_reshard_of_shards_that_number_their_samples_each_from_0_keeps_every_sample(tmp_path: Path) -> None:
+    # each source shard's keys 0..9: two of one key side by side in a new shard were grouped as one
+    src, dst = tmp_path / "numbered", tmp_path / "mixed"
+    src.mkdir()
+    for s in range(3):
+        with wds.TarWriter(str(src / f"imagenet-train-{s:06d}.tar")) as tar:
+            for i in range(10):
+                tar.write({"__key__": f"{i:06d}", "jpg": picture(random.Random(s), s), "cls": str(s).encode()})
+    shards_here("index", src)
+    refused = shards_here("reshard", src, src, check=False)
+    assert refused.returncode == 1 and "it holds the shards to reshard" in refused.stderr
+    shards_here("reshard", src, dst, "--maxcount", "30")
+    with ShardLoader(str(dst), "train", 5, **OPTIONS) as loader:
+        read = [(key, int(label)) for _, labels, keys in loader for key, label in zip(keys, labels, strict=True)]
+    assert len(read) == 30 and len(set(read)) == 30, "every sample once, none merged with another"
+    assert Counter(label for _, label in read) == {0: 10, 1: 10, 2: 10}
+
+
 def test_labels_from_json_names_merge_with_converted_shards_by_class_name(tmp_path: Path) -> None:
     theirs, ours = tmp_path / "img2dataset", tmp_path / "converted"
     classes_of = write_hub_shards(theirs, {"train": [12, 12]}, labels=("json",), names=WNIDS[1:], classes=3, info=False)

@@ -1180,3 +1180,33 @@ def test_verify_passes_every_member_training_reads_or_passes_over(tmp_path: Path
     assert "all shards match" in shards_here("verify", tmp_path).stdout
     with ShardLoader(str(tmp_path), "train", 3, image_size=32, workers=1, epoch_mode="exact", device="cpu") as loader:
         assert [sorted(batch.labels.tolist()) for batch in loader] == [[1, 2, 3]], "training reads the same 3 samples"
+
+
+def _rechecked(header: bytearray) -> bytes:
+    header[148:156] = b" " * 8
+    header[148:156] = f"{sum(header):06o}\0 ".encode()
+    return bytes(header)
+
+
+def _pax_zero_length() -> bytes:
+    body = b"0 path=x\n"
+    info = tarfile.TarInfo("././@PaxHeader")
+    info.type, info.size = tarfile.XHDTYPE, len(body)
+    return info.tobuf(format=tarfile.USTAR_FORMAT) + body.ljust(512, b"\0")
+
+
+def _negative_size() -> bytes:
+    header = bytearray(tarfile.TarInfo("k.txt").tobuf(format=tarfile.USTAR_FORMAT))
+    header[124:136] = b"\xff" * 12  # base-256: -1
+    return _rechecked(header)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("make", [_pax_zero_length, _negative_size])
+def test_a_tar_header_that_would_loop_or_read_the_rest_is_a_read_error(make) -> None:
+    # a PAX record of length 0 read the same record for ever; a size below 0 read to the stream's end
+    from imagenet_ais.shards.members import members
+
+    tail = tarfile.TarInfo("k.jpg").tobuf(format=tarfile.USTAR_FORMAT) + b"\0" * 2048
+    with pytest.raises(tarfile.ReadError):
+        list(members(io.BytesIO(make() + tail)))

@@ -5,7 +5,8 @@ samples from their shards (through the node's cache for remote ones), mixes them
 buffer and decodes them: to uint8 pixels (decode "cpu"), or to JPEG bytes plus the crop to
 take (decode "gpu": the device decodes; a share of training's samples cropped here all the same,
 cpu_share.py). Whole batches cross to the training process (engine.py).
-Only image and ``.cls`` members are read: nothing in a shard is unpickled.
+Only image members and the one the manifest's label rule names (``.cls``, ``.txt``, ``.json``)
+are read: nothing in a shard is unpickled.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def index(
     rule = LabelRule.parse(label)
     given = _classes_file(classes_file) if classes_file else None
     store, dest = open_store(location), open_store(manifest_to) if manifest_to else None
-    shards_at = _absolute(location) if dest else ""
+    shards_at = absolute(location) if dest else ""
     dest = dest or store
     _writable(dest, manifest_to is not None)
     layout = find_layout(store, patterns or [])
@@ -276,6 +276,6 @@ def _not_converted(dest: Store) -> None:
         )
 
 
-def _absolute(location: str) -> str:
+def absolute(location: str) -> str:
     """``location`` as a URL any process can open: a directory's absolute path."""
     return os.path.abspath(location.removeprefix("file://")) if is_local(location) else location.rstrip("/")

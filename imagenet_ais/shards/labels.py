@@ -78,7 +78,8 @@ class LabelRule:
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
         if isinstance(value, str) and value.strip():
-            return value.strip()
+            text = value.strip()
+            return int(text) if text.isascii() and text.isdigit() else text  # (digits: an index, as .txt's)
         raise ValueError(f".json's {self.field!r} is {json.dumps(value)[:20]}, not a class index or name")
 
     def problem(self, sample: dict) -> str | None:

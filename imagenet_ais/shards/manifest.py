@@ -163,9 +163,14 @@ def _extras(doc: dict, splits: dict[str, SplitInfo]) -> dict:
     for name, per_shard in counts.items():
         if name not in splits or not isinstance(per_shard, list) or len(per_shard) != len(splits[name].shards):
             raise DataError(f'"class_counts" of {name!r} does not list one object per shard of the split')
-        if not all(isinstance(c, dict) and all(isinstance(n, int) for n in c.values()) for c in per_shard):
+        if not all(isinstance(c, dict) and all(_count(k, n) for k, n in c.items()) for c in per_shard):
             raise DataError(f'"class_counts" of {name!r} holds other than {{class: count}} objects')
     return {"labels": labels, "shards_at": shards_at, "class_counts": counts}
+
+
+def _count(cls: str, samples: object) -> bool:
+    """A class count's entry: a class index (digits) and a count (an int, not a bool)."""
+    return cls.isascii() and cls.isdigit() and isinstance(samples, int) and not isinstance(samples, bool)
 
 
 def _rejected(entries: object, what: str) -> list[dict[str, str]]:

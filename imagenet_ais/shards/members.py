@@ -12,12 +12,13 @@ from __future__ import annotations
 import tarfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from imagenet_ais.errors import DataError
 
 MAX_MEMBER_BYTES = 64 * 2**20  # one sample's image: ImageNet's largest is under 20 MB
 BLOCK = tarfile.BLOCKSIZE
+MAX_EXTENDED = 1 << 20  # bytes of a PAX or GNU long-name header read: names and sizes, not data
 MAX_NAME = 1024  # characters of a member's name: a sample's key is one line of --log-keys, of metrics
 _KINDS = {
     tarfile.GNUTYPE_SPARSE: "a sparse file",
@@ -41,7 +42,7 @@ def members(stream: BinaryIO, wanted: Callable[[str], bool] | None = None) -> It
     reads it at a third of the rate, the limit of an index on few cores)."""
     head = stream.read(BLOCK)
     if not _plain_start(head):  # (compressed: gzip, bzip2, xz; or no tar at all, as tarfile says)
-        yield from _through_tarfile(_Prefixed(head, stream), wanted)
+        yield from _through_tarfile(cast(BinaryIO, _Prefixed(head, stream)), wanted)
         return
     for member in _plain(head, stream):
         if member.isdir():
@@ -66,14 +67,18 @@ def _plain(head: bytes, stream: BinaryIO) -> Iterator[tarfile.TarInfo]:
             member = tarfile.TarInfo.frombuf(head, "utf-8", "surrogateescape")
         except tarfile.HeaderError as e:
             raise tarfile.ReadError(f"invalid header ({e})") from None
+        if member.size < 0:  # (a base-256 size field can say so)
+            raise tarfile.ReadError(f"member {member.name!r} declares a size below 0")
         if member.type in (tarfile.XHDTYPE, tarfile.GNUTYPE_LONGNAME):  # what the next member is called, how large
+            if member.size > MAX_EXTENDED:
+                raise tarfile.ReadError(f"an extended header of {member.size:,} bytes, over the {MAX_EXTENDED:,} read")
             body = _exactly(stream, member.size + -member.size % BLOCK)[: member.size]
             extended |= _pax(body) if member.type == tarfile.XHDTYPE else {"path": _text(body.rstrip(b"\0"))}
         elif member.type in (tarfile.XGLTYPE, tarfile.GNUTYPE_LONGLINK):
             _skip(stream, member.size)  # (defaults for all, a link's target: nothing a sample takes)
         else:
             member.name = extended.get("path", member.name)
-            member.size = int(extended.get("size", member.size))
+            member.size = _size(extended.get("size"), member.size)
             if any(k.startswith("GNU.sparse.") for k in extended):
                 member.type = tarfile.GNUTYPE_SPARSE  # (a PAX sparse file: judged as GNU's)
             extended = {}
@@ -104,12 +109,23 @@ def _pax(body: bytes) -> dict[str, str]:
         while at < len(body) and body[at : at + 1] != b"\0":
             space = body.index(b" ", at)
             length = int(body[at:space])
+            if length <= space - at:  # (0 would read the same record for ever)
+                raise ValueError(length)
             key, _, value = body[space + 1 : at + length - 1].partition(b"=")
             records[key.decode("utf-8", "surrogateescape")] = _text(value)
             at += length
     except ValueError:
         raise tarfile.ReadError("invalid PAX header") from None
     return records
+
+
+def _size(pax: str | None, header: int) -> int:
+    """A member's size: its PAX header's, where it gives one (a ReadError where that is no size), else its own."""
+    if pax is None:
+        return header
+    if not pax.isascii() or not pax.isdigit():
+        raise tarfile.ReadError(f"PAX size {pax[:20]!r} is no size")
+    return int(pax)
 
 
 def _text(raw: bytes) -> str:

@@ -74,11 +74,12 @@ def split_quality(class_counts: list[dict[str, int]]) -> float | None:
     return shuffle_quality([{int(c): n for c, n in shard.items()} for shard in class_counts])
 
 
-def quality_line(location: str, class_counts: list[dict[str, int]]) -> str | None:
+def quality_line(location: str, class_counts: list[dict[str, int]], low_only: bool = False) -> str | None:
     """What to say of a training split's figure: None where it has no class counts (a manifest
-    of an older convert) or too few samples; the fix where it is low."""
+    of an older convert) or too few samples, or (``low_only``) where it is not low; the fix
+    where it is low."""
     figure = split_quality(class_counts) if class_counts else None
-    if figure is None:
+    if figure is None or (low_only and figure >= LOW):
         return None
     line = f"shuffle quality {figure:.2f} (distinct classes in a batch of {BATCH}, as a share of a uniform shuffle's)"
     if figure < LOW:
@@ -91,5 +92,4 @@ def quality_line(location: str, class_counts: list[dict[str, int]]) -> str | Non
 
 def low_quality_line(location: str, class_counts: list[dict[str, int]]) -> str | None:
     """``quality_line``, only where the figure is low (what a run or loader warns of)."""
-    figure = split_quality(class_counts) if class_counts else None
-    return quality_line(location, class_counts) if figure is not None and figure < LOW else None
+    return quality_line(location, class_counts, low_only=True)

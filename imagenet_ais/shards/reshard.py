@@ -35,11 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, cast
 
-from webdataset.tariterators import base_plus_ext
+from webdataset.tariterators import base_plus_ext, group_by_keys
 
 from imagenet_ais.children import worker_pool
 from imagenet_ais.errors import ConfigError, DataError
 from imagenet_ais.shards import progress
+from imagenet_ais.shards.index import absolute
 from imagenet_ais.shards.labels import LabelRule
 from imagenet_ais.shards.manifest import MANIFEST, Manifest, ShardInfo, SplitInfo, load_manifest
 from imagenet_ais.shards.members import members
@@ -90,18 +91,28 @@ def _permutation(seed: int, split: str, total: int) -> list[int]:
     return _PERMUTATIONS[key]
 
 
-def _grouped(stream: HashingReader) -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
-    """A shard's samples: each key with its members (name, bytes), as stored, adjacent ones together."""
-    key, held = None, list[tuple[str, bytes]]()
-    for name, data in members(cast(BinaryIO, stream)):  # (tarfile only reads it)
-        this = base_plus_ext(name)[0]
-        if this != key and held:
-            yield key, held  # type: ignore[misc]
-            held = []
-        key = this
-        held.append((name, data))
-    if held:
-        yield key, held  # type: ignore[misc]
+def _grouped(stream: HashingReader, rule: LabelRule) -> Iterator[tuple[dict, list[tuple[str, bytes]]]]:
+    """A shard's samples as the loader groups them (the members the rule reads, through
+    webdataset's grouping), each with every member of its key as stored (name, bytes): the
+    others (a ``.json`` the rule does not read, say) go along."""
+    named: dict[tuple[str, str], str] = {}  # (key, extension as grouped) → the member's name
+    others: dict[str, list[tuple[str, bytes]]] = {}
+
+    def files() -> Iterator[dict]:
+        for name, data in members(cast(BinaryIO, stream)):  # (tarfile only reads it)
+            key, ext = base_plus_ext(name)
+            if key is None:
+                continue  # (no sample's: the loader passes it over too)
+            if rule.wanted(name):
+                named[key, ext.lower()] = name
+                yield {"fname": name, "data": data, "__url__": ""}
+            else:
+                others.setdefault(key, []).append((name, data))
+
+    for sample in group_by_keys(files()):
+        key = sample["__key__"]
+        held = [(named[key, ext], data) for ext, data in sample.items() if not ext.startswith("__")]
+        yield sample, held + others.pop(key, [])
 
 
 def spool_shard(job: Job, shard: int, info: ShardInfo) -> None:
@@ -115,8 +126,8 @@ def spool_shard(job: Job, shard: int, info: ShardInfo) -> None:
     with store.open(info.name) as raw:
         stream = HashingReader(raw)
         usable = 0
-        for key, held in _grouped(stream):
-            sample = {base_plus_ext(n)[1].lower(): d for n, d in held}
+        for sample, held in _grouped(stream, job.rule):
+            key = sample["__key__"]
             if job.rule.problem(sample):
                 continue  # (rejected when it was indexed: never trained, never counted)
             label = job.rule.index(sample, {c: i for i, c in enumerate(job.classes)})
@@ -150,12 +161,18 @@ def write_shard(job: Job, dst: str, name: str, pieces: list[list]) -> tuple[Shar
     tmp = store.scratch_file(name)
     per_class: dict[str, int] = {}
     pieces.sort(key=lambda p: p[0])
+    keys: set[str] = set()
     with tarfile.open(tmp, "w") as tar:
-        for _, shard, offset, label, files in pieces:
+        for _, shard, offset, label, files, key in pieces:
+            # a key another source shard had too (tools that number each shard's samples from 0):
+            # its members renamed by their shard, or the loader would group the two as one
+            again = key in keys
+            keys.add(key)
             with open(Path(job.spool, f"{shard}.data"), "rb") as spool:
                 spool.seek(offset)
                 for member, size in files:
-                    info = tarfile.TarInfo(member)
+                    folder, slash, base = member.rpartition("/")
+                    info = tarfile.TarInfo(f"{folder}{slash}s{shard}-{base}" if again else member)
                     info.size, info.mode, info.mtime = size, 0o444, 0
                     tar.addfile(info, io.BytesIO(spool.read(size)))
             per_class[str(label)] = per_class.get(str(label), 0) + 1
@@ -176,6 +193,8 @@ def reshard(
         raise ConfigError(f"--maxcount {maxcount}: give 1 or more samples a shard")
     source = load_manifest(open_store(src))
     shards_at = source.shards_location(src)
+    if absolute(dst) in (absolute(src), absolute(shards_at)):
+        raise ConfigError(f"{dst}: it holds the shards to reshard: give another location")
     out = open_store(dst)
     spool_root = Path(spool or tempfile.gettempdir(), f"imagenet-reshard-{_digest(src, dst, seed, maxcount)}")
     with lock_dest(out) as lock:
@@ -223,8 +242,8 @@ def _reshard_split(job: Job, info: SplitInfo, out: Store, workers: int) -> tuple
                 bar.update()
         pieces: list[list[list]] = [[] for _ in names]
         for shard in range(len(info.shards)):
-            for new, place, _key, label, offset, files in json.loads(Path(job.spool, f"{shard}.json").read_text()):
-                pieces[new].append([place, shard, offset, label, files])
+            for new, place, key, label, offset, files in json.loads(Path(job.spool, f"{shard}.json").read_text()):
+                pieces[new].append([place, shard, offset, label, files, key])
         writes = [pool.submit(write_shard, job, out.url, n, pieces[i]) for i, n in enumerate(names) if n not in done]
         with progress.bar(len(names), f"reshard {job.split}: write", "shards") as bar:
             bar.update(len(names) - len(writes))

@@ -198,7 +198,8 @@ def stop(run: Run, stopped: Stopped) -> dict[str, Any]:
         return finish(run, complete=False, exit_code=EXIT_PREEMPTED)
     save(run, train_state.epoch, stopped.step_in_epoch)
     if stopped.signalled:
-        by = {signal.SIGINT: "SIGINT, Ctrl-C"}.get(run.stop.received, signal.Signals(run.stop.received or 15).name)
+        received = signal.Signals(run.stop.received or signal.SIGTERM)
+        by = "SIGINT, Ctrl-C" if received == signal.SIGINT else received.name
         run.echo(
             f"stopped by a signal ({by}) at step {train_state.step}, checkpoint saved; continue with --resume auto"
         )
