@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, free_port, shards_here, train_here, wait_until
+from conftest import ROOT, TINY, free_port, run_cli, shards_here, train_here, wait_until
 
 from imagenet_ais.shards import convert
 from imagenet_ais.shards.manifest import is_demo_at
@@ -337,6 +337,12 @@ def test_a_stored_copy_whose_checksum_differs_is_deleted_and_the_upload_fails(
         store.put_file(src, "shard.tar", keep=True)
     assert "\n" not in str(caught.value)
     assert not store.exists("shard.tar")
+
+
+def test_a_playground_stopped_again_says_none_runs(tmp_path: Path) -> None:
+    # ./run ais-down twice said "stopped" twice
+    out = run_cli("tools/ais_local.py", "--root", tmp_path / "ais", "down").stdout
+    assert out.strip() == f"no AIStore playground is running in {tmp_path / 'ais'}"
 
 
 def test_missing_endpoint_is_a_one_line_error(tmp_path: Path) -> None:

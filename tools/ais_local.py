@@ -51,10 +51,13 @@ def endpoint(pg: Playground) -> None:
 @click.pass_obj
 def down(pg: Playground, wipe: bool) -> None:
     """Stop the processes this playground started (its data stays unless --wipe)."""
-    pg.down()
+    stopped = pg.down()
     if wipe:
         shutil.rmtree(pg.root, ignore_errors=True)
-    click.echo("AIStore playground stopped" + (f"; {pg.root} deleted" if wipe else ""))
+    said = (
+        f"AIStore playground stopped ({stopped} nodes)" if stopped else f"no AIStore playground is running in {pg.root}"
+    )
+    click.echo(said + (f"; {pg.root} deleted" if wipe else ""))
 
 
 if __name__ == "__main__":

@@ -182,9 +182,12 @@ class Playground:
         echo(f"up in {time.monotonic() - start:.0f}s")
         return self.endpoint
 
-    def down(self) -> None:
+    def down(self) -> int:
+        """Stop its nodes; how many were running."""
+        running = [node for node in reversed(self.nodes()) if self.pid(node)]
         for node in reversed(self.nodes()):
             self.stop_node(node)
+        return len(running)
 
 
 # aisnode's feature flag S3-Reverse-Proxy (1 << 13 in v1.5.0's cmn/feat): the gateway passes S3 calls
