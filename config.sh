@@ -5,6 +5,10 @@
 # Python environment
 : "${PYTHON:=python3}"            # interpreter that creates the venv (3.10 or newer)
 : "${VENV:=.venv}"                # where ./run venv puts it
+# torch's build in the venv (uv's --torch-backend; ./run test's venv is the dev lock's as it is):
+# empty = PyPI's (on Linux the CUDA build, about 5 GB); cpu = the CPU build, for machines without
+# a GPU; cu126, cu128, ... a CUDA version's; auto = the one for this machine's driver
+: "${TORCH_BACKEND:=}"
 
 # Data: a shard location holding manifest.json. Empty = the embedded demo, generated once.
 : "${DATA:=}"

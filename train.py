@@ -3,11 +3,14 @@
 
 import signal
 
-# A SIGTERM while torch and the rest are imported (seconds) waits for main's handler, which stops
-# with a line and a stopped run's status (the default action ended it as 143, unsaid)
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+# A SIGTERM or Ctrl-C while torch and the rest are imported (seconds) waits for main's handler,
+# which stops with a line and a stopped run's status (the default actions: 143 unsaid, a traceback)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
 
-from imagenet_ais.cli.train import main  # noqa: E402
+from imagenet_ais.cli.venv_hint import in_the_venv  # noqa: E402  (no dependencies of its own)
+
+with in_the_venv(__file__, "local1"):
+    from imagenet_ais.cli.train import main
 
 if __name__ == "__main__":
     main()

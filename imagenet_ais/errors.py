@@ -7,6 +7,9 @@ Each is also the built-in exception it used to be, so ``except ValueError`` stil
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 def first_line(e: BaseException) -> str:
     """The first line of an exception's message ("" where it has none), for a one-line report."""
@@ -45,3 +48,19 @@ class AlreadyThere(StorageError, FileExistsError):
 def expected(e: BaseException) -> bool:
     """Whether ``e`` is told in one line: ours, or the operating system's (it carries an errno)."""
     return isinstance(e, Refused) or (isinstance(e, OSError) and e.errno is not None)
+
+
+@contextmanager
+def needs_extra(name: str, wanted: str) -> Iterator[None]:
+    """Around the imports of the optional dependency ``name`` (its module, and pyproject.toml's
+    extra of that name): an ImportError becomes one line for ``wanted``, what asks for it. Not
+    installed: how to add it; installed but failing to import (a dependency of its own missing or
+    of another version): its own error, which "not installed" hid."""
+    try:
+        yield
+    except ImportError as e:
+        add = f"./run venv --extra {name} (pip: pip install -c requirements-dev.lock '.[{name}]')"
+        if isinstance(e, ModuleNotFoundError) and e.name == name:
+            raise ConfigError(f"{wanted} needs {name}, which is not installed: {add}") from None
+        error = f"{type(e).__name__}: {first_line(e)}"
+        raise ConfigError(f"{wanted}: {name} is installed but fails to import ({error}): reinstall it, {add}") from None

@@ -104,7 +104,7 @@ def here(command: click.Command, *args: str | Path, check: bool = True, env: dic
     ``env`` is set only while it runs; an exception other than the CLI's own exit is raised."""
     argv, code = [str(a) for a in args], 0
     before = {k: os.environ.get(k) for k in env or {}}
-    sigterm = signal.getsignal(signal.SIGTERM)  # train.py's sets one for the rest of its process
+    handlers = {sig: signal.getsignal(sig) for sig in train_cli.STOPS}  # train.py's main sets its own for good
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         os.environ.update(env or {})
         try:
@@ -113,7 +113,8 @@ def here(command: click.Command, *args: str | Path, check: bool = True, env: dic
         except SystemExit as e:  # (click's standalone mode exits, 0 included)
             code = e.code if isinstance(e.code, int) else 1
         finally:
-            signal.signal(signal.SIGTERM, sigterm)
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
             for k, v in before.items():
                 if v is None:
                     os.environ.pop(k, None)
@@ -140,11 +141,12 @@ def train_here(*args: str | Path, check: bool = True, env: dict[str, str] | None
 
 
 def torchrun(nproc: int, *args: str | Path, check: bool = True, env: dict[str, str] | None = None):
-    """train.py under torchrun --standalone with ``nproc`` ranks (OMP_NUM_THREADS=1: they share the cores)."""
+    """train.py under torchrun --standalone with ``nproc`` ranks (OMP_NUM_THREADS=1: they share the cores),
+    as ./run starts it (imagenet_ais.cli.torchrun)."""
     return run_cli(
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "imagenet_ais.cli.torchrun",
         "--standalone",
         "--nproc-per-node",
         str(nproc),

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, free_port, run_cli, shards_here, train_here, wait_until
+from conftest import ROOT, TINY, free_port, run_cli, shards_here, train_here, wait_until, write_shards
 
+from imagenet_ais.errors import ConfigError
+from imagenet_ais.loader import ShardLoader
 from imagenet_ais.shards import convert
 from imagenet_ais.shards.manifest import is_demo_at
-from imagenet_ais.storage import AISStore
+from imagenet_ais.storage import AISStore, open_store
 from imagenet_ais.storage import ais as ais_storage
 
 # the AIStore the tests share (a session fixture): started once, in one of ./run test's processes
@@ -345,16 +347,31 @@ def test_a_playground_stopped_again_says_none_runs(tmp_path: Path) -> None:
     assert out.strip() == f"no AIStore playground is running in {tmp_path / 'ais'}"
 
 
-def test_missing_endpoint_is_a_one_line_error(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "AIS_ENDPOINT"}
-    proc = subprocess.run(
-        [sys.executable, ROOT / "imagenet_shards.py", "summary", "ais://b/p"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+def test_the_library_finds_the_running_playground_as_run_does(
+    ais, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ./run took AIS_ENDPOINT from the playground, ShardLoader said "set AIS_ENDPOINT" (issue 64)
+    monkeypatch.delenv("AIS_ENDPOINT", raising=False)
+    monkeypatch.setenv("AIS_ROOT", str(ais.root))  # ./run's setting: its playground's root
+    write_shards(tmp_path / "shards", {"train": [6, 6]})
+    url = bucket_url()
+    store = AISStore(url)
+    for path in sorted((tmp_path / "shards").iterdir()):
+        store.put_file(path, path.name, keep=True)
+    with ShardLoader(url, "train", 4, image_size=16, workers=1, epoch_mode="exact", device="cpu") as loader:
+        assert sum(len(batch.labels) for batch in loader) == 12
+    assert "AIS_ENDPOINT" not in os.environ, "a library sets nothing for the rest of the process"
+
+
+def test_missing_endpoint_is_a_one_line_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AIS_ENDPOINT", raising=False)
+    monkeypatch.setenv("AIS_ROOT", str(tmp_path / "ais"))  # no playground runs there
+    with pytest.raises(ConfigError) as caught:
+        open_store("ais://b/p")
+    assert str(caught.value) == (
+        "ais://b/p: set AIS_ENDPOINT to the cluster's URL (e.g. http://aistore-proxy:51080), "
+        "or start the local playground with ./run ais-up"
     )
-    assert proc.returncode == 1 and "set AIS_ENDPOINT" in proc.stderr
 
 
 def test_read_back_finds_a_stored_shard_that_its_checksum_vouched_for(

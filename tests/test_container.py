@@ -75,16 +75,18 @@ def inside(image: str, *cmd: str, volumes: tuple[str, ...] = (), user: str = USE
 
 
 def test_the_image_runs_as_any_user_keeps_its_torch_and_makes_no_venv(image: str) -> None:
-    helped = inside(image, "./run", "help")
-    assert helped.returncode == 0 and helped.stdout.startswith("usage: ./run"), helped.stderr
     version = "import torch, torchvision; print(torch.__version__, torchvision.__version__)"
     base = inside(standin_tag(), "python", "-c", version, user="0:0").stdout  # the base sets no caches for others
-    assert base and inside(image, "python", "-c", version).stdout == base, "the pip step replaced torch"
-    planned = inside(image, "./run", "-n", "local1")
-    assert planned.returncode == 0, planned.stderr
-    assert "-m venv" not in planned.stdout and "pip " not in planned.stdout, "./run would make a venv in the image"
-    assert "/usr/bin/python train.py" in planned.stdout
-    assert inside(image, "test", "-e", ".venv").returncode == 1
+    # one container for the image's checks (each one started costs seconds): their outputs apart
+    checks = ["./run help", f"python -c '{version}'", "./run -n local1", "test -e .venv; echo $?"]
+    done = inside(image, "sh", "-c", " && echo '<>' && ".join(f"{{ {c}; }}" for c in checks))
+    assert done.returncode == 0, done.stderr
+    helped, versions, planned, venv = done.stdout.split("<>\n")
+    assert helped.startswith("usage: ./run"), done.stdout
+    assert base and versions == base, "the pip step replaced torch"
+    assert "-m venv" not in planned and "pip " not in planned, "./run would make a venv in the image"
+    assert "/usr/bin/python train.py" in planned
+    assert venv == "1\n", "the image holds no .venv"
 
 
 def test_a_training_in_the_image_writes_metrics_and_a_checkpoint_to_the_mounted_results(
@@ -193,3 +195,19 @@ def test_run_shell_ends_with_its_container_on_sigterm(image: str, tmp_path: Path
             proc.kill()
     left = subprocess.run(["podman", "ps", "-aq", "--filter", f"ancestor={image}"], capture_output=True, text=True)
     assert left.stdout.strip() == "", "no container left"
+
+
+def test_a_dry_run_names_the_engine_the_run_would_use(tmp_path: Path) -> None:
+    # -n docker2 planned "docker run" (and "docker pull") where docker's daemon did not answer:
+    # the run itself used podman
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    for engine in ("docker", "podman"):  # docker: no daemon; podman: no image yet
+        (bin_dir / engine).write_text(f'#!/bin/sh\necho "{engine} $*" >>"{calls}"\nexit 1\n')
+        (bin_dir / engine).chmod(0o755)
+    write_shards(tmp_path / "shards", {"train": [8]})
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "DATA": str(tmp_path / "shards"), "IMAGE": "localhost/i:1"}
+    plan = run_cli(ROOT / "run", "-n", "docker2", env=env).stdout.splitlines()
+    why = "# localhost/i:1 is not on this host: ./run build makes it (or podman pull it from where ./run push put it)"
+    assert why in plan and plan[-1].startswith("podman run --rm "), plan
+    assert calls.read_text().splitlines() == ["docker info", "podman image inspect localhost/i:1"], "questions only"

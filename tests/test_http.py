@@ -133,14 +133,14 @@ def test_https_with_a_ca_bundle(serve, tmp_path: Path) -> None:
     write_shards(data, {"train": [8, 8], "val": [4]})
     server = serve(data, SERVE_CERT=str(cert), SERVE_KEY=str(key))
     assert server.url.startswith("https://")
-    args = ["train.py", "--data", server.url, "--output", tmp_path / "run", *TINY, "--epochs", "1", "--workers", "1"]
+    args = ["--data", server.url, "--output", tmp_path / "run", *TINY, "--epochs", "1", "--workers", "1"]
 
-    untrusted = run_cli(*args, check=False, env={"REQUESTS_CA_BUNDLE": "", "SSL_CERT_FILE": ""})
+    untrusted = train_here(*args, check=False, env={"REQUESTS_CA_BUNDLE": "", "SSL_CERT_FILE": ""})
     assert untrusted.returncode == 1
     assert untrusted.stderr.strip().startswith(f"Error: {server.url}/manifest.json: TLS verification failed")
     assert "REQUESTS_CA_BUNDLE" in untrusted.stderr.strip().splitlines()[-1]
 
-    trusted = run_cli(*args, env={"REQUESTS_CA_BUNDLE": str(cert)})
+    trusted = train_here(*args, env={"REQUESTS_CA_BUNDLE": str(cert)})
     assert "final validation" in trusted.stdout
     assert server.gets()["imagenet-train-000001.tar"] >= 1
 

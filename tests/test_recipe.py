@@ -81,6 +81,7 @@ def test_ema_decay_keeps_the_horizon_in_images(world: int, every: int) -> None:
 # --- the options in real training runs (tiny shards, CPU) ------------------------------------
 
 ONE_WORKER = [*TINY, "--workers", "1"]
+CLASSES = 6
 RECIPE = ["--model-ema", "--model-ema-steps", "2", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"]
 
 
@@ -100,7 +101,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Shards, and a 2-epoch run with EMA and mixing stopped after 5 steps then resumed."""
     root = tmp_path_factory.mktemp("recipe")
     data, output = root / "shards", root / "run"
-    write_shards(data, {"train": [12, 12, 8], "val": [6, 6]})  # 8 steps an epoch
+    # 8 steps an epoch; 6 classes: top-5 is measured (of fewer it is always 100%, and left out)
+    write_shards(data, {"train": [12, 12, 8], "val": [6, 6]}, classes=CLASSES)
     common = ["--data", data, "--output", output, *ONE_WORKER, *RECIPE, "--epochs", "2", "--log-every", "4"]
     train_here(*common, "--max-steps", "5")
     stopped = torch.load(output / "last.pt", weights_only=True)
@@ -236,7 +238,7 @@ def test_clipped_gradients_move_the_weights_less(trained: tuple[Path, Path], tmp
     data, _ = trained
     torch.manual_seed(0)
     start = tmp_path / "start.pth"
-    torch.save(torchvision.models.get_model(TINY_ARCH, num_classes=4).state_dict(), start)
+    torch.save(torchvision.models.get_model(TINY_ARCH, num_classes=CLASSES).state_dict(), start)
     moved = []
     for clip in ([], ["--clip-grad-norm", "0.001"]):
         output = tmp_path / f"clip{len(moved)}"

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,14 @@ def launch(world: int) -> list[str]:
     return [*torchrun, str(ROOT / "train.py")]
 
 
+def train_on(world: int, *options: str | Path) -> str:
+    """train.py OPTIONS on ``world`` processes (torchrun; one: in this process, which is as
+    good and spares a start of torch); what it printed."""
+    many = world > 1
+    done = run_cli(*launch(world), *options, env={"OMP_NUM_THREADS": "1"}) if many else train_here(*options)
+    return done.stdout + done.stderr
+
+
 def args(data: Path, output: Path, batch: int, workers: int, mode: str = "exact") -> list[str]:
     return [
         *map(str, ["--data", data, "--output", output, *TINY, "--batch-size", batch, "--workers", workers]),
@@ -57,13 +67,18 @@ def keys(output: Path, epoch: int) -> dict[int, list[str]]:
     return {int(f.stem.rpartition("rank")[2]): f.read_text().split() for f in files}
 
 
-def stop_mid_epoch(cmd: list[str], output: Path, stop: str, at: int) -> None:
-    """Runs ``cmd`` until step ``at`` of the first epoch: stopped by --max-steps, or by SIGTERM."""
+def stop_mid_epoch(world: int, options: list[str], output: Path, stop: str, at: int) -> None:
+    """Trains on ``world`` processes until step ``at`` of the first epoch: stopped by --max-steps,
+    or by SIGTERM."""
     if stop == "max-steps":
-        run_cli(*cmd, "--max-steps", str(at), env={"OMP_NUM_THREADS": "1"})
+        train_on(world, *options, "--max-steps", str(at))
         return
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [*launch(world), *options],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     done = output / "metrics.jsonl"
     wait_until(proc, lambda: done.exists() and any(r["step"] >= at for r in metrics(output)), f"step {at}")
@@ -71,11 +86,42 @@ def stop_mid_epoch(cmd: list[str], output: Path, stop: str, at: int) -> None:
     proc.wait(timeout=300)
 
 
+Topology = tuple[int, int, int]  # (world, per-rank batch, workers per rank)
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Topology, str, str, Path], Path]:
+    """A run stopped inside its first epoch on a topology, made once and copied to each test that
+    goes on from it (a torchrun of 4 ranks costs most of such a test); its shards' folder."""
+    made: dict[tuple[Topology, str, str], tuple[Path, Path]] = {}
+
+    def stopped(first: Topology, stop: str, made_by: str, output: Path) -> Path:
+        if (first, stop, made_by) not in made:
+            data, run = tmp_path_factory.mktemp("shards"), tmp_path_factory.mktemp("stopped")
+            if made_by == "convert":
+                write_shards(data, {"train": TRAIN, "val": [4]})
+            else:
+                write_hub_shards(data, {"train": TRAIN, "val": [4]})
+                shards_here("index", data)
+            world, batch, workers = first
+            steps = len(ALL_KEYS) // (world * batch)
+            stop_mid_epoch(world, args(data, run, batch, workers), run, stop, steps // 3)
+            made[first, stop, made_by] = data, run
+        data, run = made[first, stop, made_by]
+        shutil.copytree(run, output)
+        return data
+
+    return stopped
+
+
+ON_4_RANKS = pytest.mark.xdist_group("stopped-on-4-ranks")  # (in one process: they share its stopped run)
+
+
 @pytest.mark.parametrize(
     ("first", "second", "stop", "made_by"),
     [
-        ((4, 4, 2), (2, 4, 1), "sigterm", "convert"),  # (world, per-rank batch, workers per rank)
-        ((4, 4, 2), (2, 8, 2), "max-steps", "convert"),
+        pytest.param((4, 4, 2), (2, 4, 1), "sigterm", "convert", marks=ON_4_RANKS),
+        pytest.param((4, 4, 2), (2, 8, 2), "sigterm", "convert", marks=ON_4_RANKS),
         ((2, 4, 1), (3, 3, 2), "max-steps", "convert"),
         ((1, 4, 2), (2, 4, 1), "max-steps", "convert"),
         ((2, 4, 2), (1, 8, 3), "max-steps", "convert"),
@@ -83,22 +129,17 @@ def stop_mid_epoch(cmd: list[str], output: Path, stop: str, at: int) -> None:
     ],
 )
 def test_an_exact_epoch_stopped_on_one_topology_ends_on_another_with_each_sample_once(
-    first: tuple[int, int, int], second: tuple[int, int, int], stop: str, made_by: str, tmp_path: Path
+    first: Topology, second: Topology, stop: str, made_by: str, stopped_runs: Callable, tmp_path: Path
 ) -> None:
-    data, output = tmp_path / "shards", tmp_path / "run"
-    if made_by == "convert":
-        write_shards(data, {"train": TRAIN, "val": [4]})
-    else:
-        write_hub_shards(data, {"train": TRAIN, "val": [4]})
-        shards_here("index", data)
-    (world1, batch1, workers1), (world2, batch2, workers2) = first, second
+    output = tmp_path / "run"
+    data = stopped_runs(first, stop, made_by, output)
+    (world1, batch1, _), (world2, batch2, workers2) = first, second
     steps1, steps2 = len(ALL_KEYS) // (world1 * batch1), len(ALL_KEYS) // (world2 * batch2)
-    stop_mid_epoch([*launch(world1), *args(data, output, batch1, workers1)], output, stop, steps1 // 3)
     stopped = torch.load(output / "last.pt", weights_only=True)
     k1 = stopped["step_in_epoch"]
     assert stopped["epoch"] == 0 and 0 < k1 < steps1, "saved inside the first epoch"
 
-    out = run_cli(*launch(world2), *args(data, output, batch2, workers2), env={"OMP_NUM_THREADS": "1"}).stdout
+    out = train_on(world2, *args(data, output, batch2, workers2))
     assert f"epoch 1 stopped at step {k1} of {steps1} on {world1} × {batch1}" in out
     assert f"{k1 * world1 * batch1} samples trained are left out" in out
     interrupted = keys(output, 1)
@@ -124,10 +165,10 @@ def test_an_epoch_stopped_on_its_last_step_is_validated_then_the_next_follows_on
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": TRAIN, "val": [4]})
     steps = len(ALL_KEYS) // 8
-    run_cli(*launch(1), *args(data, output, 8, 1), "--max-steps", str(steps))
+    train_on(1, *args(data, output, 8, 1), "--max-steps", str(steps))
     stopped = torch.load(output / "last.pt", weights_only=True)
     assert (stopped["epoch"], stopped["step_in_epoch"]) == (0, steps)
-    out = run_cli(*launch(1), *args(data, output, 4, 1)).stdout
+    out = train_on(1, *args(data, output, 4, 1))
     assert "epoch 1: val top-1" in out and "samples trained are left out" not in out
     assert len(keys(output, 1)[0]) == steps * 8, "the first epoch trained once, not again"
     assert len(keys(output, 2)[0]) == len(ALL_KEYS) // 4 * 4, "the second whole, on 1 × 4"
@@ -136,9 +177,9 @@ def test_an_epoch_stopped_on_its_last_step_is_validated_then_the_next_follows_on
 def test_a_resampled_epoch_resumed_on_another_world_size_draws_fresh_streams_and_says_so(tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": TRAIN, "val": [4]})
-    run_cli(*launch(2), *args(data, output, 4, 1, "resampled"), "--max-steps", "12", env={"OMP_NUM_THREADS": "1"})
+    train_on(2, *args(data, output, 4, 1, "resampled"), "--max-steps", "12")
     before = keys(output, 1)
-    out = run_cli(*launch(1), *args(data, output, 4, 1, "resampled"), env={"OMP_NUM_THREADS": "1"}).stdout
+    out = train_on(1, *args(data, output, 4, 1, "resampled"))
     # 40 steps per epoch on 2 × 4, 80 on 1 × 4: 12 of 40 is step 24 of 80
     assert "epoch 1 stopped at step 12 of 40 on 2 × 4: resampled mode continues at step 24 of 80" in out
     assert "fresh stream" in out
@@ -152,11 +193,11 @@ def test_a_resampled_epoch_resumed_on_another_world_size_draws_fresh_streams_and
 def test_an_epoch_stopped_over_other_shards_starts_over_and_says_so(tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": TRAIN, "val": [4]})
-    run_cli(*launch(1), *args(data, output, 8, 1), "--max-steps", "5")
+    train_on(1, *args(data, output, 8, 1), "--max-steps", "5")
     write_shards(data, {"train": [*TRAIN, 16], "val": [4]})  # a shard added since
-    out = run_cli(*launch(1), *args(data, output, 8, 1), "--epochs", "1")
+    out = train_on(1, *args(data, output, 8, 1), "--epochs", "1")
     said = "epoch 1 stopped at step 5 of 40 on 1 × 8 over other shards or with another seed (ShardLoader's seed=, "
-    assert said + "train.py's --seed): it starts over" in out.stderr
+    assert said + "train.py's --seed): it starts over" in out
     logged = keys(output, 1)[0]
     assert len(logged) == (5 + 42) * 8, "5 steps trained before, then the whole epoch"
     assert len(set(logged[40:])) == 42 * 8, "the epoch over the new shards, each key once"

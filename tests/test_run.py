@@ -19,6 +19,11 @@ from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -40,7 +45,7 @@ def test_dry_run_prints_the_commands_with_settings_from_the_environment(tmp_path
     cmd = shlex.split(out[-1])
     threads = max(1, (os.cpu_count() or 1) // 3)  # each rank's share of the cores (torchrun's banner set 1)
     assert cmd[:2] == ["env", f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS') or threads}"]
-    assert cmd[2:8] == [".venv/bin/python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
+    assert cmd[2:8] == [".venv/bin/python", "-m", "imagenet_ais.cli.torchrun", "--standalone", "--nproc-per-node", "3"]
     assert cmd[cmd.index("--data") + 1] == str(tmp_path / "my shards")
     assert cmd[cmd.index("--arch") + 1] == "resnet34"
     assert cmd[cmd.index("--output") + 1] == "runs/local2"
@@ -250,6 +255,51 @@ def test_each_lock_pins_its_ranges_and_agrees_with_the_dev_lock() -> None:
     assert dev["uv"] == [(uv_version, "")], "the uv the dev lock pins is the one ./run installs (UV_VERSION)"
 
 
+def test_venv_adds_the_extras_at_the_versions_the_tests_use() -> None:
+    # timm's hint said `pip install .[timm]` (which pip?), ./run's venv had no way to add an extra, Lightning
+    # was none, and MLflow "with the lock as a constraint" resolved mlflow 1.27.0, which failed to import
+    venv = {"VENV": str(VENV_BIN.parent)}
+    plan = run_cli(ROOT / "run", "-n", "venv", "--extra", "timm,lightning", "--extra", "mlflow", env=venv).stdout
+    (add,) = [shlex.split(line) for line in plan.splitlines() if ".[" in line]
+    assert add[:3] == [str(VENV_BIN / "uv"), "pip", "install"]
+    assert add[add.index("--editable") + 1] == ".[timm,lightning,mlflow]"
+    assert [add[i + 1] for i, a in enumerate(add) if a == "-c"] == ["requirements.lock", "requirements-dev.lock"]
+    # so the dev lock, which the tests ran with, pins each extra's packages: each range is requirements-dev.txt's
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"dali", "timm", "mlflow", "wandb", "lightning"} <= set(extras)
+    dev = {canonicalize_name(r.name): r.specifier for r in _ranges(ROOT / "requirements-dev.txt")}
+    for name, reqs in extras.items():
+        for req in map(Requirement, reqs):
+            assert dev.get(canonicalize_name(req.name)) == req.specifier, f"the {name} extra's {req}: not the tests'"
+    unknown = run_cli(ROOT / "run", "-n", "venv", "--extra", "timm,torchaudio", env=venv, check=False)
+    assert unknown.returncode == 1 and ".[" not in unknown.stdout
+    assert unknown.stderr == f"run: unknown extra 'torchaudio': one of {', '.join(sorted(extras))} (pyproject.toml)\n"
+
+
+def test_the_venvs_set_up_says_each_step_and_takes_torchs_cpu_build_where_asked(tmp_path: Path) -> None:
+    # the first set-up was silent for minutes, installing 5.5 GB of CUDA torch on a machine without a GPU
+    env = {"VENV": str(tmp_path / "venv")}  # none yet: the whole set-up is planned
+    plan = run_cli(ROOT / "run", "-n", "venv", env=env).stdout.splitlines()
+    said = [i for i, line in enumerate(plan) if line.startswith("# ")]
+    assert len(said) == 5 and all(not plan[i + 1].startswith("#") for i in said), "each step, then its command"
+    assert "TORCH_BACKEND=cpu" in plan[said[2]] and "-r requirements.lock" in plan[said[2] + 1]
+    cpu = run_cli(ROOT / "run", "-n", "venv", env={**env, "TORCH_BACKEND": "cpu"}).stdout.splitlines()
+    (install,) = [shlex.split(line) for line in cpu if "--torch-backend" in line]
+    # the ranges at the lock's versions: a constraint adds no package (the lock's CUDA libraries stay out)
+    assert install[3:9] == ["-r", "requirements.txt", "-c", "requirements.lock", "--torch-backend", "cpu"]
+    assert "-r requirements.lock" not in "\n".join(cpu)
+
+
+def test_the_scripts_run_by_a_python_without_the_dependencies_say_how_to_get_them(tmp_path: Path) -> None:
+    # `./train.py --help` outside the venv was ModuleNotFoundError's traceback
+    for script, verb in (("train.py", "local1"), ("imagenet_shards.py", "shards")):
+        # -S: no site-packages, as a system Python without torch or click
+        proc = subprocess.run([sys.executable, "-S", ROOT / script, "--help"], cwd=ROOT, capture_output=True, text=True)
+        assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
+        assert proc.stderr.startswith(f"{script}: {sys.executable} has no module ")
+        assert proc.stderr.endswith(f": ./run venv, then .venv/bin/python {script} --help (or ./run {verb} ...)\n")
+
+
 # The tests that build this checkout run one build at a time: setuptools writes into the source
 # tree (build/, *.egg-info). The pip resolve failed once in a clean clone's CI (2026-12-02) while
 # its two pips prepared the tree at once; its cause was not kept (pip's stderr was dropped then).
@@ -262,6 +312,7 @@ def test_pip_resolves_the_locked_torch_pair_with_and_without_the_lock(tmp_path: 
     # open-ended, `pip install .` backtracked through six torch releases to an older pair than the lock's
     pins = _pins(ROOT / "requirements.lock")
     locked = {name: pins[name][0][0] for name in ("torch", "torchvision")}
+
     for args in [(), ("-c", str(ROOT / "requirements.lock"))]:
         report = tmp_path / f"report{len(args)}.json"
         pip = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet"]

@@ -145,3 +145,23 @@ def test_a_job_warned_before_its_time_limit_checkpoints_requeues_and_finishes(sl
     steps = [r["step"] for r in records if r["kind"] == "train"]
     assert steps == list(range(1, 37)), "the requeued run went on from the checkpointed step"
     assert torch.load(output / "last.pt", weights_only=True)["epoch"] == 3
+
+
+def stand_in(bin_dir: Path, name: str, script: str) -> None:
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / name).write_text(f"#!/bin/sh\n{script}\n")
+    (bin_dir / name).chmod(0o755)
+
+
+def test_a_submission_refused_at_once_leaves_no_run_folder(tmp_path: Path) -> None:
+    # ./run slurm made runs/slurm for the job's log, and left it where sbatch failed
+    write_shards(tmp_path / "shards", {"train": [8]})
+    stand_in(tmp_path / "bin", "sbatch", 'echo "sbatch: error: Invalid account or account/partition" >&2; exit 1')
+    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "DATA": str(tmp_path / "shards")}
+    new, kept = tmp_path / "runs" / "slurm", tmp_path / "kept"
+    kept.mkdir()
+    for output in (new, kept):
+        proc = run_cli(ROOT / "run", "slurm", env={**env, "OUTPUT": str(output)}, check=False)
+        assert proc.returncode == 1 and "Invalid account" in proc.stderr, proc.stderr
+    assert not (tmp_path / "runs").exists(), "the folders it made are gone"
+    assert kept.is_dir(), "the one that was there stays"

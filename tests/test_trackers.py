@@ -7,13 +7,18 @@ import json
 import os
 import socket
 import struct
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import TINY, TINY_ARCH, train_here, write_shards
 
-pytestmark = pytest.mark.slow  # each trains twice and starts its tracker (MLflow's import alone takes seconds)
+from imagenet_ais.errors import ConfigError
+from imagenet_ais.train.trackers import open_trackers, runnable
+
+# those that train twice and start their tracker (MLflow's import alone takes seconds)
+SLOW = pytest.mark.slow
 
 
 def run_twice(tmp_path: Path, env: dict[str, str], *trackers: str) -> Path:
@@ -27,6 +32,7 @@ def run_twice(tmp_path: Path, env: dict[str, str], *trackers: str) -> Path:
     return output
 
 
+@SLOW
 def test_mlflow_gets_the_settings_every_record_and_the_result_in_one_run_across_a_resume(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
@@ -35,7 +41,8 @@ def test_mlflow_gets_the_settings_every_record_and_the_result_in_one_run_across_
     output = run_twice(tmp_path, {}, "mlflow")
     assert sorted(Path.cwd().iterdir()) == before, "nothing written where the run was started from"
     uri = f"sqlite:///{output / 'mlflow.db'}"
-    assert f"MLflow: runs in {uri} (mlflow ui --backend-store-uri {uri})" in (output / "train.log").read_text()
+    ui = f"{runnable('mlflow')} ui --backend-store-uri {uri}"  # (its path where PATH has no mlflow)
+    assert f"MLflow: runs in {uri} ({ui})" in (output / "train.log").read_text()
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("imagenet-ais").experiment_id])
     assert run.info.status == "FINISHED" and run.info.run_name == "run", "one run, continued by the resume"
@@ -70,6 +77,7 @@ def wandb_records(run_file: Path) -> list:
     return records
 
 
+@SLOW
 def test_wandb_offline_gets_the_settings_every_record_and_the_result_in_one_run_across_a_resume(
     tmp_path: Path,
 ) -> None:
@@ -92,6 +100,7 @@ def test_wandb_offline_gets_the_settings_every_record_and_the_result_in_one_run_
     assert list(output.glob("events.out.tfevents.*")), "TensorBoard stays on beside W&B (it was dropped silently)"
 
 
+@SLOW
 def test_a_tracker_that_cannot_start_is_one_line_before_anything_trains(tmp_path: Path) -> None:
     args = ["--synthetic", "--output", tmp_path / "run", *TINY, "--max-steps", "1", "--workers", "0"]
     bad = {"MLFLOW_TRACKING_URI": "http://127.0.0.1:9", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}  # no server there
@@ -107,6 +116,7 @@ def test_a_tracker_that_cannot_start_is_one_line_before_anything_trains(tmp_path
     assert (tmp_path / "run" / "metrics.jsonl").exists() and not list((tmp_path / "run").glob("events.out.*"))
 
 
+@SLOW
 def test_a_tracker_server_that_never_answers_is_one_line_within_a_minute(tmp_path: Path) -> None:
     # it takes connections and answers none: MLflow's own 7 tries of 120 s each said nothing for minutes
     args = ["--synthetic", "--output", tmp_path / "run", *TINY, "--max-steps", "1", "--workers", "0"]
@@ -117,3 +127,19 @@ def test_a_tracker_server_that_never_answers_is_one_line_within_a_minute(tmp_pat
     assert time.monotonic() - start < 60
     assert proc.returncode == 1 and proc.stderr.startswith("Error: --tracker mlflow: "), proc.stderr
     assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ, "the bounds last only while the run does"
+
+
+def test_a_tracker_not_installed_or_installed_but_broken_says_which(tmp_path: Path, monkeypatch) -> None:
+    # an MLflow that was installed (1.27.0) and failed on an import of its own was "MLflow is not installed"
+    (tmp_path / "site" / "mlflow").mkdir(parents=True)
+    (tmp_path / "site" / "mlflow" / "__init__.py").write_text("import a_module_that_is_not_there\n")
+    monkeypatch.syspath_prepend(tmp_path / "site")
+    monkeypatch.delitem(sys.modules, "mlflow", raising=False)
+    broken = r"^--tracker mlflow: mlflow is installed but fails to import \(ModuleNotFoundError: No module named "
+    with pytest.raises(ConfigError, match=broken + r"'a_module_that_is_not_there'\): reinstall it, \./run venv "):
+        open_trackers(("mlflow",), tmp_path / "run", {}, 0, {})
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as where it is not installed
+    missing = r"^--tracker wandb needs wandb, which is not installed: \./run venv --extra wandb \(pip: pip install -c "
+    with pytest.raises(ConfigError, match=missing + r"requirements-dev\.lock '\.\[wandb\]'\)$"):
+        open_trackers(("wandb",), tmp_path / "run", {}, 0, {})
+    assert not (tmp_path / "run").exists()

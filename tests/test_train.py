@@ -36,6 +36,7 @@ from conftest import (
     TINY_ARCH,
     UNSIZED,
     child_pids,
+    here,
     outliving,
     relist,
     run_cli,
@@ -49,6 +50,7 @@ from conftest import (
 from torch.utils.tensorboard import SummaryWriter
 
 from imagenet_ais import distributed
+from imagenet_ais.cli import plot
 from imagenet_ais.cli import train as train_cli
 from imagenet_ais.errors import ConfigError, DataError
 from imagenet_ais.shards import synth
@@ -222,6 +224,19 @@ def test_stopped_run_resumes_at_the_right_step(tmp_path: Path) -> None:
     assert "3 epochs trained, as many as --epochs 2 asks or more" in fewer.stdout
     assert "its run has trained 3 epochs, --epochs 2 asks no more" in fewer.stdout
 
+    # only --epochs (and --lr) given: every other setting is the checkpoint's (it went to batch
+    # 256, 224 px, resnet50), the one given that differs is said, and so is the schedule's change
+    more = train_here("--output", output, "--resume", "auto", "--epochs", "4", "--lr", "0.2", "--max-steps", "37")
+    settings = json.loads((output / "config.json").read_text())
+    assert (settings["arch"], settings["batch_size"], settings["image_size"]) == (TINY_ARCH, 4, 32)
+    assert (settings["data"], settings["epoch_mode"], settings["warmup_epochs"]) == (str(data), "exact", 0)
+    assert "goes on with the settings it was trained with, but --lr 0.2 (its run: 0.1), as given" in more.stdout
+    # the 3-epoch cosine had ended at 0; over 4 epochs step 37 is a quarter of the way down from 0.2's peak
+    peak = 0.2 * 4 / 256
+    lr = f"{peak * 0.5 * (1 + math.cos(math.pi * 36 / 48)):.3g}"
+    assert f"cosine schedule now spans 4 epochs, so the next step's learning rate is {lr} (0 in its 3)" in more.stdout
+    assert [r["lr"] for r in metrics(output) if r["kind"] == "train"][-1] == pytest.approx(float(lr), rel=1e-2)
+
 
 @pytest.mark.slow
 def test_epoch_size_sets_the_epochs_that_the_schedule_checkpoints_and_resume_count_in(
@@ -297,6 +312,8 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path: Path) -> None:
     assert proc.returncode == 1 and f"was trained as {TINY_ARCH}" in proc.stderr
     # says what to do (it said "use another --output or --resume": resume what?)
     assert "give another --output for a new run (or --resume a checkpoint of this model)" in proc.stderr
+    # the refused start leaves the run's own settings (it wrote "arch": "mobilenet_v3_small" there)
+    assert json.loads((output / "config.json").read_text())["arch"] == TINY_ARCH
 
 
 def test_a_checkpoint_made_on_other_shards_goes_on_only_where_resume_names_it(
@@ -514,28 +531,50 @@ def test_a_run_shows_in_tensorboard_and_plots_to_a_png(tmp_path: Path) -> None:
     from PIL import Image
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    data, output = tmp_path / "shards", tmp_path / "run"
-    write_shards(data, {"train": [16, 8], "val": [6]})
+    data, output, up = tmp_path / "shards", tmp_path / "run", tmp_path / "up"
+    write_shards(data, {"train": [16, 8], "val": [6]})  # 4 classes: top-5 is 100% whatever the model
     args = ["--data", data, "--output", output, *TINY, "--epochs", "2", "--workers", "1", "--log-every", "2"]
-    train_here(*args)
+    no_venv_on_path = {"PATH": str(tmp_path / "no-bin")}
+    said = train_here(*args, "--upload", up, env=no_venv_on_path).stdout.splitlines()
     records = metrics(output)
 
+    # the hint names a command that runs (tensorboard is in the venv's bin, not on PATH)
+    tensorboard = Path(sys.executable).parent / "tensorboard"
+    assert f"TensorBoard: event files in {output} ({tensorboard} --logdir {output})" in said
+    # the last line says where the checkpoints are
+    saved = ", ".join(name for name in ("last.pt", "best.pt") if (output / name).is_file())
+    assert said[-1] == f"checkpoints in {output}: {saved}; uploaded to {up} (its latest.json names the last)"
+    # no top-5 of 4 classes: not said, recorded, tracked or plotted
+    assert not [line for line in said if "top-5" in line]
+    assert not [r for r in records if "top5" in r]
     board = EventAccumulator(str(output))
     board.Reload()
-    assert {"train/loss", "train/lr", "train/img_per_s", "train/data_wait", "val/top1", "val/top5"} <= set(
-        board.Tags()["scalars"]
-    )
+    assert {"train/loss", "train/lr", "train/img_per_s", "train/data_wait", "val/top1"} <= set(board.Tags()["scalars"])
+    assert "val/top5" not in board.Tags()["scalars"]
     logged = [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
     assert [(e.step, round(e.value, 4)) for e in board.Scalars("train/loss")] == [(s, round(v, 4)) for s, v in logged]
 
-    out = run_cli(sys.executable, "-m", "imagenet_ais.cli.plot", output).stdout.strip()
+    out = here(plot.main, output).stdout.strip()
     assert out == str(output / "metrics.png")
     with Image.open(output / "metrics.png") as png:
         assert png.format == "PNG" and png.size == (1500, 680)  # 2 rows of 3 panels (no GPU panel on CPU)
         assert len(png.convert("RGB").getcolors(1 << 16) or []) > 50  # drawn, not blank
     assert not list(output.glob(".*.tmp"))
 
-    proc = run_cli(sys.executable, "-m", "imagenet_ais.cli.plot", tmp_path, check=False)
+    # one log interval: one record per panel, drawn as a point (a line of one point drew nothing)
+    lines = (output / "metrics.jsonl").read_text().splitlines()
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "metrics.jsonl").write_text(lines[0] + "\n" + next(line for line in lines if '"val"' in line) + "\n")
+    with Image.open(plot.plot(one, one / "metrics.png")) as png:
+        pixels = png.convert("RGB")
+    blue = (31, 119, 180)  # matplotlib's first colour: the series'
+    # loss, learning rate, img/s and data wait, 500 × 340 px each (validation's had its points already)
+    for row, col in [(0, 0), (0, 2), (1, 0), (1, 1)]:
+        panel = pixels.crop((col * 500, row * 340, col * 500 + 500, row * 340 + 340))
+        assert blue in {colour for _, colour in panel.getcolors(1 << 16) or []}, f"panel {row, col} is empty"
+
+    proc = here(plot.main, tmp_path, check=False)
     assert proc.returncode == 1 and f"no metrics.jsonl in {tmp_path}" in proc.stderr
     dry = run_cli(ROOT / "run", "-n", "plot", output, env={"VENV": ".venv"}).stdout.splitlines()[-1]
     assert dry == f".venv/bin/python -m imagenet_ais.cli.plot {output}"
@@ -768,9 +807,10 @@ def test_timm_names_are_checked_and_a_missing_timm_is_one_line(tmp_path: Path, m
     with pytest.raises(ConfigError, match=r"^--arch 'timm/no_such_net': timm has no model 'no_such_net' \(timm"):
         loop.train(cfg)
     monkeypatch.setitem(sys.modules, "timm", None)  # as where the extra is not installed
-    with pytest.raises(ConfigError, match=r"^--arch timm/test_convnext needs timm: pip install \.\[timm\]"):
+    missing = r"needs timm, which is not installed: \./run venv --extra timm \(pip: "  # (./run's venv, or pip's)
+    with pytest.raises(ConfigError, match=rf"^--arch timm/test_convnext {missing}"):
         loop.train(dataclasses.replace(cfg, arch="timm/test_convnext"))
-    with pytest.raises(ConfigError, match=r"^--opt lamb needs timm: pip install \.\[timm\]"):
+    with pytest.raises(ConfigError, match=rf"^--opt lamb {missing}"):
         loop.train(dataclasses.replace(cfg, arch=TINY_ARCH, opt="lamb", max_steps=1))
     assert not (tmp_path / "run").exists(), "refused before anything was made"
 
@@ -851,7 +891,7 @@ def test_torchvisions_reference_options_train_as_they_say(tmp_path: Path) -> Non
     groups = torch.load(out / "last.pt", weights_only=True)["optimizer"]["param_groups"]
     assert [g["weight_decay"] for g in groups] == [0.02, 0.01] and "amsgrad" in groups[0], "AdamW's"
     # resumed with another optimizer: its state cannot carry over (torch's error was a KeyError traceback)
-    again = train_here(*common, "--epochs", "4", "--resume", "auto", check=False)
+    again = train_here(*common, "--epochs", "4", "--opt", "sgd", "--resume", "auto", check=False)
     assert again.returncode == 1 and "was trained with --opt adamw, not sgd" in again.stderr
     assert len(metrics(out)) == 9, "nothing trained"
 
@@ -1111,6 +1151,42 @@ def test_ctrl_c_saves_and_exits_as_stopped_and_the_run_goes_on(tmp_path: Path) -
     assert saved["epoch"] == 0 and saved["step_in_epoch"] > 0, "saved mid-epoch"
     again = train_here(*args, "--resume", "auto", "--max-steps", str(saved["step"] + 1))
     assert f"resumed from {output / 'last.pt'}" in again.stdout + again.stderr
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line_and_keeps_the_last_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the second Ctrl-C printed click's "Aborted!" and exited 1, as if the input were bad
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": [40], "val": [4]})
+    args = ["--data", data, "--output", output, *TINY, "--epochs", "3", "--workers", "0", "--log-every", "1"]
+    train_here(*args, "--epochs", "1")
+    records, pressed = output / "metrics.jsonl", threading.Event()
+
+    def first() -> None:  # a user's Ctrl-C in the second epoch
+        while len(records.read_text().splitlines()) < 14:
+            time.sleep(0.01)
+        pressed.set()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def save_then_press(*a: object, **kw: object) -> object:  # and again while the run saves for it
+        if pressed.is_set():
+            os.kill(os.getpid(), signal.SIGINT)
+        return save(*a, **kw)
+
+    save = checkpoint.save
+    monkeypatch.setattr(checkpoint, "save", save_then_press)
+    presser = threading.Thread(target=first)
+    presser.start()
+    stopped = train_here(*args, "--resume", "auto", check=False)
+    presser.join()
+    assert stopped.returncode == 130, stopped.stderr
+    assert stopped.stderr.count("Ctrl-C: stopping after this step") == 1
+    assert stopped.stderr.strip().splitlines()[-1] == (
+        "main: stopped at once by a second Ctrl-C, unsaved: --resume auto goes on from the last checkpoint"
+    )
+    assert "Aborted!" not in stopped.stderr and "Traceback" not in stopped.stderr
+    assert torch.load(output / "last.pt", weights_only=True)["epoch"] == 1, "the last checkpoint stands"
 
 
 def test_too_few_file_descriptors_for_the_workers_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:

@@ -9,14 +9,11 @@ from pathlib import Path
 
 import click
 
-from imagenet_ais.storage.ais_playground import Playground
-
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_AISNODE = ROOT / ".cache" / "bin" / "aisnode"  # where ./run ais-install builds it
+from imagenet_ais.storage.ais_playground import DEFAULT_AISNODE, Playground, default_root
 
 
 @click.group()
-@click.option("--root", type=click.Path(path_type=Path), default=ROOT / ".cache" / "ais", show_default=True)
+@click.option("--root", type=click.Path(path_type=Path), default=default_root, show_default="$AIS_ROOT or .cache/ais")
 @click.option("--aisnode", type=click.Path(path_type=Path), default=DEFAULT_AISNODE, show_default=True)
 @click.pass_context
 def cli(ctx: click.Context, root: Path, aisnode: Path) -> None:

@@ -16,7 +16,7 @@ else
   [ "$nproc" -ge 1 ] || nproc=1
 fi
 
-cmd=("${TRAIN_PYTHON:-python}" -m torch.distributed.run --nnodes "$nnodes" --nproc-per-node "$nproc"
+cmd=("${TRAIN_PYTHON:-python}" -m imagenet_ais.cli.torchrun --nnodes "$nnodes" --nproc-per-node "$nproc"
   --node-rank "$node_rank" --master-addr "$master" --master-port "${MASTER_PORT:-29500}"
   train.py --resume auto "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then

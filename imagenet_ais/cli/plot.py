@@ -1,8 +1,9 @@
 """``python -m imagenet_ais.cli.plot RUN_DIR``: one PNG of a run's metrics against the step.
 
-Loss, validation top-1/top-5, learning rate, img/s, data wait, and GPU utilisation and memory
-where they were sampled. Reads ``metrics.jsonl``; a resumed run's repeated steps count once
-(the later record wins).
+Loss, validation top-1/top-5 (top-5 from 6 classes on), learning rate, img/s, data wait, and GPU
+utilisation and memory where they were sampled. Reads ``metrics.jsonl``; a resumed run's repeated
+steps count once (the later record wins). Validation records, and a series of one record (a run
+of one log interval), are drawn as points: a line needs two.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def plot(run_dir: Path, out: Path) -> Path:
             points = sorted((step, r[field]) for step, r in by_kind.get(kind, {}).items() if field in r)
             if points:
                 steps, values = zip(*points, strict=True)
-                ax.plot(steps, values, marker="o" if kind == "val" else None, markersize=3, label=label)
+                point = kind == "val" or len(points) == 1
+                ax.plot(steps, values, marker="o" if point else None, markersize=3, label=label)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -22,6 +22,7 @@ from imagenet_ais.train.loop import EXIT_PREEMPTED, train
 from imagenet_ais.train.trackers import TRACKERS
 
 DEFAULTS = TrainConfig()  # the options' defaults are the config's
+STOPS = {signal.SIGTERM, signal.SIGINT}  # what stops a run: SIGTERM, and Ctrl-C's SIGINT
 
 
 def parse_bytes(value: str | None) -> int | None:
@@ -88,7 +89,7 @@ QUICK_CPU = (
     "--opt",
     default=DEFAULTS.opt,
     type=click.Choice(OPTIMIZERS),
-    help="sgd: with Nesterov momentum; lamb, lars: timm's (for large global batches; pip install .[timm])",
+    help="sgd: with Nesterov momentum; lamb, lars: timm's (for large global batches; ./run venv --extra timm)",
 )
 @click.option(
     "--lr", default=DEFAULTS.lr, type=float, help="peak learning rate per 256 images (scaled by global batch)"
@@ -192,7 +193,7 @@ QUICK_CPU = (
     default=DEFAULTS.decode,
     type=click.Choice(DECODES),
     help="cpu: PIL in the DataLoader workers; gpu: nvJPEG, crop and resize on the GPU; dali: the crops decoded "
-    "by DALI on the GPU's JPEG engines (pip install .[dali]); auto: gpu where CUDA is",
+    "by DALI on the GPU's JPEG engines (./run venv --extra dali); auto: gpu where CUDA is",
 )
 @click.option(
     "--cpu-share",
@@ -292,27 +293,33 @@ def main(compile_: bool, **options: object) -> None:
     (local copies kept); 4 an epoch's data was damaged beyond --max-bad (checkpoint saved), or
     none of it could be read; 5 the loss stayed NaN or infinite (diverged: nothing saved past the
     last finite checkpoint); 75 stopped by SIGTERM/SIGUSR1 after saving (or, with several ranks
-    whose data never came, without: from the last checkpoint): continue with --resume auto.
+    whose data never came, without: from the last checkpoint): continue with --resume auto; 130
+    stopped by Ctrl-C before training began (nothing to save).
     """
-    signal.signal(signal.SIGTERM, _stopped)  # for the rest of this process (the run sets its own meanwhile)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # (one held while train.py imported this: now)
-    with one_line():
+    for sig in STOPS:
+        signal.signal(sig, _stopped)  # for the rest of this process (the run sets its own meanwhile)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)  # (held while train.py imported this: now)
+    # (a second Ctrl-C stops the run at once, as KeyboardInterrupt)
+    with one_line("stopped at once by a second Ctrl-C, unsaved: --resume auto goes on from the last checkpoint"):
         outcome = train(config(click.get_current_context()))  # (a --recipe's settings are checked too)
-    # The run is over. A SIGTERM in the process's last steps would replace its status by the
+    # The run is over. A signal in the process's last steps would replace its status by the
     # signal's: the interpreter's teardown gives Python's handlers back to the default action
     # (an ignored signal stays ignored), and the process is ending anyway.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in STOPS:
+        signal.signal(sig, signal.SIG_IGN)
     sys.exit(outcome["exit_code"])
 
 
 def _stopped(signum: int, frame: object) -> None:
-    """SIGTERM where the run's own handler is not set (before it starts, while it or this process
-    winds down after it ended, say on a data error): the process ends with a stopped run's status,
-    not by the signal (the run's handler saves first; here nothing is left to save). Raised in
-    the process's last steps (its exit handlers), the status already given stands."""
+    """SIGTERM or Ctrl-C where the run's own handler is not set (before it starts, while it or this
+    process winds down after it ended, say on a data error): the process ends with one line and a
+    stopped run's status, 75 for SIGTERM, 128 + 2 for Ctrl-C (not by the signal, nor as click's
+    "Aborted!" and 1; the run's handler saves first, here nothing is left to save). Raised in the
+    process's last steps (its exit handlers), the status already given stands."""
+    by = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
     # (os.write, not print: the signal may have come in the middle of a print to stderr)
-    os.write(2, b"train.py: stopped by SIGTERM where no training was under way: nothing to save\n")
-    raise SystemExit(EXIT_PREEMPTED)
+    os.write(2, f"train.py: stopped by {by} where no training was under way: nothing to save\n".encode())
+    raise SystemExit(128 + signum if signum == signal.SIGINT else EXIT_PREEMPTED)
 
 
 def config(ctx: click.Context) -> TrainConfig:

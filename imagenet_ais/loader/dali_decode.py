@@ -11,8 +11,9 @@ Measured on long epochs (bench/RESULTS.md run AG, one H200): as fast as decode "
 (torchvision's batched nvJPEG uses the same engines for baseline JPEGs), though faster alone;
 so ``--decode auto`` keeps "gpu", and this is the choice to try where nvJPEG's decode is the limit.
 
-DALI is an optional dependency (``pip install .[dali]``; NGC's PyTorch images ship it). On the
-CPU the same pipeline runs DALI's CPU decoder (what the tests exercise here).
+DALI is an optional dependency (the ``dali`` extra: ``./run venv --extra dali``; NGC's PyTorch
+images ship it). On the CPU the same pipeline runs DALI's CPU decoder (what the tests exercise
+here).
 """
 
 from __future__ import annotations

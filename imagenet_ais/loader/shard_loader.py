@@ -598,7 +598,8 @@ def _decode(decode: str, device: torch.device) -> str:
         raise ConfigError(f"decode {decode!r}: use one of {', '.join(DECODES)}")
     if decode == "dali" and not dali_available():
         raise ConfigError(
-            "--decode dali needs DALI: pip install .[dali] (NGC's PyTorch images have it) or --decode gpu"
+            "--decode dali needs DALI, the dali extra: ./run venv --extra dali (pip: pip install -c "
+            "requirements-dev.lock '.[dali]'; NGC's PyTorch images have it), or --decode gpu"
         )
     if decode == "auto":
         return "gpu" if device.type == "cuda" else "cpu"

@@ -28,6 +28,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_at
 from urllib3.exceptions import ProtocolError, ReadTimeoutError
 
 from imagenet_ais.errors import AlreadyThere, ConfigError, StorageError
+from imagenet_ais.storage.ais_playground import running_endpoint
 from imagenet_ais.storage.base import (
     AIS_CHECKSUMS,
     _bucket_and_prefix,
@@ -56,23 +57,35 @@ def _ais_retryable(e: BaseException) -> bool:
     )
 
 
+def _endpoint(url: str) -> str:
+    """``AIS_ENDPOINT``, else the local playground's (./run ais-up) while it runs, as ./run finds it."""
+    endpoint = os.environ.get("AIS_ENDPOINT") or running_endpoint()
+    if not endpoint:
+        raise ConfigError(
+            f"{url}: set AIS_ENDPOINT to the cluster's URL (e.g. http://aistore-proxy:51080), "
+            "or start the local playground with ./run ais-up"
+        )
+    return endpoint
+
+
 def _client(endpoint: str) -> Client:
     """The SDK's client, retrying a network error as the SDK does by default (7 tries, 1-30 s
     apart), but saying so in one line. The SDK logs each retry and then the whole traceback to
     the root logger: where the program configured no logging, 79 lines on stderr before the one
     that says what went wrong."""
     policy = RetryConfig.default()
-    policy.network_retry = policy.network_retry.copy(before_sleep=_retrying, retry_error_callback=None, reraise=True)
+    policy.network_retry = policy.network_retry.copy(
+        before_sleep=functools.partial(_retrying, endpoint), retry_error_callback=None, reraise=True
+    )
     return Client(endpoint, token=os.environ.get("AIS_AUTHN_TOKEN") or None, retry_config=policy)
 
 
-def _retrying(state: RetryCallState) -> None:
+def _retrying(endpoint: str, state: RetryCallState) -> None:
     if state.attempt_number == 1 and state.outcome is not None:  # once per request
         error = state.outcome.exception()
         why = re.search(r"\[Errno -?\d+\] [^'\")]+", str(error))
         print(
-            f"note: AIStore at {os.environ.get('AIS_ENDPOINT')}: {why[0] if why else type(error).__name__}; "
-            "retrying for up to a minute",
+            f"note: AIStore at {endpoint}: {why[0] if why else type(error).__name__}; retrying for up to a minute",
             file=sys.stderr,
             flush=True,
         )
@@ -205,7 +218,8 @@ class _ResumingGet(io.BufferedIOBase):
 
 
 class AISStore(_StoreBase):
-    """``ais://bucket[/prefix]`` on the AIStore cluster at ``AIS_ENDPOINT`` (token: ``AIS_AUTHN_TOKEN``).
+    """``ais://bucket[/prefix]`` on the AIStore cluster at ``AIS_ENDPOINT``, else on the local
+    playground while it runs (token: ``AIS_AUTHN_TOKEN``).
 
     Reads stream off the GET response and resume an interrupted GET where it broke off. Writes
     count once verified: the checksum the target computed of what it stored (the bucket's type,
@@ -221,11 +235,8 @@ class AISStore(_StoreBase):
 
     def __init__(self, url: str):
         bucket, self.prefix = _bucket_and_prefix(url, "ais")
-        endpoint = os.environ.get("AIS_ENDPOINT")
-        if not endpoint:
-            raise ConfigError(f"{url}: set AIS_ENDPOINT to the cluster's URL (e.g. http://aistore-proxy:51080)")
         self.url = url.rstrip("/")
-        self.bucket = _client(endpoint).bucket(bucket)
+        self.bucket = _client(_endpoint(url)).bucket(bucket)
         self._bucket_ready = False
 
     def _obj(self, name: str) -> Object:

@@ -2,7 +2,8 @@
 
 Configs, data, logs and pid files live under its root. Targets run in AIStore's testing mountpath
 mode (directories instead of disks). ``up`` is idempotent; ``down`` stops only the processes whose
-pid files it wrote. Used by tools/ais_local.py (./run ais-up / ais-down) and the tests' fixture.
+pid files it wrote. Used by tools/ais_local.py (./run ais-up / ais-down) and the tests' fixture;
+``running_endpoint`` is how ``ais://`` locations find it where ``AIS_ENDPOINT`` is unset.
 """
 
 from __future__ import annotations
@@ -21,6 +22,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+CHECKOUT = Path(__file__).resolve().parents[2]
+DEFAULT_AISNODE = CHECKOUT / ".cache" / "bin" / "aisnode"  # where ./run ais-install builds it
+
+
+def default_root() -> Path:
+    """The playground's root as ./run has it: ``AIS_ROOT`` (a relative one is the checkout's), else .cache/ais."""
+    return CHECKOUT / (os.environ.get("AIS_ROOT") or Path(".cache", "ais"))
+
+
+def running_endpoint(root: Path | None = None) -> str | None:
+    """The endpoint of the playground at ``root`` (default: ``default_root()``) if it runs and is healthy."""
+    playground = Playground(root or default_root())
+    return playground.endpoint if playground.healthy() else None
+
 
 @dataclass(frozen=True)
 class Node:
@@ -33,7 +48,7 @@ class Node:
 
 
 class Playground:
-    def __init__(self, root: Path, aisnode: Path):
+    def __init__(self, root: Path, aisnode: Path = DEFAULT_AISNODE):
         self.root = root.resolve()
         self.aisnode = aisnode
 

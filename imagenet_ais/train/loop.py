@@ -32,7 +32,7 @@ from imagenet_ais.train import checkpoint, decentralized, keys_log, resume, setu
 from imagenet_ais.train.config import TrainConfig, check, differences, image_sizes, with_recipe
 from imagenet_ais.train.data_health import DataHealth
 from imagenet_ais.train.ema import ModelEma
-from imagenet_ais.train.metrics import CLASSES, CONFIG, LOG, METRICS, Reporter
+from imagenet_ais.train.metrics import CLASSES, CONFIG, LOG, METRICS, TOP5_CLASSES, Reporter, accuracy
 from imagenet_ais.train.model import autocast, check_arch
 from imagenet_ais.train.progress import Progress, Window
 from imagenet_ais.train.resume import TrainState
@@ -96,29 +96,39 @@ def _train(
 ) -> dict[str, Any]:
     output = setup.prepare(cfg, process)
     echo = Reporter(output / LOG if process.main else None).echo
+    found = resume.find(cfg, process, echo)
+    if found:
+        cfg = resume.with_settings_of(cfg, found, echo)
+        check(cfg)
     if process.main:
         for source, settings in differences(cfg).items():
             echo(f"{source}: {', '.join(settings)}")
-        (output / CONFIG).write_text(json.dumps(asdict(cfg), indent=1) + "\n")
     sizes, val_size = image_sizes(cfg)
     parts = setup.build(cfg, process, output, sizes, val_size, echo)
-    if process.main:  # the label of each output, by index (a mixture's merged list: loader/mixture.py)
-        (output / CLASSES).write_text(json.dumps(parts.classes, indent=1) + "\n")
     try:
-        return _resume_and_train(parts, sizes, report, stop)
+        return _resume_and_train(parts, found, sizes, report, stop)
     finally:
         parts.close()
 
 
 def _resume_and_train(
-    parts: Parts, sizes: list[int], report: Callable[[dict], None] | None, stop: threading.Event | None
+    parts: Parts,
+    found: resume.Found | None,
+    sizes: list[int],
+    report: Callable[[dict], None] | None,
+    stop: threading.Event | None,
 ) -> dict[str, Any]:
-    """The run made of ``parts``, from where its checkpoint (if any) stands to its end."""
+    """The run made of ``parts``, from where its checkpoint ``found`` (if any) stands to its end."""
     cfg, process, output, echo = parts.cfg, parts.process, parts.output, parts.echo
     optimizer = None if parts.decent else parts.optimizer
+    loader, ema = parts.train_loader, parts.ema
     train_state = resume.from_checkpoint(
-        cfg, process, parts.raw_model, optimizer, parts.scaler, parts.classes, parts.train_loader, echo, parts.ema
+        found, cfg, process, parts.raw_model, optimizer, parts.scaler, parts.classes, loader, echo, ema
     )
+    if process.main:  # once the checkpoint fits: a start refused leaves the run's own
+        (output / CONFIG).write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+        # the label of each output, by index (a mixture's merged list: loader/mixture.py)
+        (output / CLASSES).write_text(json.dumps(parts.classes, indent=1) + "\n")
     previous = train_state.last_val or {}  # until the next validation
     parts.health.val_missing = int(previous.get("missing", 0))
     parts.health.val_listed = int(previous.get("samples", 0)) + parts.health.val_missing
@@ -164,8 +174,8 @@ def epochs(run: Run, sizes: list[int]) -> dict[str, Any]:
             return finish(run, complete=False, exit_code=EXIT_BAD_DATA)
     if last_val := train_state.last_val:
         echo(
-            f"final validation top-1 {last_val['top1']:.2f}% (top-5 {last_val['top5']:.2f}%) "
-            f"over {last_val['samples']} images; chance is {100 / len(run.classes):.2f}%"
+            f"final validation {accuracy(last_val)} over {last_val['samples']} images; "
+            f"chance is {100 / len(run.classes):.2f}%"
         )
     return finish(run, complete=True)
 
@@ -310,11 +320,11 @@ def test_only(parts: Parts, train_state: TrainState) -> dict[str, Any]:
     if parts.val_loader is None:
         raise DataError(f"--test-only: {parts.cfg.val_data or parts.cfg.data} has no val split to evaluate on")
     val = evaluate(parts.raw_model, parts.val_loader, parts.cfg, parts.process)
-    parts.echo(f"test: top-1 {val['top1']:.4f}% top-5 {val['top5']:.4f}% over {val['samples']} images")
+    parts.echo(f"test: {accuracy(val, 4)} over {val['samples']} images")
     warn_if_partial(val, parts.health)
     if parts.ema and train_state.step:
         ema = evaluate(parts.ema.module, parts.val_loader, parts.cfg, parts.process)
-        parts.echo(f"test, EMA weights: top-1 {ema['top1']:.4f}% top-5 {ema['top5']:.4f}%")
+        parts.echo(f"test, EMA weights: {accuracy(ema, 4)}")
     return {"step": train_state.step, "val": val, "complete": True, "exit_code": 0}
 
 
@@ -330,12 +340,12 @@ def validate_epoch(run: Run) -> bool:
         for module in [run.raw_model] + ([run.ema.module] if run.ema else []):
             distributed.broadcast_buffers(module)
     val = train_state.last_val = evaluate(run.raw_model, val_loader, run.cfg, run.process)
-    top = f"val top-1 {val['top1']:.2f}% top-5 {val['top5']:.2f}%"
+    top = f"val {accuracy(val)}"
     best_of = val["top1"]
     if run.ema:
         ema = evaluate(run.ema.module, val_loader, run.cfg, run.process)
-        val = {**val, "ema_top1": ema["top1"], "ema_top5": ema["top5"]}
-        top += f" (EMA {ema['top1']:.2f}% / {ema['top5']:.2f}%)"
+        val = {**val, **{f"ema_{k}": ema[k] for k in ("top1", "top5") if k in ema}}
+        top += f" (EMA {accuracy(ema)})"
         best_of = ema["top1"] if run.cfg.model_ema_best else best_of
     run.log.write(kind="val", epoch=train_state.epoch + 1, step=train_state.step, **val, **agreement)
     run.echo(f"epoch {train_state.epoch + 1}: {top} over {val['samples']} images")
@@ -437,6 +447,11 @@ def finish(run: Run, complete: bool, exit_code: int = 0) -> dict[str, Any]:
             where = f"{', '.join(missing)} (local copies in {run.output})"
             run.echo(f"ERROR: never uploaded to {cfg.upload}: {where}", err=True)
             exit_code = EXIT_UPLOAD_FAILED
+    if saved := [name for name in (checkpoint.LAST, checkpoint.BEST) if (run.output / name).is_file()]:
+        # the run's last line: where to find what it made
+        went_up = cfg.upload and exit_code != EXIT_UPLOAD_FAILED
+        uploaded = f"; uploaded to {cfg.upload} (its {upload.POINTER} names the last)" if went_up else ""
+        run.echo(f"checkpoints in {run.output}: {', '.join(saved)}{uploaded}")
     return {"step": run.train_state.step, "val": run.train_state.last_val, "complete": complete, "exit_code": exit_code}
 
 
@@ -471,7 +486,8 @@ def catch_up(cfg: TrainConfig, output: Path, train_state: TrainState, echo: Call
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: ShardLoader, cfg: TrainConfig, process: distributed.Process) -> dict[str, float]:
-    """Top-1/top-5 over the whole split: each rank scores its own disjoint share, then sums."""
+    """Top-1 (and top-5, from TOP5_CLASSES classes) over the whole split: each rank scores its own
+    disjoint share, then sums."""
     model.eval()
     correct = torch.zeros(
         2, dtype=torch.int64, device=process.device
@@ -489,11 +505,11 @@ def evaluate(model: nn.Module, loader: ShardLoader, cfg: TrainConfig, process: d
         [correct1, correct5, seen, loader.counters()["skipped"]], process.device
     )
     model.train()
-    top1, top5 = 100 * c1 / max(n, 1), 100 * c5 / max(n, 1)
+    top5 = {"top5": 100 * c5 / max(n, 1)} if len(loader.classes) >= TOP5_CLASSES else {}
     missing = loader.samples - int(n)  # the manifest's count: unread shards and skipped samples
     return {
-        "top1": top1,
-        "top5": top5,
+        "top1": 100 * c1 / max(n, 1),
+        **top5,
         "samples": int(n),
         "missing": missing,
         "skipped": int(skipped),

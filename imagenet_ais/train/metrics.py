@@ -19,6 +19,13 @@ METRICS = "metrics.jsonl"
 LOG = "train.log"  # rank 0's messages
 CLASSES = "classes.json"  # the class names, in the order of the model's outputs
 CONFIG = "config.json"  # the settings of the run's last start (config.differences says where from)
+TOP5_CLASSES = 6  # top-5 is measured from this many classes on: of 5 or fewer it is 100% whatever the model
+
+
+def accuracy(scores: dict[str, Any], digits: int = 2) -> str:
+    """A validation's "top-1 X% top-5 Y%" (top-5 where it was measured)."""
+    said = f"top-1 {scores['top1']:.{digits}f}%"
+    return f"{said} top-5 {scores['top5']:.{digits}f}%" if "top5" in scores else said
 
 
 class MetricsLog:

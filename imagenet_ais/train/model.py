@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from imagenet_ais import distributed
-from imagenet_ais.errors import ConfigError, DataError, first_line
+from imagenet_ais.errors import ConfigError, DataError, first_line, needs_extra
 from imagenet_ais.train import checkpoint, decentralized
 from imagenet_ais.train.config import TIMM_OPTIMIZERS, TrainConfig
 
@@ -29,11 +29,9 @@ TIMM = "timm/"  # --arch timm/NAME: one of timm's models (as its own Hugging Fac
 
 def timm_module(wanted: str) -> Any:
     """timm, or a one-line ConfigError naming what ``wanted`` it (timm is the ``timm`` extra)."""
-    try:
+    with needs_extra("timm", wanted):
         import timm
         import timm.optim
-    except ImportError:
-        raise ConfigError(f"{wanted} needs timm: pip install .[timm] (or pip install timm)") from None
     return timm
 
 

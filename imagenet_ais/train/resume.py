@@ -4,6 +4,7 @@ topology this run has."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from imagenet_ais.loader import ShardLoader, StateMismatch
 from imagenet_ais.loader.sampling import merge_positions
 from imagenet_ais.loader.synthetic import SyntheticLoader
 from imagenet_ais.train import checkpoint, keys_log
-from imagenet_ais.train.config import TrainConfig
+from imagenet_ais.train.config import TrainConfig, given
 from imagenet_ais.train.metrics import LOG, METRICS
 from imagenet_ais.train.model import mismatches
 
@@ -36,9 +37,49 @@ class TrainState:
     averaged_at: int | None = None  # --dp decent: the step of the last global average
     run_id: str = ""  # the run's id (upload.run_id), carried from checkpoint to checkpoint
     trackers: dict[str, str] = field(default_factory=dict)  # --tracker's runs (MLflow's, W&B's ids) to continue
+    planned_epochs: int | None = None  # the --epochs of the checkpoint's run (its schedule's length)
+    lr_before: float | None = None  # the learning rate the checkpoint's run would have stepped with next
+
+
+Found = tuple[Path, dict[str, Any]]  # a checkpoint's path and its state
+
+# What this invocation or this machine decides; a resumed run takes every other setting from its
+# checkpoint unless the command line names it (a preempted job restarted on another node type
+# must not inherit the last one's workers, cache or decoder).
+OF_THIS_INVOCATION = frozenset({
+    "resume", "weights", "test_only", "max_steps", "output", "workers", "cache_dir", "cache_size", "compile",
+    "compile_mode", "decode", "cpu_share", "channels_last", "data_timeout", "flush_timeout", "upload_retry_seconds",
+})  # fmt: skip
+# named settings whose change from the checkpoint's has a note of its own (check_same_data, from_checkpoint, setup)
+NOTED_APART = frozenset({"data", "mix", "epoch_size", "epochs"})
+
+
+def find(cfg: TrainConfig, process: distributed.Process, echo: Callable[..., None]) -> Found | None:
+    """The checkpoint --resume finds (downloaded where --upload holds a newer one), loaded and checked."""
+    fetches = process.local_rank == 0  # one process per node downloads
+    found = checkpoint.find_and_load(cfg.resume, Path(cfg.output), cfg.upload, (METRICS, LOG), fetches, echo)
+    return (found[0], checkpoint.resumable(found[1], found[0])) if found else None
+
+
+def with_settings_of(cfg: TrainConfig, found: Found, echo: Callable[..., None]) -> TrainConfig:
+    """``cfg`` with the settings of the checkpoint ``found`` for those the command line did not
+    name (a --recipe given names its settings); says which named ones differ from the checkpoint's."""
+    path, saved = found[0], found[1]["config"]
+    named = given(cfg) | {name for name, source in cfg.sources.items() if source.startswith("recipe ")}
+    settings = {f.name for f in dataclasses.fields(cfg)} - OF_THIS_INVOCATION - {"sources"}
+    theirs: dict[str, Any] = {n: tuple(v) if isinstance(v, list) else v for n, v in saved.items() if n in settings}
+    taken = {name: v for name, v in theirs.items() if name not in named and v != getattr(cfg, name)}
+    if differ := [
+        f"--{name.replace('_', '-')} {getattr(cfg, name)} (its run: {v})"
+        for name, v in theirs.items()
+        if name in named - NOTED_APART and v != getattr(cfg, name)
+    ]:
+        echo(f"note: {path} goes on with the settings it was trained with, but {', '.join(differ)}, as given")
+    return dataclasses.replace(cfg, **taken, sources={**cfg.sources, **dict.fromkeys(taken, "checkpoint")})
 
 
 def from_checkpoint(
+    found: Found | None,
     cfg: TrainConfig,
     process: distributed.Process,
     model: nn.Module,
@@ -49,23 +90,25 @@ def from_checkpoint(
     echo: Callable[..., None],
     ema: AveragedModel | None = None,
 ) -> TrainState:
-    """Where the run starts: afresh, or from the checkpoint --resume finds, whose weights,
+    """Where the run starts: afresh, or from the checkpoint ``found`` (``find``), whose weights,
     optimizer, scaler, RNG (and --model-ema average) are loaded, with ``loader`` set to continue
     its epoch."""
-    fetches = process.local_rank == 0  # one process per node downloads
-    found = checkpoint.find_and_load(cfg.resume, Path(cfg.output), cfg.upload, (METRICS, LOG), fetches, echo)
     if not found:
         return TrainState()
     path, state = found
-    state = checkpoint.resumable(state, path)
     check_fits(state, path, cfg.arch, cfg.opt, classes)
     check_same_data(state, path, cfg, loader.identity(), echo)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:  # torch lists every mismatch: thousands of characters
         raise DataError(f"{path}: its weights do not fit {cfg.arch} ({mismatches(e)})") from None
+    lr_before = None
     if state["optimizer"] and optimizer:
+        peaks = [group["lr"] for group in optimizer.param_groups]  # this run's, scaled to its global batch
         optimizer.load_state_dict(state["optimizer"])
+        lr_before = optimizer.param_groups[0]["lr"]
+        for group, peak in zip(optimizer.param_groups, peaks, strict=True):
+            group["initial_lr"] = peak  # (the scheduler's base: the loaded one is the checkpoint's global batch's)
     else:
         echo("note: the optimizer's momentum starts afresh (--dp decent keeps one per rank, not checkpointed)")
     scaler.load_state_dict(state["scaler"])
@@ -100,6 +143,8 @@ def from_checkpoint(
         state["last_val"],
         run_id=state.get("run_id", ""),
         trackers=state.get("trackers", {}),
+        planned_epochs=state["config"].get("epochs"),
+        lr_before=lr_before,
     )
     if train_state.epoch < cfg.epochs:
         train_state.first_step = continue_epoch(state, cfg, loader, process, echo)

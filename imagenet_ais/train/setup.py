@@ -51,9 +51,9 @@ class StopSignal:
 
     GRACE = 60.0  # seconds one wait for a batch may last after a signal with several ranks (they stop together)
 
-    def __init__(self, world: int = 1, requested: threading.Event | None = None) -> None:
+    def __init__(self, world: int = 1, requested: threading.Event | None = None, says: bool = True) -> None:
         self._received: int | None = None
-        self.world, self.requested = world, requested
+        self.world, self.requested, self.says = world, requested, says  # says: the rank that tells Ctrl-C's plan
         main = threading.current_thread() is threading.main_thread()
         sigs = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT) if main else ()
         self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
@@ -69,8 +69,8 @@ class StopSignal:
         if signum == signal.SIGINT:
             if self._received == signal.SIGINT:
                 raise KeyboardInterrupt  # (the second Ctrl-C: at once)
-            # (os.write: a print here could land inside another print's write)
-            os.write(2, b"Ctrl-C: stopping after this step, with a checkpoint; Ctrl-C again stops at once, unsaved\n")
+            if self.says:  # (os.write: a print here could land inside another print's write)
+                os.write(2, b"Ctrl-C: stopping after this step, with a checkpoint; again stops at once, unsaved\n")
         self._received = signum
 
     def stop_waiting(self, waited: float) -> bool:
@@ -305,6 +305,19 @@ def few_steps(samples: int, steps: int, batch: int, world: int) -> str | None:
     )
 
 
+def schedule_change(cfg: TrainConfig, train_state: TrainState, lr_next: float) -> str | None:
+    """The line that says what an --epochs other than the resumed checkpoint's run planned does
+    to the schedule (a cosine stretched over more epochs climbs back up)."""
+    planned = train_state.planned_epochs
+    if planned is None or planned == cfg.epochs:
+        return None
+    theirs = f" ({train_state.lr_before:.3g} in its {planned})" if train_state.lr_before is not None else ""
+    return (
+        f"note: --epochs {cfg.epochs} where the checkpoint's run planned {planned}: the {cfg.lr_scheduler} schedule "
+        f"now spans {cfg.epochs} epochs, so the next step's learning rate is {lr_next:.3g}{theirs}"
+    )
+
+
 def assemble(
     parts: Parts,
     train_state: TrainState,
@@ -338,6 +351,8 @@ def assemble(
     start = train_state.epoch * steps_per_epoch + train_state.first_step
     schedule = model.lr_lambda(cfg, warmup, total_steps, steps_per_epoch, start)
     scheduler = torch.optim.lr_scheduler.LambdaLR(parts.optimizer, schedule)
+    if stretched := schedule_change(cfg, train_state, parts.optimizer.param_groups[0]["lr"]):
+        parts.echo(stretched)
     stepping = model.wrap(
         parts.raw_model, cfg, process, parts.decent, parts.compiled, parts.new_optimizer, schedule, parts.scaler
     )
@@ -358,7 +373,7 @@ def assemble(
         else None
     )
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-    stop = StopSignal(process.world, stop_requested)
+    stop = StopSignal(process.world, stop_requested, says=process.main)
     if isinstance(parts.train_loader, ShardLoader):
         parts.train_loader.stop_waiting_when(stop.stop_waiting)
     return Run(

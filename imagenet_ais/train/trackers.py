@@ -3,8 +3,8 @@
 
 Each gets, from rank 0, the run's settings at its start, every training record (each
 ``--log-every`` steps) and validation record as ``<kind>/<name>`` at its step, and the outcome at
-the end. MLflow and W&B are imported only when asked for: neither is a dependency (``pip install
-mlflow``, whose ``mlflow ui`` shows the runs; ``pip install wandb``). MLflow's store is
+the end. MLflow and W&B are imported only when asked for: each is an extra (``./run venv --extra
+mlflow,wandb``; an install that fails to import says why). MLflow's store is
 MLFLOW_TRACKING_URI, else a sqlite file in --output (never the current directory's). A resumed
 run continues the same MLflow or W&B run: their ids are kept in the checkpoint. Where a tracker
 fails during the run, it says so once and the run goes on without it. Each says at the start
@@ -14,12 +14,13 @@ where its runs are and how to look at them (``where``).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from imagenet_ais.errors import ConfigError, first_line
+from imagenet_ais.errors import ConfigError, first_line, needs_extra
 
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")  # none: metrics.jsonl alone
 PROJECT = "imagenet-ais"  # MLflow's experiment and W&B's project, unless MLFLOW_EXPERIMENT_NAME / WANDB_PROJECT
@@ -33,6 +34,13 @@ class Tracker(Protocol):
     def log(self, values: dict[str, float], step: int) -> None: ...
 
     def finish(self, status: str, values: dict[str, float], step: int) -> None: ...
+
+
+def runnable(command: str) -> str:
+    """``command`` as a shell runs it: its name where PATH finds it, else its path beside this
+    interpreter (a venv's tools are in its bin folder, which PATH often lacks)."""
+    beside = Path(sys.executable).parent / command
+    return str(beside) if not shutil.which(command) and beside.exists() else command
 
 
 def numbers(record: dict[str, Any]) -> dict[str, float]:
@@ -52,7 +60,7 @@ class TensorBoard:
 
         # TensorBoard purges events at or after purge_step; the record at the resume step stays
         self.board = SummaryWriter(str(output), purge_step=step + 1 if step else None)
-        self.where = f"TensorBoard: event files in {output} (tensorboard --logdir {output})"
+        self.where = f"TensorBoard: event files in {output} ({runnable('tensorboard')} --logdir {output})"
 
     def log(self, values: dict[str, float], step: int) -> None:
         for name, value in values.items():
@@ -76,18 +84,15 @@ class MLflow:
     name = "mlflow"
 
     def __init__(self, settings: dict[str, Any], title: str, run_id: str, output: Path):
-        try:
+        with needs_extra("mlflow", "--tracker mlflow"):
             from mlflow import MlflowClient
             from mlflow.entities import Param
-        except ImportError:
-            install = "pip install mlflow: its mlflow ui shows the runs"
-            raise ConfigError(f"--tracker mlflow: MLflow is not installed ({install}), or leave it out") from None
         self.bounded = [key for key in MLFLOW_BOUNDS if key not in os.environ]
         os.environ.update({key: MLFLOW_BOUNDS[key] for key in self.bounded})
         own = Path(output).resolve()  # the store's folder unless MLFLOW_TRACKING_URI names one
         given = os.environ.get("MLFLOW_TRACKING_URI")
         self.uri = given or f"sqlite:///{own / 'mlflow.db'}"
-        self.where = f"MLflow: runs in {self.uri} (mlflow ui --backend-store-uri {self.uri})"
+        self.where = f"MLflow: runs in {self.uri} ({runnable('mlflow')} ui --backend-store-uri {self.uri})"
         try:
             self.client = MlflowClient(tracking_uri=self.uri)
             if not run_id:
@@ -132,10 +137,8 @@ class Wandb:
     name = "wandb"
 
     def __init__(self, settings: dict[str, Any], title: str, run_id: str, output: Path):
-        try:
+        with needs_extra("wandb", "--tracker wandb"):
             import wandb
-        except ImportError:
-            raise ConfigError("--tracker wandb: W&B is not installed (pip install wandb), or leave it out") from None
         project = os.environ.get("WANDB_PROJECT", PROJECT)
         try:
             self.run = wandb.init(
@@ -143,11 +146,12 @@ class Wandb:
                 config=settings, dir=str(output),
             )  # fmt: skip
         except Exception as e:  # no API key, no server: one line, before anything trains
-            raise ConfigError(f"--tracker wandb: {_first_line(e)} (wandb login, or WANDB_MODE=offline)") from None
+            login = f"{runnable('wandb')} login"
+            raise ConfigError(f"--tracker wandb: {_first_line(e)} ({login}, or WANDB_MODE=offline)") from None
         self.run_id = self.run.id
         offline = os.environ.get("WANDB_MODE") == "offline"
         self.where = (
-            f"W&B: offline run {self.run_id} in {output}/wandb (wandb sync uploads it)"
+            f"W&B: offline run {self.run_id} in {output}/wandb ({runnable('wandb')} sync uploads it)"
             if offline
             else f"W&B: {self.run.url or f'run {self.run_id} of project {project}'}"
         )

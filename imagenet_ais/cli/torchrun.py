@@ -1,0 +1,37 @@
+"""``python -m imagenet_ais.cli.torchrun [TORCHRUN OPTIONS] train.py ...``: torchrun
+(torch.distributed.run) as it is, except that a stop by SIGTERM or Ctrl-C (SIGINT) is not told as
+its failure. Its agent passes the signal on to the ranks and waits for them, and they save and say
+so; then this exits quietly with the status of a process that the signal ended (128 + N: 143, 130),
+where torchrun adds a SignalException traceback and its warnings and exits 1, whatever the ranks
+did. A rank that fails is told as torchrun tells it."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from torch.distributed import run
+from torch.distributed.elastic.agent.server import api as agent
+from torch.distributed.elastic.multiprocessing import api as processes
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
+# The agent's warnings that narrate a stop by a signal (torch 2.4 to 2.11): that it came, and that it
+# went on to each rank. (One that it had to kill a rank that did not end in time stays.)
+NARRATION = ("Received %s death signal, shutting down workers", "Sending process %s closing signal %s")
+
+
+def _not_narration(record: logging.LogRecord) -> bool:
+    return not (record.msg in NARRATION and isinstance(sys.exc_info()[1], SignalException))
+
+
+def main(argv: list[str] | None = None) -> None:
+    for module in (agent, processes):
+        logging.getLogger(module.__name__).addFilter(_not_narration)
+    try:
+        run.main(argv)
+    except SignalException as e:  # (the ranks have ended: the agent waits for them first)
+        sys.exit(128 + e.sigval)
+
+
+if __name__ == "__main__":
+    main()
