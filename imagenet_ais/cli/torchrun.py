@@ -1,9 +1,11 @@
 """``python -m imagenet_ais.cli.torchrun [TORCHRUN OPTIONS] train.py ...``: torchrun
-(torch.distributed.run) as it is, except that a stop by SIGTERM or Ctrl-C (SIGINT) is not told as
-its failure. Its agent passes the signal on to the ranks and waits for them, and they save and say
-so; then this exits quietly with the status of a process that the signal ended (128 + N: 143, 130),
-where torchrun adds a SignalException traceback and its warnings and exits 1, whatever the ranks
-did. A rank that fails is told as torchrun tells it."""
+(torch.distributed.run) as it is, except that a stop is not told as its failure. Its agent passes
+SIGTERM or Ctrl-C (SIGINT) on to the ranks and waits for them, and they save and say so; then this
+exits quietly with the status of a process that the signal ended (128 + N: 143, 130), where
+torchrun adds a SignalException traceback and its warnings and exits 1, whatever the ranks did.
+Ranks that all end as stopped after saving (75: Slurm's SIGUSR1 warning, which they take
+themselves) end it with 75, where torchrun told a ChildFailedError. A rank that fails otherwise
+is told as torchrun tells it."""
 
 from __future__ import annotations
 
@@ -14,14 +16,18 @@ from torch.distributed import run
 from torch.distributed.elastic.agent.server import api as agent
 from torch.distributed.elastic.multiprocessing import api as processes
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 # The agent's warnings that narrate a stop by a signal (torch 2.4 to 2.11): that it came, and that it
 # went on to each rank. (One that it had to kill a rank that did not end in time stays.)
 NARRATION = ("Received %s death signal, shutting down workers", "Sending process %s closing signal %s")
+STOPPED = 75  # train.py's status for a run stopped after saving (train/loop.py's EXIT_PREEMPTED)
+FAILED = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"  # its agent's line for a rank's end
 
 
 def _not_narration(record: logging.LogRecord) -> bool:
-    return not (record.msg in NARRATION and isinstance(sys.exc_info()[1], SignalException))
+    stopped = record.msg == FAILED and isinstance(record.args, tuple) and record.args[0] == STOPPED
+    return not (stopped or (record.msg in NARRATION and isinstance(sys.exc_info()[1], SignalException)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,6 +37,10 @@ def main(argv: list[str] | None = None) -> None:
         run.main(argv)
     except SignalException as e:  # (the ranks have ended: the agent waits for them first)
         sys.exit(128 + e.sigval)
+    except ChildFailedError as e:
+        if any(failure.exitcode != STOPPED for failure in e.failures.values()):
+            raise
+        sys.exit(STOPPED)
 
 
 if __name__ == "__main__":
