@@ -56,7 +56,7 @@ from imagenet_ais.errors import ConfigError, DataError
 from imagenet_ais.shards import synth
 from imagenet_ais.shards.manifest import MIN_SAMPLE_BYTES
 from imagenet_ais.storage import locks
-from imagenet_ais.train import checkpoint, config, loop, model, setup
+from imagenet_ais.train import checkpoint, config, loop, model, resume, setup
 from imagenet_ais.train.data_health import DataHealth
 
 UNEVEN = [3, 11, 7, 19, 8]  # 48 training samples in 5 unequal shards: 6 steps at 2 ranks × 4
@@ -287,6 +287,16 @@ def test_killed_run_resumes_from_its_last_epoch(tmp_path: Path) -> None:
     assert f"epoch {done['epoch'] + 1}, step {done['step']}" in second.stdout
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 48
     assert not list(output.glob(".*")), "no half-written checkpoint left behind"
+
+
+def test_a_resume_that_names_one_of_a_pair_of_settings_takes_neither_from_the_checkpoint() -> None:
+    # --data names the mixture too (one option), and --image-size excludes a --progressive: taken
+    # from the checkpoint, its mixture or growing sizes would have overridden what was named
+    saved = config.TrainConfig(data="a", mix=("a", "b:2"), progressive="64:128", epochs=9)
+    found = (Path("last.pt"), {"config": dataclasses.asdict(saved)})
+    named = config.TrainConfig(data="c", image_size=96, sources={"data": "option", "image_size": "option"})
+    cfg = resume.with_settings_of(named, found, lambda *a, **k: None)
+    assert (cfg.data, cfg.mix, cfg.image_size, cfg.progressive, cfg.epochs) == ("c", (), 96, None, 9)
 
 
 def test_resume_refuses_a_checkpoint_of_another_model(tmp_path: Path) -> None:
@@ -1031,8 +1041,8 @@ def test_a_fresh_start_clears_what_an_attempt_that_died_before_its_first_checkpo
     (output / "metrics.jsonl").write_text('{"kind": "train", "epoch": 0, "step": 2, "loss": 9.0}\n')
     with SummaryWriter(str(output)) as old:
         old.add_scalar("train/loss", 9.0, 2)
-    for resume in (None, "auto"):  # afresh, or --resume auto finding no checkpoint
-        loop.train(tiny_run(data, output, resume=resume, workers=0, log_keys=True, max_steps=3))
+    for how in (None, "auto"):  # afresh, or --resume auto finding no checkpoint
+        loop.train(tiny_run(data, output, resume=how, workers=0, log_keys=True, max_steps=3))
         assert len((output / "keys" / "epoch001-rank0.txt").read_text().split()) == 3 * 4
         assert [r["step"] for r in metrics(output)] == [2, 3] and all(r["loss"] < 9 for r in metrics(output))
         assert len(list(output.glob("events.out.tfevents.*"))) == 1

@@ -50,6 +50,9 @@ OF_THIS_INVOCATION = frozenset({
     "resume", "weights", "test_only", "max_steps", "output", "workers", "cache_dir", "cache_size", "compile",
     "compile_mode", "decode", "cpu_share", "channels_last", "data_timeout", "flush_timeout", "upload_retry_seconds",
 })  # fmt: skip
+# settings one option sets together (--data: data and mix), or that exclude each other (a named
+# --image-size is no size of a --progressive taken from the checkpoint)
+NAMED_TOGETHER = ({"data", "mix"}, {"image_size", "progressive"})
 # named settings whose change from the checkpoint's has a note of its own (check_same_data, from_checkpoint, setup)
 NOTED_APART = frozenset({"data", "mix", "epoch_size", "epochs"})
 
@@ -66,6 +69,8 @@ def with_settings_of(cfg: TrainConfig, found: Found, echo: Callable[..., None]) 
     name (a --recipe given names its settings); says which named ones differ from the checkpoint's."""
     path, saved = found[0], found[1]["config"]
     named = given(cfg) | {name for name, source in cfg.sources.items() if source.startswith("recipe ")}
+    for linked in NAMED_TOGETHER:  # one named: the other is this run's too
+        named |= linked if named & linked else set()
     settings = {f.name for f in dataclasses.fields(cfg)} - OF_THIS_INVOCATION - {"sources"}
     theirs: dict[str, Any] = {n: tuple(v) if isinstance(v, list) else v for n, v in saved.items() if n in settings}
     taken = {name: v for name, v in theirs.items() if name not in named and v != getattr(cfg, name)}
