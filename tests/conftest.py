@@ -140,23 +140,6 @@ def train_here(*args: str | Path, check: bool = True, env: dict[str, str] | None
     return here(train_cli.main, *args, check=check, env=env)
 
 
-def torchrun(nproc: int, *args: str | Path, check: bool = True, env: dict[str, str] | None = None):
-    """train.py under torchrun --standalone with ``nproc`` ranks (OMP_NUM_THREADS=1: they share the cores),
-    as ./run starts it (imagenet_ais.cli.torchrun)."""
-    return run_cli(
-        sys.executable,
-        "-m",
-        "imagenet_ais.cli.torchrun",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        ROOT / "train.py",
-        *args,
-        env={"OMP_NUM_THREADS": "1", **(env or {})},
-        check=check,
-    )
-
-
 class Server:
     """``./run serve`` (real nginx) on a free loopback port, its state under ``root``."""
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, TINY, free_port, run_cli, shards_here, train_here, wait_until, write_shards
+from forked import Started
 
 from imagenet_ais.errors import ConfigError
 from imagenet_ais.loader import ShardLoader
@@ -123,16 +124,9 @@ def test_training_survives_a_killed_and_restarted_target(tree: Path, ais, env: d
         "--resume",
         "auto",
     ]
-    proc = subprocess.Popen(
-        [sys.executable, ROOT / "train.py", *map(str, args)],
-        cwd=ROOT,
-        env={**os.environ, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = Started(*args, env=env, merged=True)
     metrics = output / "metrics.jsonl"
-    wait_until(proc, lambda: metrics.exists() and metrics.read_text().count("\n") >= 3, "3 training steps")
+    wait_until(proc, lambda: metrics.exists() and metrics.read_text().count("\n") >= 3, "3 steps", log=proc.log)
     target = next(n for n in ais.nodes() if n.role == "target")
     ais.stop_node(target, signal.SIGKILL)
     time.sleep(3)  # the run goes on reading into a dead target for a while

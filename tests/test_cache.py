@@ -16,11 +16,11 @@ from conftest import (
     relist,
     shards_here,
     sparse_member,
-    torchrun,
     train_here,
     wait_until,
     write_shards,
 )
+from forked import Started, ranks
 
 from imagenet_ais.shards.cache import usage
 
@@ -35,7 +35,7 @@ def test_two_ranks_two_workers_fetch_each_shard_once_and_a_bad_copy_again(serve,
 
     # cold cache, two epochs: both ranks and all their workers want the shards
     for mode in ("exact", "resampled"):
-        torchrun(2, *common, "--output", tmp_path / mode, "--epochs", "2", "--epoch-mode", mode)
+        ranks(2, *common, "--output", tmp_path / mode, "--epochs", "2", "--epoch-mode", mode)
     gets = server.gets()
     assert {name: gets[name] for name in shards} == dict.fromkeys(shards, 1), "one download each, for all runs"
     cached = sorted(cache.rglob("imagenet-*.tar"))
@@ -46,7 +46,7 @@ def test_two_ranks_two_workers_fetch_each_shard_once_and_a_bad_copy_again(serve,
     blob = bytearray(bad.read_bytes())
     blob[len(blob) // 2] ^= 0x01
     bad.write_bytes(bytes(blob))
-    out = torchrun(2, *common, "--output", tmp_path / "again", "--epochs", "1", "--epoch-mode", "exact")
+    out = ranks(2, *common, "--output", tmp_path / "again", "--epochs", "1", "--epoch-mode", "exact")
     assert f"cached {bad} differs from the manifest: fetching it again" in out.stderr
     gets = server.gets()
     assert {name: gets[name] for name in shards} == {name: 1 + (name == bad.name) for name in shards}
@@ -64,16 +64,15 @@ def test_the_cache_stays_within_its_size_bound(serve, tmp_path: Path) -> None:
     for path in theirs:
         path.write_bytes(os.urandom(bound))
         os.utime(path, (0, 0))
-    proc = subprocess.Popen(
-        [sys.executable, ROOT / "train.py", "--data", server.url, "--output", tmp_path / "run", *TINY,
-         "--epochs", "3", "--workers", "2", "--cache-dir", cache, "--cache-size", str(bound)],
-        cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = Started(
+        "--data", server.url, "--output", tmp_path / "run", *TINY,
+        "--epochs", "3", "--workers", "2", "--cache-dir", cache, "--cache-size", str(bound), merged=True,
     )  # fmt: skip
     largest = 0
     while proc.poll() is None:  # watch the cache while it fills and evicts
         largest = max(largest, usage(cache) if cache.exists() else 0)
         time.sleep(0.005)
-    assert proc.returncode == 0, proc.stdout.read()
+    assert proc.returncode == 0, proc.communicate()[0]
     assert 0 < largest <= bound
     assert usage(cache) <= bound
     cached = [f for f in cache.rglob("*") if f.is_file() and f.suffix != ".lock" and f not in theirs]

@@ -9,7 +9,6 @@ import json
 import re
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 from conftest import ROOT, TINY, Server, free_port, run_cli, shards_here, train_here, wait_until, write_shards
+from forked import Started
 
 from imagenet_ais import ShardLoader
 from imagenet_ais.errors import ConfigError, StorageError
@@ -101,15 +101,9 @@ def test_nginx_stopped_and_restarted_mid_epoch_the_run_completes(serve, tmp_path
     write_shards(data, {"train": [40] * 6, "val": [8]})  # 240 samples: 60 steps per epoch at batch 4
     server = serve(data, SERVE_RATE="50k")
     args = ["--data", server.url, "--output", output, *TINY, "--epochs", "1", "--workers", "2", "--epoch-mode", "exact"]
-    proc = subprocess.Popen(
-        [sys.executable, ROOT / "train.py", *map(str, [*args, "--log-keys", "--log-every", "1"])],
-        cwd=ROOT,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    proc = Started(*args, "--log-keys", "--log-every", "1", merged=True)
     metrics = output / "metrics.jsonl"
-    wait_until(proc, lambda: metrics.exists() and metrics.read_text().count("\n") >= 5, "5 training steps")
+    wait_until(proc, lambda: metrics.exists() and metrics.read_text().count("\n") >= 5, "5 steps", log=proc.log)
     server.stop()
     time.sleep(3)
     server.start()

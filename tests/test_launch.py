@@ -280,7 +280,7 @@ def training(verb: list[str], tmp_path: Path) -> tuple[subprocess.Popen, set[int
     if verb[0] == "local2":  # as a user runs it, OMP_NUM_THREADS unset: torchrun printed a banner of the one it set
         del env["OMP_NUM_THREADS"]
     proc = subprocess.Popen(
-        [str(ROOT / "run"), *verb, "--log-every", "1"],
+        [str(ROOT / "run"), *verb, "--log-every", "1", "--log-keys"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -310,6 +310,12 @@ def test_sigterm_to_run_saves_exits_75_and_leaves_no_process(verb: list[str], tm
     assert "Traceback" not in err and "signal" not in err.lower() and "OMP_NUM_THREADS" not in err, err[-3000:]
     state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
     assert state["step"] >= 3 and len(state["rng"]) == (1 if verb == ["local1"] else 2), "every rank trained"
+    if verb[0] == "nodes":  # two torchrun agents met on loopback: one run of two ranks, each its own samples
+        epochs = [
+            [f.read_text().split() for f in sorted((tmp_path / "run" / "keys").glob(f"*-rank{r}.txt"))] for r in (0, 1)
+        ]
+        assert [sum(map(len, rank)) for rank in epochs] == [state["step"] * 4] * 2
+        assert not any(set(mine) & set(theirs) for mine, theirs in zip(*epochs, strict=True))
     assert not outliving(started, 10), "no process of the run left behind"
 
 
@@ -349,19 +355,6 @@ def test_a_stop_while_train_py_imports_says_so_and_exits_as_stopped(
     assert proc.returncode == status, err
     assert err == f"train.py: stopped by {by} where no training was under way: nothing to save\n"
     assert not (tmp_path / "run").exists()
-
-
-@pytest.mark.slow
-def test_nodes_two_torchrun_agents_meet_on_loopback_and_train(tmp_path: Path) -> None:
-    data = tmp_path / "shards"
-    write_shards(data, {"train": [10, 14]})
-    # exact mode: the ranks' samples are disjoint by construction (resampled ranks may draw the same shard)
-    env = {**tiny_run_env(data, tmp_path / "run"), "NPROC": "1", "RDZV_PORT": str(free_port()), "EPOCH_MODE": "exact"}
-    run_cli(ROOT / "run", "nodes", "localhost,localhost", "--max-steps", "2", "--log-keys", env=env, timeout=300)
-    state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
-    assert state["step"] == 2 and len(state["rng"]) == 2  # two agents of one process each: world 2
-    keys = [(tmp_path / "run" / "keys" / f"epoch001-rank{r}.txt").read_text().split() for r in (0, 1)]
-    assert len(keys[0]) == len(keys[1]) == 8 and not set(keys[0]) & set(keys[1])
 
 
 def test_nodes_reaches_other_hosts_over_ssh_dry_run() -> None:

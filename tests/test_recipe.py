@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from conftest import TINY, TINY_ARCH, torchrun, train_here, write_shards
+from conftest import TINY, TINY_ARCH, train_here, write_shards
+from forked import ranks
 
 from imagenet_ais.cli.train import parse
 from imagenet_ais.train import loop
@@ -210,7 +211,7 @@ def test_test_only_reproduces_the_last_validation_at_any_world_size(trained: tup
     # training's augmentation is not validation's
     augmented = ["--auto-augment", "augmix", "--random-erase", "1"]
     assert scores(train_here(*args, *augmented, "--output", tmp_path / "aug")) == expected
-    assert scores(torchrun(2, *args, "--output", tmp_path / "two")) == expected
+    assert scores(ranks(2, *args, "--output", tmp_path / "two")) == expected
     # nothing to test: a fresh output and no weights
     refused = train_here("--data", data, *ONE_WORKER, "--test-only", "--output", tmp_path / "none", check=False)
     assert refused.returncode == 1 and "--test-only: nothing to test" in refused.stderr
@@ -254,7 +255,7 @@ def test_clipped_gradients_move_the_weights_less(trained: tuple[Path, Path], tmp
 def test_sync_bn_is_refused_without_gpus(trained: tuple[Path, Path], tmp_path: Path) -> None:
     data, _ = trained
     args = ["--data", data, "--output", tmp_path / "run", *ONE_WORKER, "--sync-bn", "--max-steps", "1"]
-    proc = torchrun(2, *args, check=False)
+    proc = ranks(2, *args, check=False)
     assert proc.returncode != 0 and "--sync-bn: SyncBatchNorm runs on GPUs only" in proc.stderr
 
 

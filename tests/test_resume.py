@@ -1,4 +1,4 @@
-"""Resuming an interrupted epoch on another topology: real torchrun processes (gloo on CPU).
+"""Resuming an interrupted epoch on another topology: ranks in real processes (gloo on CPU).
 
 Every check reads the keys each rank logged (``--log-keys``): a resumed run first cuts those
 logs back to its checkpoint, so across both runs they hold exactly what was trained."""
@@ -24,33 +24,25 @@ from conftest import (
     TINY,
     descendants,
     free_port,
-    run_cli,
     shards_here,
     train_here,
     wait_until,
     write_hub_shards,
     write_shards,
 )
+from forked import ranks, start_ranks
 from test_train import metrics
 
-pytestmark = pytest.mark.slow  # torchrun runs and resumes: 15-120 s a test
+pytestmark = pytest.mark.slow  # runs of several ranks and their resumes: 5-60 s a test
 
 TRAIN = [37, 81, 53, 99, 50]  # 320 samples in unequal shards
 ALL_KEYS = {f"train-{s}-{i}" for s, n in enumerate(TRAIN) for i in range(n)}
 
 
-def launch(world: int) -> list[str]:
-    if world == 1:
-        return [sys.executable, str(ROOT / "train.py")]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
-    return [*torchrun, str(ROOT / "train.py")]
-
-
 def train_on(world: int, *options: str | Path) -> str:
-    """train.py OPTIONS on ``world`` processes (torchrun; one: in this process, which is as
-    good and spares a start of torch); what it printed."""
-    many = world > 1
-    done = run_cli(*launch(world), *options, env={"OMP_NUM_THREADS": "1"}) if many else train_here(*options)
+    """train.py OPTIONS on ``world`` ranks (one: in this process, which is as good and spares a
+    process); what it printed."""
+    done = ranks(world, *options) if world > 1 else train_here(*options)
     return done.stdout + done.stderr
 
 
@@ -73,17 +65,16 @@ def stop_mid_epoch(world: int, options: list[str], output: Path, stop: str, at: 
     if stop == "max-steps":
         train_on(world, *options, "--max-steps", str(at))
         return
-    proc = subprocess.Popen(
-        [*launch(world), *options],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    started = start_ranks(world, *options)
     done = output / "metrics.jsonl"
-    wait_until(proc, lambda: done.exists() and any(r["step"] >= at for r in metrics(output)), f"step {at}")
-    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank: each saves, then exits
-    proc.wait(timeout=300)
+
+    def trained() -> bool:
+        return done.exists() and any(r["step"] >= at for r in metrics(output))
+
+    wait_until(started[0], trained, f"step {at}", log=started[0].log)
+    for rank in started:  # as torchrun forwards it: each rank saves, then exits
+        rank.send_signal(signal.SIGTERM)
+    assert [rank.wait(timeout=300) for rank in started] == [75] * world
 
 
 Topology = tuple[int, int, int]  # (world, per-rank batch, workers per rank)
@@ -92,7 +83,7 @@ Topology = tuple[int, int, int]  # (world, per-rank batch, workers per rank)
 @pytest.fixture(scope="module")
 def stopped_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Topology, str, str, Path], Path]:
     """A run stopped inside its first epoch on a topology, made once and copied to each test that
-    goes on from it (a torchrun of 4 ranks costs most of such a test); its shards' folder."""
+    goes on from it (a run of 4 ranks costs most of such a test); its shards' folder."""
     made: dict[tuple[Topology, str, str], tuple[Path, Path]] = {}
 
     def stopped(first: Topology, stop: str, made_by: str, output: Path) -> Path:
@@ -212,8 +203,10 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_keeps_the_epoch_exac
     port = free_port()
     rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic"]
     # a node is declared dead after 10 s without a heartbeat: with 2 s (1 × 2), a live agent whose
-    # heartbeat ran late on a loaded 2-core machine was dropped too, and the run failed
-    timing = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=10"
+    # heartbeat ran late on a loaded 2-core machine was dropped too, and the run failed. The first
+    # agent waits 15 s for the second to join: with 5 s, a second agent slow to import torch joined
+    # a round already closed, and the restart that let it in failed
+    timing = "last_call_timeout=15,keep_alive_interval=1,keep_alive_max_attempt=10"
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1", *rendezvous]
     agent += ["--rdzv-conf", timing, "--max-restarts", "2", "--monitor-interval", "0.5", str(ROOT / "train.py")]
     agent += [*args(data, output, 4, 1), "--checkpoint-every", "1"]

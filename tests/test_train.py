@@ -1,4 +1,4 @@
-"""train.py end to end: real torch training on tiny shards, DDP over gloo with torchrun, resume."""
+"""train.py end to end: real torch training on tiny shards, DDP over gloo on real ranks, resume."""
 
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ from conftest import (
     run_cli,
     shards_here,
     tiny_jpeg,
-    torchrun,
     train_here,
     wait_until,
     write_shards,
 )
+from forked import Started, ranks
 from torch.utils.tensorboard import SummaryWriter
 
 from imagenet_ais import distributed
@@ -70,7 +70,7 @@ def metrics(output: Path) -> list[dict]:
 def test_ddp_two_ranks_uneven_shards(mode: str, tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": UNEVEN, "val": [5, 2, 6]})
-    torchrun(
+    ranks(
         2,
         "--data",
         data,
@@ -159,7 +159,7 @@ def test_decentralized_ranks_drift_apart_and_agree_after_each_global_average(tmp
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": UNEVEN, "val": [5, 2, 6]})
     args = ["--data", data, "--output", output, *TINY, "--workers", "1", "--log-every", "2", "--resume", "auto"]
-    torchrun(2, *args, "--epochs", "2", "--dp", "decent", "--topology", "ring")
+    ranks(2, *args, "--epochs", "2", "--dp", "decent", "--topology", "ring")
 
     records = metrics(output)
     val = [r for r in records if r["kind"] == "val"]
@@ -173,12 +173,12 @@ def test_decentralized_ranks_drift_apart_and_agree_after_each_global_average(tmp
     state = torch.load(output / "last.pt", weights_only=True)
     assert (state["step"], state["optimizer"]) == (12, None), "no momentum in the checkpoint: it is per rank"
 
-    more = torchrun(2, *args, "--epochs", "3", "--dp", "decent", "--topology", "one-peer-exp")
+    more = ranks(2, *args, "--epochs", "3", "--dp", "decent", "--topology", "one-peer-exp")
     assert "resumed from" in more.stdout and "momentum starts afresh" in more.stdout
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 18
     assert [r["spread"] for r in metrics(output) if r["kind"] == "val"] == [0, 0, 0]
 
-    one_node = torchrun(2, *args, "--epochs", "4", "--dp", "decent", "--topology", "alternating-exp-ring", check=False)
+    one_node = ranks(2, *args, "--epochs", "4", "--dp", "decent", "--topology", "alternating-exp-ring", check=False)
     assert one_node.returncode != 0
     assert "Error: --topology alternating-exp-ring cannot connect 2 processes" in one_node.stderr
 
@@ -270,14 +270,8 @@ def test_killed_run_resumes_from_its_last_epoch(tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": UNEVEN, "val": [6]})
     args = ["--data", data, "--output", output, *TINY, "--epochs", "4", "--workers", "1", "--resume", "auto"]
-    proc = subprocess.Popen(
-        [sys.executable, ROOT / "train.py", *map(str, args)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    wait_until(proc, (output / "last.pt").exists, "a first checkpoint")
+    proc = Started(*args, new_session=True)
+    wait_until(proc, (output / "last.pt").exists, "a first checkpoint", log=proc.log)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     done = torch.load(output / "last.pt", weights_only=True)
@@ -497,7 +491,7 @@ def test_sigterm_to_torchrun_saves_both_ranks_mid_epoch_and_resumes(tmp_path: Pa
     assert state["epoch"] == 1 and 0 < state["step_in_epoch"] < 16, "saved inside the second epoch"
     assert sum(map(len, state["data"]["position"]["delivered"].values())) == state["step_in_epoch"] * 8
 
-    run_cli(*map(str, cmd), *map(str, args), env={"OMP_NUM_THREADS": "1"})
+    ranks(2, *args)
     assert torch.load(output / "last.pt", weights_only=True)["step"] == 32
     seen = [k for r in range(2) for k in (output / "keys" / f"epoch002-rank{r}.txt").read_text().split()]
     assert len(seen) == len(set(seen)) == 128, "the interrupted epoch: every key once across the restart"
@@ -682,7 +676,7 @@ def test_damaged_shards_are_named_once_counted_and_bounded(tmp_path: Path) -> No
     }
     common = ["--data", data, *TINY, "--epochs", "2", "--workers", "2", "--epoch-mode", "exact", "--log-every", "2"]
 
-    out = torchrun(2, *common, "--output", tmp_path / "tolerant", "--max-bad", "1")
+    out = ranks(2, *common, "--output", tmp_path / "tolerant", "--max-bad", "1")
     log = (tmp_path / "tolerant" / "train.log").read_text()
     for name, problem in named.items():
         lines = [line for line in log.splitlines() if name in line]
@@ -694,7 +688,7 @@ def test_damaged_shards_are_named_once_counted_and_bounded(tmp_path: Path) -> No
     summary = f"data: {last['skipped']} samples skipped, {last['padded']} padded with repeats, "
     assert summary + f"{last['read_errors']} shard read errors ({last['unread']} samples unread) over the run" in log
 
-    out = torchrun(2, *common, "--output", tmp_path / "strict", check=False)
+    out = ranks(2, *common, "--output", tmp_path / "strict", check=False)
     assert out.returncode != 0
     assert "ERROR: epoch 1: " in out.stderr and "over --max-bad 0.01" in out.stderr
     assert (tmp_path / "strict" / "last.pt").exists(), "the epoch's checkpoint is saved before stopping"
@@ -1123,15 +1117,13 @@ def test_sigterm_stops_a_run_whose_data_never_comes(tmp_path: Path) -> None:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(_ShardsNeverCome, directory=str(data)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     location = f"http://127.0.0.1:{server.server_address[1]}"
-    proc = subprocess.Popen(
-        [sys.executable, ROOT / "train.py", "--data", location, "--output", output, *TINY, "--workers", "1"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = Started("--data", location, "--output", output, *TINY, "--workers", "1")
+
     # its DataLoader worker started (beside multiprocessing's resource tracker): it waits for a batch
-    wait_until(proc, lambda: [p for p in child_pids(proc.pid) if b"resource_tracker" not in _cmdline(p)], "a worker")
+    def workers() -> list[int]:
+        return [p for p in child_pids(proc.pid) if b"resource_tracker" not in _cmdline(p)]
+
+    wait_until(proc, workers, "a worker", log=proc.log)
     time.sleep(1)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
@@ -1146,12 +1138,9 @@ def test_ctrl_c_saves_and_exits_as_stopped_and_the_run_goes_on(tmp_path: Path) -
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [200] * 4, "val": [4]})
     args = ["--data", data, "--output", output, *TINY, "--epochs", "2", "--workers", "2", "--log-every", "1"]
-    proc = subprocess.Popen(
-        [sys.executable, ROOT / "train.py", *map(str, args)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+    proc = Started(*args, new_session=True)
     records = output / "metrics.jsonl"
-    wait_until(proc, lambda: records.exists() and len(records.read_text().splitlines()) >= 3, "3 steps")
+    wait_until(proc, lambda: records.exists() and len(records.read_text().splitlines()) >= 3, "3 steps", log=proc.log)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == loop.EXIT_PREEMPTED, err
@@ -1240,14 +1229,9 @@ def test_a_run_killed_outright_leaves_no_workers_and_keeps_its_keys(tmp_path: Pa
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [200] * 4})
     args = ["--data", data, "--output", output, *TINY, "--epochs", "50", "--workers", "3", "--log-keys"]
-    proc = subprocess.Popen(
-        [sys.executable, ROOT / "train.py", *map(str, args), "--log-every", "2"],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = Started(*args, "--log-every", "2")
     records = output / "metrics.jsonl"
-    wait_until(proc, lambda: records.exists() and records.read_text().count("\n") >= 2, "two metrics records")
+    wait_until(proc, lambda: records.exists() and records.read_text().count("\n") >= 2, "2 records", log=proc.log)
     workers = child_pids(proc.pid)
     assert len(workers) >= 3
     proc.kill()  # SIGKILL: nothing in the training process runs again
@@ -1316,14 +1300,9 @@ def test_a_second_training_into_one_output_is_refused(tmp_path: Path) -> None:
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": [200] * 2})
     args = ["--data", data, "--output", output, *TINY, "--epochs", "50", "--workers", "1"]
-    first = subprocess.Popen(
-        [sys.executable, ROOT / "train.py", *map(str, args)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    first = Started(*args)
     try:
-        wait_until(first, (output / "train.lock").exists, "the first run's lock")
+        wait_until(first, (output / "train.lock").exists, "the first run's lock", log=first.log)
         second = train_here(*args, "--log-every", "1", check=False)
         assert second.returncode == 1 and "Traceback" not in second.stderr
         assert second.stderr.strip().splitlines()[-1] == (

@@ -10,7 +10,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, TINY, TINY_ARCH, GCSEmulator, free_port, run_cli, train_here, wait_until, write_shards
+from forked import Started
 
 from imagenet_ais.storage import GCSStore, LocalStore, file_crc32c
 from imagenet_ais.train import loop, upload
@@ -106,15 +106,8 @@ def test_upload_corrupted_in_transit_is_detected_and_removed(tmp_path: Path) -> 
         emulator.stop()
 
 
-def _train(args: list, **kw) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, ROOT / "train.py", *map(str, args)],
-        cwd=ROOT,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        **kw,
-    )
+def _train(args: list) -> Started:
+    return Started(*args, merged=True)
 
 
 def test_uploads_survive_an_emulator_outage_and_finish_at_exit(gcs, tmp_path: Path) -> None:
@@ -144,16 +137,16 @@ def test_uploads_survive_an_emulator_outage_and_finish_at_exit(gcs, tmp_path: Pa
                 "120",
             ]
         )
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("waiting up to"):  # training is done; its uploads wait in the flush
-                gcs.start()
-        proc.wait(timeout=300)
+
+        def flushing() -> bool:  # training is done; its uploads wait in the flush
+            return any(line.startswith("waiting up to") for line in proc.log.read_text().splitlines())
+
+        wait_until(proc, flushing, "the flush at the end", log=proc.log)
+        gcs.start()
+        log, _ = proc.communicate(timeout=300)
     finally:
         if gcs.proc is None:
             gcs.start()
-    log = "".join(lines)
     assert proc.returncode == 0, log
     assert "WARNING: upload of ckpt-00000006.pt" in log and "local copy stays" in log
     assert sorted(p.name for p in output.glob("ckpt-*.pt")) == [
@@ -230,6 +223,7 @@ def test_sigterm_mid_epoch_then_resume_on_a_fresh_node_from_gcs(gcs, tmp_path: P
         proc,
         lambda: metrics.exists() and any(json.loads(r)["step"] >= 15 for r in metrics.read_text().splitlines()),
         "step 15",
+        log=proc.log,
     )
     proc.send_signal(signal.SIGTERM)
     log, _ = proc.communicate(timeout=300)
