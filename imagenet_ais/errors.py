@@ -3,12 +3,21 @@
 The CLIs print these (and the operating system's own errors: a missing file, a full disk, a
 refused permission) as one line and exit 1; anything else is a bug and keeps its traceback.
 Each is also the built-in exception it used to be, so ``except ValueError`` still catches it.
+A run that ends otherwise than done ends with one of the ``EXIT_`` statuses below.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+# How a training run ends, where not 0 (done) or 1 (bad input): here, so that what reads them
+# (torchrun's wrapper, Ray's driver) needs nothing of the training run itself
+EXIT_WORKER_DIED = 1  # a DataLoader worker was killed (the OOM killer?): continue with --resume auto
+EXIT_UPLOAD_FAILED = 3  # trained (or stopped cleanly), but some upload never made it: see stderr
+EXIT_BAD_DATA = 4  # an epoch skipped or padded more than --max-bad of its samples (checkpoint saved)
+EXIT_DIVERGED = 5  # the loss stayed NaN or infinite for loop.NONFINITE_STEPS steps (nothing saved past them)
+EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1/Ctrl-C after saving (and uploading): resume with --resume auto
 
 
 def first_line(e: BaseException) -> str:

@@ -52,7 +52,7 @@ from torch.utils.tensorboard import SummaryWriter
 from imagenet_ais import distributed
 from imagenet_ais.cli import plot
 from imagenet_ais.cli import train as train_cli
-from imagenet_ais.errors import ConfigError, DataError
+from imagenet_ais.errors import EXIT_BAD_DATA, EXIT_DIVERGED, EXIT_PREEMPTED, ConfigError, DataError
 from imagenet_ais.shards import synth
 from imagenet_ais.shards.manifest import MIN_SAMPLE_BYTES
 from imagenet_ais.storage import locks
@@ -829,7 +829,7 @@ def test_resampled_epochs_count_the_samples_of_shards_that_failed_to_read(
     (data / manifest.splits["train"].shards[1].name).unlink()
     outcome = loop.train(tiny_run(data, tmp_path / "strict"))
     said = capsys.readouterr().err
-    assert outcome["exit_code"] == loop.EXIT_BAD_DATA
+    assert outcome["exit_code"] == EXIT_BAD_DATA
     found = re.search(r"ERROR: epoch 1: (\d+) of its 48 samples could not be read .* leaving (\d+) of the (\d+)", said)
     assert found and 8 <= int(found[1]) <= 24 and int(found[1]) == round(48 * int(found[2]) / int(found[3]))
     assert loop.train(tiny_run(data, tmp_path / "tolerant", max_bad=1.0))["exit_code"] == 0
@@ -845,7 +845,7 @@ def test_a_dataset_with_no_readable_shard_ends_the_run_with_exit_4_not_a_hang(
     for shard in manifest.splits["train"].shards:
         (data / shard.name).unlink()
     outcome = loop.train(tiny_run(data, tmp_path / "run", epoch_mode=mode, max_bad=1.0))
-    assert outcome["exit_code"] == loop.EXIT_BAD_DATA
+    assert outcome["exit_code"] == EXIT_BAD_DATA
     said = capsys.readouterr()
     errors = [line for line in said.err.splitlines() if line.startswith("ERROR")]
     says = "the last 50 shard reads of a loader worker failed" if mode == "resampled" else "no training sample of"
@@ -1021,7 +1021,7 @@ def test_a_loss_that_stays_nan_stops_the_run_with_exit_5_and_saves_nothing_past_
         log_every=4, weights=nan_weights(tmp_path),
     )  # fmt: skip
     outcome = loop.train(cfg)
-    assert outcome["exit_code"] == loop.EXIT_DIVERGED and outcome["step"] == 12  # 3 windows of 4 steps
+    assert outcome["exit_code"] == EXIT_DIVERGED and outcome["step"] == 12  # 3 windows of 4 steps
     assert "ERROR: the loss was NaN or infinite for the last 12 steps, up to step 12" in capsys.readouterr().err
     assert not list((tmp_path / "run").glob("*.pt")), "no checkpoint of NaN weights"
 
@@ -1059,7 +1059,7 @@ def test_weights_gone_nan_before_the_loss_could_stop_the_run_are_never_saved(
         output=str(tmp_path / "run"), synthetic=True, arch=TINY_ARCH, image_size=32, batch_size=2, epochs=2,
         epoch_size=8, log_every=20, weights=nan_weights(tmp_path),
     )  # fmt: skip
-    assert loop.train(cfg)["exit_code"] == loop.EXIT_DIVERGED
+    assert loop.train(cfg)["exit_code"] == EXIT_DIVERGED
     assert "ERROR: the weights hold NaN or infinity at step 4, up to step 4" in capsys.readouterr().err
     assert not list((tmp_path / "run").glob("*.pt"))
 
@@ -1073,7 +1073,7 @@ def test_a_validation_that_reads_nothing_still_saves_its_epoch_then_stops(
     for shard in manifest.splits["val"].shards:
         (data / shard.name).unlink()
     outcome = loop.train(tiny_run(data, tmp_path / "run"))
-    assert outcome["exit_code"] == loop.EXIT_BAD_DATA
+    assert outcome["exit_code"] == EXIT_BAD_DATA
     assert "validation could not read 55 of the 55 images" in capsys.readouterr().err
     assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["epoch"] == 1
 
@@ -1128,7 +1128,7 @@ def test_sigterm_stops_a_run_whose_data_never_comes(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     server.shutdown()
-    assert proc.returncode == loop.EXIT_PREEMPTED, err
+    assert proc.returncode == EXIT_PREEMPTED, err
     assert "stopped by a signal (SIGTERM) at step 0, checkpoint saved" in out
 
 
@@ -1143,7 +1143,7 @@ def test_ctrl_c_saves_and_exits_as_stopped_and_the_run_goes_on(tmp_path: Path) -
     wait_until(proc, lambda: records.exists() and len(records.read_text().splitlines()) >= 3, "3 steps", log=proc.log)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == loop.EXIT_PREEMPTED, err
+    assert proc.returncode == EXIT_PREEMPTED, err
     assert "Ctrl-C: stopping after this step, with a checkpoint" in err
     assert "stopped by a signal (SIGINT, Ctrl-C) at step" in out and "Aborted!" not in err and "Traceback" not in err
     saved = torch.load(output / "last.pt", weights_only=True)
@@ -1221,7 +1221,7 @@ def test_sigterm_before_the_run_can_save_still_ends_it_as_stopped(tmp_path: Path
         with silent.accept()[0]:  # its request for manifest.json, left waiting for an answer
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=60)
-    assert proc.returncode == loop.EXIT_PREEMPTED and "Traceback" not in err, err
+    assert proc.returncode == EXIT_PREEMPTED and "Traceback" not in err, err
     assert not (tmp_path / "run").exists(), "nothing of a start that did not get going"
 
 
@@ -1322,7 +1322,7 @@ def test_a_validation_that_cannot_read_all_of_its_split_says_so(tmp_path: Path) 
     write_shards(data, {"train": [16], "val": [5, 5, 5]})
     (data / "imagenet-val-000000.tar").unlink()
     out = train_here("--data", data, "--output", output, *TINY, "--workers", "1", "--epochs", "1", check=False)
-    assert out.returncode == loop.EXIT_BAD_DATA, "a third of the split unread is over --max-bad"
+    assert out.returncode == EXIT_BAD_DATA, "a third of the split unread is over --max-bad"
     assert "ERROR: epoch 1: validation could not read 5 of the 15 images the manifest lists" in out.stderr
     assert f"{data}/imagenet-val-000000.tar: could not be read" in out.stderr
     assert "validation covered 10 of the 15 images the manifest lists (5 could not be read, named above)" in out.stderr

@@ -37,10 +37,9 @@ import torch
 
 import imagenet_ais
 from imagenet_ais.cli import train as train_cli
-from imagenet_ais.errors import first_line
+from imagenet_ais.errors import EXIT_PREEMPTED, first_line
 from imagenet_ais.loader.mixture import parse_source
 from imagenet_ais.train import setup
-from imagenet_ais.train.loop import EXIT_PREEMPTED
 
 STOP_FILE = ".ray-stop"  # the driver's word to its workers, in --output (which all of them reach)
 

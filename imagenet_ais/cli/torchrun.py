@@ -18,15 +18,16 @@ from torch.distributed.elastic.multiprocessing import api as processes
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from imagenet_ais.errors import EXIT_PREEMPTED
+
 # The agent's warnings that narrate a stop by a signal (torch 2.4 to 2.11): that it came, and that it
 # went on to each rank. (One that it had to kill a rank that did not end in time stays.)
 NARRATION = ("Received %s death signal, shutting down workers", "Sending process %s closing signal %s")
-STOPPED = 75  # train.py's status for a run stopped after saving (train/loop.py's EXIT_PREEMPTED)
 FAILED = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"  # its agent's line for a rank's end
 
 
 def _not_narration(record: logging.LogRecord) -> bool:
-    stopped = record.msg == FAILED and isinstance(record.args, tuple) and record.args[0] == STOPPED
+    stopped = record.msg == FAILED and isinstance(record.args, tuple) and record.args[0] == EXIT_PREEMPTED
     return not (stopped or (record.msg in NARRATION and isinstance(sys.exc_info()[1], SignalException)))
 
 
@@ -38,9 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     except SignalException as e:  # (the ranks have ended: the agent waits for them first)
         sys.exit(128 + e.sigval)
     except ChildFailedError as e:
-        if any(failure.exitcode != STOPPED for failure in e.failures.values()):
+        if any(failure.exitcode != EXIT_PREEMPTED for failure in e.failures.values()):
             raise
-        sys.exit(STOPPED)
+        sys.exit(EXIT_PREEMPTED)
 
 
 if __name__ == "__main__":

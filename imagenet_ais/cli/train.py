@@ -11,14 +11,14 @@ import click
 from click.core import ParameterSource
 
 from imagenet_ais.cli.one_line import one_line
-from imagenet_ais.errors import ConfigError
+from imagenet_ais.errors import EXIT_PREEMPTED, ConfigError
 from imagenet_ais.loader.augment import POLICIES
 from imagenet_ais.loader.cpu_share import checked
 from imagenet_ais.loader.mixture import parse_source
 from imagenet_ais.loader.shard_loader import DECODES, EPOCH_MODES, MAX_IMAGE_SIZE, max_workers
 from imagenet_ais.train.config import OPTIMIZERS, RECIPES, SCHEDULE_NAMES, SCHEDULES, TrainConfig, with_recipe
 from imagenet_ais.train.decentralized import TOPOLOGIES
-from imagenet_ais.train.loop import EXIT_PREEMPTED, train
+from imagenet_ais.train.loop import train
 from imagenet_ais.train.trackers import TRACKERS
 
 DEFAULTS = TrainConfig()  # the options' defaults are the config's

@@ -24,7 +24,15 @@ import torch
 from torch import nn
 
 from imagenet_ais import distributed
-from imagenet_ais.errors import ConfigError, DataError
+from imagenet_ais.errors import (
+    EXIT_BAD_DATA,
+    EXIT_DIVERGED,
+    EXIT_PREEMPTED,
+    EXIT_UPLOAD_FAILED,
+    EXIT_WORKER_DIED,
+    ConfigError,
+    DataError,
+)
 from imagenet_ais.loader import Interrupted, UnreadableData, WorkerDied
 from imagenet_ais.loader.shard_loader import ShardLoader
 from imagenet_ais.storage import locks
@@ -38,12 +46,7 @@ from imagenet_ais.train.progress import Progress, Window
 from imagenet_ais.train.resume import TrainState
 from imagenet_ais.train.setup import Parts, Run
 
-EXIT_WORKER_DIED = 1  # a DataLoader worker was killed (the OOM killer?): continue with --resume auto
-EXIT_UPLOAD_FAILED = 3  # trained (or stopped cleanly), but some upload never made it: see stderr
-EXIT_BAD_DATA = 4  # an epoch skipped or padded more than --max-bad of its samples (checkpoint saved)
-EXIT_DIVERGED = 5  # the loss stayed NaN or infinite for NONFINITE_STEPS steps (nothing saved past them)
-NONFINITE_STEPS = 10
-EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1/Ctrl-C after saving (and uploading): resume with --resume auto
+NONFINITE_STEPS = 10  # steps of a NaN or infinite loss before the run ends as diverged
 
 
 class Diverged(Exception):
