@@ -25,6 +25,9 @@ from conftest import ROOT, descendants, free_port, run_cli, tiny_run_env, write_
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.slow]
 
 RAY = str(Path(sys.executable).parent / "ray")
+# Ray Train's controller takes a worker's report at its poll, every 2 s by default, and the next
+# report waits for it (a queue of one): at a record every 2 tiny steps, each step took 1 s
+POLLED = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
 
 
 def _train_steps(output: Path) -> list[int]:
@@ -52,7 +55,7 @@ def test_ray_with_token_auth_survives_a_lost_worker_and_leaves_the_cluster_runni
     token = tmp_path / "ray-token"
     token.write_text(secrets.token_hex(32))
     address = f"127.0.0.1:{free_port()}"
-    base = {**os.environ, "HOME": str(home)}
+    base = {**os.environ, "HOME": str(home), **POLLED}  # (the cluster's processes take the environment of ray start)
     base.pop("RAY_AUTH_TOKEN", None)
     base.pop("RAY_AUTH_TOKEN_PATH", None)
     base.pop("RAY_AUTH_MODE", None)
@@ -63,7 +66,7 @@ def test_ray_with_token_auth_survives_a_lost_worker_and_leaves_the_cluster_runni
     session = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
     subprocess.run([*head, f"--temp-dir={session}", "--disable-usage-stats"], check=True, env={**base, **auth})
     try:
-        env = {**tiny_run_env(data, output), "HOME": str(home), "RAY_ADDRESS": address, "RAY_WORKERS": "2"}
+        env = {**tiny_run_env(data, output), "HOME": str(home), "RAY_ADDRESS": address, "RAY_WORKERS": "2", **POLLED}
         env["TRAIN_EXTRA"] = "--log-every 2 --checkpoint-every 2 --epochs 2"
 
         # Without the token: one line saying what to set, nothing trained. Beside the run with the
@@ -115,6 +118,7 @@ def test_sigterm_to_run_ray_saves_exits_75_and_leaves_no_process(tmp_path: Path)
     home.mkdir()
     session = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # the private cluster's (RAY_TMPDIR)
     env = {**os.environ, **tiny_run_env(data, output), "HOME": str(home), "RAY_TMPDIR": session, "RAY_WORKERS": "2"}
+    env |= POLLED  # (the driver starts the private cluster: its processes take this environment)
     for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE"):
         env.pop(name, None)
     env.update(EPOCHS="100", TRAIN_EXTRA="--log-every 1")
