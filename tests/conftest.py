@@ -76,7 +76,7 @@ def _signal(pids: set[int], sig: signal.Signals) -> None:
 
 
 @contextlib.contextmanager
-def _output_to(out: BinaryIO, err: BinaryIO) -> Iterator[None]:
+def output_to(out: BinaryIO, err: BinaryIO) -> Iterator[None]:
     """This process's stdout and stderr into ``out`` and ``err``, its file descriptors too: what
     the processes it forks meanwhile (DataLoader and pool workers) print is caught as well."""
     saved = sys.stdout, sys.stderr, os.dup(1), os.dup(2)
@@ -108,7 +108,7 @@ def here(command: click.Command, *args: str | Path, check: bool = True, env: dic
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         os.environ.update(env or {})
         try:
-            with _output_to(out, err):
+            with output_to(out, err):
                 command.main(argv, prog_name=command.name)
         except SystemExit as e:  # (click's standalone mode exits, 0 included)
             code = e.code if isinstance(e.code, int) else 1

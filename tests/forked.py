@@ -14,12 +14,11 @@ import multiprocessing.connection
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, output_to
 
 # The server imports these once; each process is a fork of it, never of a pytest process, which
 # may have run a backward pass: autograd's threads do not survive a fork.
@@ -148,12 +147,8 @@ def _train(
     if "OMP_NUM_THREADS" in environ:  # (read by torch at its import, in the server)
         torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
     os.chdir(ROOT)
-    for fd, path in ((1, out), (2, err or out)):
-        with path.open("a") as file:
-            os.dup2(file.fileno(), fd)
-    sys.stdout = open(1, "w", encoding="utf-8", errors="replace", buffering=1, closefd=False)  # noqa: SIM115
-    sys.stderr = open(2, "w", encoding="utf-8", errors="replace", buffering=1, closefd=False)  # noqa: SIM115
-    try:
-        train_cli.main(argv, prog_name="train.py")
-    finally:
-        atexit._run_exitfuncs()
+    with out.open("ab") as o, (err or out).open("ab") as e, output_to(o, e):
+        try:
+            train_cli.main(argv, prog_name="train.py")
+        finally:
+            atexit._run_exitfuncs()
