@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,14 +38,15 @@ WORK_QUEUES = "32"
 
 
 @contextlib.contextmanager
-def joined() -> Iterator[Process]:
+def joined(timeout: float | None = None) -> Iterator[Process]:
     """This process set up for a run (rank, device, CPU threads, process group), and set back
-    as it was once the run is over: the package may be used from another program."""
+    as it was once the run is over: the package may be used from another program. ``timeout``:
+    seconds the group's collectives may wait (None: the backend's default)."""
     threads, queues = torch.get_num_threads(), os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", WORK_QUEUES)  # a user's own value stands
     ours = not dist.is_initialized()  # (a caller's own group is left to its caller)
     try:
-        yield _setup()
+        yield _setup(timeout)
     finally:
         if ours and dist.is_initialized():
             dist.destroy_process_group()
@@ -53,7 +55,7 @@ def joined() -> Iterator[Process]:
             os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
 
 
-def _setup() -> Process:
+def _setup(timeout: float | None) -> Process:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -77,7 +79,11 @@ def _setup() -> Process:
         if not os.environ.get("OMP_NUM_THREADS"):
             torch.set_num_threads(local_cpus())
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+        dist.init_process_group(
+            backend,
+            device_id=device if backend == "nccl" else None,
+            timeout=None if timeout is None else datetime.timedelta(seconds=timeout),
+        )
     return Process(rank, world, local_rank, device)
 
 

@@ -17,6 +17,7 @@ EXIT_WORKER_DIED = 1  # a DataLoader worker was killed (the OOM killer?): contin
 EXIT_UPLOAD_FAILED = 3  # trained (or stopped cleanly), but some upload never made it: see stderr
 EXIT_BAD_DATA = 4  # an epoch skipped or padded more than --max-bad of its samples (checkpoint saved)
 EXIT_DIVERGED = 5  # the loss stayed NaN or infinite for loop.NONFINITE_STEPS steps (nothing saved past them)
+EXIT_RANKS_LOST = 6  # some rank never reached a collective within --collective-timeout (named): resume when all can run
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1/Ctrl-C after saving (and uploading): resume with --resume auto
 
 

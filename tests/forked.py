@@ -16,6 +16,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from conftest import ROOT, free_port, output_to
@@ -80,12 +81,17 @@ class Started:
 
 
 def ranks(
-    nproc: int, *args: str | Path, check: bool = True, env: dict[str, str] | None = None, timeout: float = 300
+    nproc: int,
+    *args: str | Path,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    rank_args: Callable[[int], Sequence[str | Path]] = lambda rank: (),
 ) -> subprocess.CompletedProcess:
     """train.py ARGS on ``nproc`` ranks to their end (see ``start_ranks``): what they printed, rank
     after rank, and the first failed rank's status. A rank that fails stops the others with
     SIGTERM, as torchrun does."""
-    started = start_ranks(nproc, *args, env=env)
+    started = start_ranks(nproc, *args, env=env, rank_args=rank_args)
     codes = _end_together(started, timeout)
     printed = [proc.communicate() for proc in started]
     out, err = ("".join(p[i] for p in printed) for i in (0, 1))
@@ -96,12 +102,18 @@ def ranks(
     return done
 
 
-def start_ranks(nproc: int, *args: str | Path, env: dict[str, str] | None = None) -> list[Started]:
+def start_ranks(
+    nproc: int,
+    *args: str | Path,
+    env: dict[str, str] | None = None,
+    rank_args: Callable[[int], Sequence[str | Path]] = lambda rank: (),
+) -> list[Started]:
     """train.py ARGS started on ``nproc`` ranks of one node, each with the environment torchrun
-    gives it (gloo on this CPU, one intra-op thread: they share the cores)."""
+    gives it (gloo on this CPU, one intra-op thread: they share the cores); ``rank_args(rank)``:
+    that rank's own arguments after them (as nodes that read the data from different places)."""
     port = free_port()
     extra = {**(env or {}), "OMP_NUM_THREADS": "1"}
-    return [Started(*args, env={**extra, **_rank_env(rank, nproc, port)}) for rank in range(nproc)]
+    return [Started(*args, *rank_args(rank), env={**extra, **_rank_env(rank, nproc, port)}) for rank in range(nproc)]
 
 
 def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:

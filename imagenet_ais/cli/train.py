@@ -251,6 +251,14 @@ QUICK_CPU = (
     help="no batch for this long (a worker stopped, reads that hang): the run stops, exit 4",
 )
 @click.option(
+    "--collective-timeout",
+    default=DEFAULTS.collective_timeout,
+    type=click.FloatRange(min=0),
+    metavar="SECONDS",
+    help="a rank waiting this long for the others (one died, stopped or hangs): every rank stops, exit 6, "
+    "naming them; 0: the collective library's own timeout",
+)
+@click.option(
     "--max-bad",
     default=DEFAULTS.max_bad,
     type=click.FloatRange(0, 1),
@@ -292,9 +300,11 @@ def main(compile_: bool, **options: object) -> None:
     (continue with --resume auto); 3 some upload never made it
     (local copies kept); 4 an epoch's data was damaged beyond --max-bad (checkpoint saved), or
     none of it could be read; 5 the loss stayed NaN or infinite (diverged: nothing saved past the
-    last finite checkpoint); 75 stopped by SIGTERM/SIGUSR1 after saving (or, with several ranks
-    whose data never came, without: from the last checkpoint): continue with --resume auto; 130
-    stopped by Ctrl-C before training began (nothing to save).
+    last finite checkpoint); 6 some rank never reached the others within --collective-timeout
+    (named: continue with --resume auto once every rank can run); 75 stopped by SIGTERM/SIGUSR1
+    after saving (or, with several ranks whose data never came, without: from the last
+    checkpoint): continue with --resume auto; 130 stopped by Ctrl-C before training began
+    (nothing to save).
     """
     for sig in STOPS:
         signal.signal(sig, _stopped)  # for the rest of this process (the run sets its own meanwhile)

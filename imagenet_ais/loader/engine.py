@@ -246,6 +246,10 @@ class _ShardLoader:
         samples the workers cropped themselves (cpu_share.py)."""
         return {**self.signals.counts(), "padded": self.padded}
 
+    def reads(self) -> dict[str, dict[str, int]]:
+        """What reading the shards has cost so far, by source location (signals.READS)."""
+        return dict(zip(self.spec.shards.locations, self.signals.read_counts(), strict=True))
+
     def shut_down(self) -> None:
         """Stop the feed's threads and end this loader's DataLoader workers at once: they hold
         nothing that must outlive them (worker.worker_init), and torch's own shutdown waits 5 s

@@ -365,6 +365,13 @@ class ShardLoader:
         unread, samples of the shards set out to read, samples repeated to pad (all this process's)."""
         return self._loader.counters()
 
+    def reads(self) -> dict[str, dict[str, int]]:
+        """What reading the shards has cost this process so far, by source location: bytes from its
+        store (``read_bytes``, copies fetched into the cache included) in ``read_requests``, bytes
+        served by copies the cache held (``cache_bytes``), and bytes read again after a failure
+        (``reread_bytes``: a resumed epoch's samples trained before, bad cached copies fetched again)."""
+        return self._loader.reads()
+
     def busy(self) -> dict[str, float]:
         """Seconds each of the feed's threads worked since the last call (the limit is near 100%)."""
         return self._loader.busy()

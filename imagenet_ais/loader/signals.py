@@ -7,9 +7,15 @@ from __future__ import annotations
 import multiprocessing as mp
 from ctypes import c_double
 from dataclasses import dataclass, field
-from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.sharedctypes import Synchronized, SynchronizedArray
 
 COUNTERS = ("skipped", "read_errors", "unread", "drawn", "cropped")
+# what reading the shards cost, per source (a mixture has several): bytes from its store (a copy
+# fetched into the node's cache included), the requests made for them (a size check and a GET
+# per shard read, a GET per copy fetched), bytes served from copies the cache already held,
+# bytes read again after a failure (a resumed epoch's samples trained before it, bad copies
+# fetched again), and the microseconds the workers' reads from the store took (summed over workers)
+READS = ("read_bytes", "read_requests", "cache_bytes", "reread_bytes", "store_us")
 
 
 def _count() -> Synchronized[int]:
@@ -21,6 +27,7 @@ class Signals:
     """The training process sets ``epoch``, ``size`` and ``step_wait``; the workers count and report."""
 
     image_size: int
+    sources: int = 1  # the split's sources, whose reads are counted apart
     # training process → workers
     epoch: Synchronized[int] = field(default_factory=_count)  # the epoch the workers read
     size: Synchronized[int] = field(init=False)  # the output side; changes between epochs (--progressive)
@@ -35,9 +42,11 @@ class Signals:
     drawn: Synchronized[int] = field(default_factory=_count)  # the samples of every shard piece set out to read
     cropped: Synchronized[int] = field(default_factory=_count)  # training samples the workers cropped (cpu_share.py)
     problems: mp.Queue = field(default_factory=mp.Queue)  # "where: what" lines, for the training process to name
+    reads: SynchronizedArray[int] = field(init=False)  # READS of each source, one after another
 
     def __post_init__(self) -> None:
         self.size = mp.Value("q", self.image_size)
+        self.reads = mp.Array("q", len(READS) * self.sources)
 
     @staticmethod
     def add(counter: Synchronized[int], n: int = 1) -> None:
@@ -48,3 +57,14 @@ class Signals:
     def counts(self) -> dict[str, int]:
         """The counters' values, summed over this loader's workers."""
         return {name: getattr(self, name).value for name in COUNTERS}
+
+    def add_read(self, source: int, **counts: int) -> None:
+        """Count what a shard read cost (READS, by name) against ``source`` (from any worker)."""
+        with self.reads.get_lock():
+            for name, n in counts.items():
+                self.reads[source * len(READS) + READS.index(name)] += n
+
+    def read_counts(self) -> list[dict[str, int]]:
+        """Each source's READS so far, summed over this loader's workers."""
+        values = self.reads[:]
+        return [dict(zip(READS, values[i : i + len(READS)], strict=True)) for i in range(0, len(values), len(READS))]

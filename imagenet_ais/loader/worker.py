@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import itertools
 import signal
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.sharedctypes import Synchronized
@@ -31,6 +32,7 @@ from imagenet_ais.loader.augment import NO_AUGMENT, Augment
 from imagenet_ais.loader.cpu_share import CpuShare, offload
 from imagenet_ais.loader.failures import TransformFailed, UnreadableData, raised, shown, transform_name
 from imagenet_ais.loader.mixture import Shards, one_source
+from imagenet_ais.loader.read_cost import STORE, ReadCost
 from imagenet_ais.loader.sampling import (
     Done,
     Piece,
@@ -127,7 +129,7 @@ class ShardStream(IterableDataset):
         if spec.decode not in DECODERS:
             raise ConfigError(f"unknown decode {spec.decode!r}: one of {', '.join(DECODERS)}")
         self.spec, self.mode = spec, mode
-        self.signals = Signals(spec.image_size)  # shared with the training process
+        self.signals = Signals(spec.image_size, len(spec.shards.locations))  # shared with the training process
         self._failing = 0  # (per worker) shard reads that failed in a row, nothing read from them
         self._told: set[str] = set()  # (per worker) shards already reported
         # a resumed epoch: (epoch, samples trained before the restart, the name that makes its
@@ -183,12 +185,15 @@ class ShardStream(IterableDataset):
         drawn = sum(i not in done for i in range(piece.start, piece.stop))
         self.signals.add(self.signals.drawn, drawn)
         size, sha256 = shards.listed[piece.shard]
+        began = time.perf_counter()
         try:
-            stream = self._open(piece.shard, size)
+            stream, came_from = self._open(piece.shard, size)
         except Exception as e:  # after the storage client's own retries
             self._read_failed(where, f"could not be read, skipped ({e})", drawn, read_any=False)
             return
         end = piece.start  # one past the last sample seen
+        again = 0  # bytes of samples trained before a resume, read again to reach the others
+        cost = ReadCost(self.signals, shards.source[piece.shard], came_from, size, time.perf_counter() - began)
         with stream:
             hashed = HashingReader(stream)
             # past a broken member nothing is trusted: the rest of the shard is skipped
@@ -197,12 +202,18 @@ class ShardStream(IterableDataset):
             # (the samples its manifest counts: those its index, or convert, found whole)
             usable = (sample for sample in grouped if rule.problem(sample) is None)
             samples = itertools.islice(enumerate(usable), piece.start, piece.stop)
-            for i, sample in samples:
-                end = i + 1
-                if i not in done:
-                    yield i, sample
-            if not errors and end == piece.stop:
-                hashed.read_to_end()  # the bytes past this piece, for the shard's checksum
+            try:
+                for i, sample in samples:
+                    end = i + 1
+                    if i not in done:
+                        yield i, sample
+                    else:
+                        again += sum(len(v) for v in sample.values() if isinstance(v, bytes))
+                    cost.update(hashed.count, again, hashed.waited)
+                if not errors and end == piece.stop:
+                    hashed.read_to_end()  # the bytes past this piece, for the shard's checksum
+            finally:  # (also when the epoch ends before this piece does)
+                cost.update(hashed.count, again, hashed.waited, last=True)
         unread, read_any = sum(i not in done for i in range(end, piece.stop)), end > piece.start
         if errors:
             self._read_failed(where, f"read failed at sample {end}, the rest skipped ({errors[0]})", unread, read_any)
@@ -219,9 +230,9 @@ class ShardStream(IterableDataset):
         else:
             self._failing = 0
 
-    def _open(self, shard: int, size: int) -> BinaryIO:
+    def _open(self, shard: int, size: int) -> tuple[BinaryIO, str]:
         """Shard ``shard``, once its size is the manifest's (a copy in the node's cache was
-        checked when it was made)."""
+        checked when it was made), and where it came from (read_cost.STORE, or cache.py's HIT...)."""
         shards = self.spec.shards
         name, source = shards.names[shard], shards.source[shard]
         if cache := self.spec.caches[source]:
@@ -231,7 +242,7 @@ class ShardStream(IterableDataset):
             raise StorageError(
                 f"it is {stored:,} bytes, the manifest lists {size:,}: replaced or damaged since it was converted"
             )
-        return store.open(name)
+        return store.open(name), STORE
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
         info = get_worker_info()

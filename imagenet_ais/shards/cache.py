@@ -82,6 +82,10 @@ def _slug(location: str) -> str:
     return re.sub(r"[^A-Za-z0-9.-]+", "_", location).strip("_")
 
 
+# where ShardCache.open's shard came from
+HIT, FETCHED, REFETCHED, STREAMED = "hit", "fetched", "refetched", "streamed"
+
+
 @dataclass
 class ShardCache:
     """Shards of one remote location kept under ``root`` (shared by every location and process
@@ -110,22 +114,26 @@ class ShardCache:
             self._store = open_store(self.location)
         return self._store
 
-    def open(self, name: str) -> BinaryIO:
+    def open(self, name: str) -> tuple[BinaryIO, str]:
+        """Shard ``name``, and where it came from: a copy already held (HIT), one fetched now
+        (FETCHED; REFETCHED in place of a bad one), or the store's own stream (STREAMED: no room)."""
         info, path = self.shards[name], self.dir / name  # (the manifest's names stay inside: manifest.py)
         lock = _lock_of(path)  # also holds what the copy was last verified as
         path.parent.mkdir(parents=True, exist_ok=True)  # (a shard in a subfolder of its location too)
+        fetched = FETCHED
         with _locked(lock):
             if path.exists():
                 if lock.read_text() == _identity(path, info.sha256) or not info.problem(LocalStore(self.dir)):
                     lock.write_text(_identity(path, info.sha256))
-                    return path.open("rb")
+                    return path.open("rb"), HIT
                 print(f"warning: cached {path} differs from the manifest: fetching it again", file=sys.stderr)
                 path.unlink()
+                fetched = REFETCHED
             if not self._make_room(info.bytes, path):
-                return self.store.open(name)
+                return self.store.open(name), STREAMED
             download(self.store, info.name, path, info.bytes, info.sha256, publish=self._publish)
             lock.write_text(_identity(path, info.sha256))  # and its mtime: when it was last used
-            return path.open("rb")
+            return path.open("rb"), fetched
 
     def _publish(self, partial: Path, path: Path) -> None:
         # under the cache-wide lock: a listing there never sees a rename halfway (readdir may

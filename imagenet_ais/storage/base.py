@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -97,13 +98,16 @@ def file_checksum(path: Path, kind: str) -> str:
 
 class HashingReader:
     """A stream that counts and hashes (SHA-256) every byte read through it: a shard checked
-    against its manifest as it is read, with no second pass."""
+    against its manifest as it is read, with no second pass. ``waited``: the seconds its reads
+    took (the store's pace, where it is remote)."""
 
     def __init__(self, raw: BinaryIO) -> None:
-        self.raw, self.sha, self.count = raw, hashlib.sha256(), 0
+        self.raw, self.sha, self.count, self.waited = raw, hashlib.sha256(), 0, 0.0
 
     def read(self, n: int = -1) -> bytes:
+        began = time.perf_counter()
         data = self.raw.read(n)
+        self.waited += time.perf_counter() - began
         self.sha.update(data)
         self.count += len(data)
         return data

@@ -66,6 +66,8 @@ class TrainConfig:
     epoch_size: int | None = None  # resampled: samples per epoch, whatever the manifest holds (None: its count)
     shuffle_buffer: int = 2000
     data_timeout: float = 600.0  # seconds a step may wait for a batch before the run stops (exit 4)
+    # seconds a rank may wait for the others at one place (a step, a gather) before all stop (exit 6); 0: no bound
+    collective_timeout: float = 600.0
     max_bad: float = 0.01  # of an epoch's samples, skipped or padded, before the run stops
     log_every: int = 20
     log_keys: bool = False

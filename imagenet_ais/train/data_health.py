@@ -94,9 +94,11 @@ class DataHealth:
             )
         return None
 
-    def summary(self) -> str:
+    def summary(self, reads: str = "") -> str:
+        """The run's closing ``data:`` line; ``reads``: what its reads cost (data_cost.described)."""
+        read = f"; the run read {reads}" if reads else ""
         t, parts = self.totals, []
-        if any(t.values()):
+        if any(t[k] for k in COUNTERS if k != "drawn"):  # (drawn counts every read, good or bad)
             parts.append(
                 f"{t['skipped']} samples skipped, {t['padded']} padded with repeats, "
                 f"{t['read_errors']} shard read errors ({t['unread']} samples unread) over the run"
@@ -104,5 +106,5 @@ class DataHealth:
         if self.val_missing:
             parts.append(f"{self.val_missing} validation images missing from the last validation")
         if not parts:
-            return "data: every sample was read as the manifest lists it"
-        return f"data: {'; '.join(parts)} (named above and in metrics.jsonl)"
+            return f"data: every sample was read as the manifest lists it{read}"
+        return f"data: {'; '.join(parts)} (named above and in metrics.jsonl){read}"

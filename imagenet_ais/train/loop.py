@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from imagenet_ais.errors import (
     EXIT_BAD_DATA,
     EXIT_DIVERGED,
     EXIT_PREEMPTED,
+    EXIT_RANKS_LOST,
     EXIT_UPLOAD_FAILED,
     EXIT_WORKER_DIED,
     ConfigError,
@@ -36,17 +36,20 @@ from imagenet_ais.errors import (
 from imagenet_ais.loader import Interrupted, UnreadableData, WorkerDied
 from imagenet_ais.loader.shard_loader import ShardLoader
 from imagenet_ais.storage import locks
-from imagenet_ais.train import checkpoint, decentralized, keys_log, resume, setup, upload
+from imagenet_ais.train import checkpoint, data_cost, decentralized, keys_log, resume, setup, upload
 from imagenet_ais.train.config import TrainConfig, check, differences, image_sizes, with_recipe
 from imagenet_ais.train.data_health import DataHealth
 from imagenet_ais.train.ema import ModelEma
-from imagenet_ais.train.metrics import CLASSES, CONFIG, LOG, METRICS, TOP5_CLASSES, Reporter, accuracy
+from imagenet_ais.train.metrics import CLASSES, CONFIG, LOG, METRICS, TOP5_CLASSES, Reporter, accuracy, rank_says
 from imagenet_ais.train.model import autocast, check_arch
 from imagenet_ais.train.progress import Progress, Window
 from imagenet_ais.train.resume import TrainState
 from imagenet_ais.train.setup import Parts, Run
+from imagenet_ais.train.slow_rank import slowest
+from imagenet_ais.train.watchdog import WAITING_FOR_DATA
 
 NONFINITE_STEPS = 10  # steps of a NaN or infinite loss before the run ends as diverged
+WATCHDOG_FIRST = 300.0  # seconds the process group's timeout exceeds --collective-timeout by
 
 
 class Diverged(Exception):
@@ -78,8 +81,10 @@ def train(
         # DDP compiled as one graph rather than split at its buckets to overlap the all-reduce with
         # the backward pass: faster over NVLink (4 H200s: 25,319 img/s against 24,832, RESULTS run S)
         # Rank 0 writes the output: a second run into it would mix checkpoints and event files.
+        # the group's own timeout past --collective-timeout: the watchdog's one line comes first
+        timeout = cfg.collective_timeout + WATCHDOG_FIRST if cfg.collective_timeout else None
         with (
-            distributed.joined() as process,
+            distributed.joined(timeout) as process,
             torch._dynamo.config.patch(optimize_ddp=False),
             checkpoint.rng_kept(),  # the caller's random state: a run seeds its own
             locks.lock_output(output) if process.main else nullcontext(),
@@ -149,6 +154,8 @@ def _resume_and_train(
         return epochs(run, sizes)
     finally:
         run.stop.restore()  # the caller's signal handlers back, however the run ended
+        if run.watchdog:
+            run.watchdog.close()
         if run.uploader:
             run.uploader.close()
 
@@ -164,6 +171,7 @@ def epochs(run: Run, sizes: list[int]) -> dict[str, Any]:
             if stopped := train_one_epoch(run):
                 return stop(run, stopped)
             improved = validate_epoch(run)
+            epoch_ended(run)
             train_state.first_step = 0
             save(run, epoch + 1, 0, best=improved)
         except UnreadableData as e:  # nothing left to read: waiting would be for ever
@@ -172,6 +180,10 @@ def epochs(run: Run, sizes: list[int]) -> dict[str, Any]:
             return loader_failed(run, e, EXIT_WORKER_DIED)
         except Diverged:  # a checkpoint was due, of weights gone NaN before the loss could stop the run
             return diverged(run, f"the weights hold NaN or infinity at step {train_state.step}")
+        except RuntimeError as e:  # a collective that failed: a rank died (gloo's connections broke)?
+            if run.watchdog and run.watchdog.lost(e):
+                return finish(run, complete=False, exit_code=EXIT_RANKS_LOST)
+            raise
         if damaged := run.health.end_epoch(epoch, len(run.train_loader) * run.global_batch):
             echo(f"ERROR: {damaged}", err=True)
             return finish(run, complete=False, exit_code=EXIT_BAD_DATA)
@@ -187,14 +199,10 @@ def loader_failed(run: Run, error: Exception, exit_code: int) -> dict[str, Any]:
     """Ends a run whose loader cannot go on. This rank names what its workers could not read and
     the failure, whichever rank it is: the other ranks may never reach another collective."""
     rank = run.process.rank
-    say = partial(run.echo, err=True) if run.process.main else partial(_rank_says, rank)
+    say = partial(run.echo, err=True) if run.process.main else partial(rank_says, rank)
     run.health.failing(run.train_loader.counters(), say)
     say(f"ERROR: {error}")
     return finish(run, complete=False, exit_code=exit_code)
-
-
-def _rank_says(rank: int, message: str) -> None:
-    print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
 
 
 def stop(run: Run, stopped: Stopped) -> dict[str, Any]:
@@ -238,19 +246,22 @@ def train_one_epoch(run: Run) -> Stopped | None:
     batches = iter(loader)
     keys_out = keys_log.open_log(run.output, epoch, process.rank) if cfg.log_keys else None
     progress = Progress(epoch, cfg.epochs, steps, train_state.first_step, shown=process.main)
-    window = Window(process.device)
+    window = Window(process.device, loader)
+    run.figures.start()
     stopped = None
     for step_in_epoch in range(train_state.first_step, steps):
         t0 = time.perf_counter()
+        at(run, f"{WAITING_FOR_DATA} for step {train_state.step + 1}")
         try:
             x, y, keys = next(batches)
         except Interrupted:  # signalled while waiting for data (alone, or the others would not wait)
             stopped = Stopped(step_in_epoch, signalled=True, unsaved=process.world > 1)
             break
         window.waited += time.perf_counter() - t0
+        at(run, f"training step {train_state.step + 1}")
         window.clock.mark()
         lr = float(run.scheduler.get_last_lr()[0])  # this step's (the scheduler steps after it)
-        loss = train_step(run, x, y)
+        loss = train_step(run, x, y, window.clock.forwarded)
         train_state.step += 1
         if run.ema and train_state.step % cfg.model_ema_steps == 0:
             update_ema(run, run.ema)
@@ -270,6 +281,7 @@ def train_one_epoch(run: Run) -> Stopped | None:
         if train_state.step % cfg.log_every == 0 or last_of_epoch or stopped:
             lr = decentralized.lr(run.model) if run.decent else lr  # (decent-dp's: what it steps with next)
             record, totals = window.record(loader, process, run.global_batch, epoch, train_state.step, lr, x.shape[-1])
+            run.figures.add(window.end - window.start, window.steps, record["ranks"][process.rank])
             tail = record["nonfinite_tail"]
             run.nonfinite_steps = run.nonfinite_steps + tail if tail == window.steps else tail
             if run.nonfinite_steps >= NONFINITE_STEPS:
@@ -277,7 +289,8 @@ def train_one_epoch(run: Run) -> Stopped | None:
             run.log.write(**record)
             run.health.poll(totals)
             progress.show(record, step_in_epoch + 1)
-            window = Window(process.device, start=window.end)  # windows tile the time: none of it goes unrecorded
+            # windows tile the time and the reads: none of them goes unrecorded
+            window = Window(process.device, loader, start=window.end, read=window.read_end)
         if stopped:
             break
         if cfg.checkpoint_every and train_state.step % cfg.checkpoint_every == 0 and not last_of_epoch:
@@ -288,12 +301,36 @@ def train_one_epoch(run: Run) -> Stopped | None:
     return stopped
 
 
-def train_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """One optimizer step on a batch; its loss."""
+def epoch_ended(run: Run) -> None:
+    """At an epoch's end, on every rank (collectives): what its data cost, and with several ranks
+    the one that held the others back; logged (a ``report`` hears it on every rank), said by rank 0."""
+    epoch = run.train_state.epoch + 1
+    at(run, f"the end of epoch {epoch}")
+    cost, ranks = run.cost.end_epoch(), run.figures.gathered()
+    held_back = slowest(epoch, ranks) if len(ranks) > 1 else None
+    run.log.write(
+        kind="epoch", epoch=epoch, step=run.train_state.step, **data_cost.totals(cost), data=cost, ranks=ranks,
+        **({"held_back": held_back} if held_back else {}),
+    )  # fmt: skip
+    if cost:
+        run.echo(f"epoch {epoch} data: {data_cost.described(cost)}")
+    if held_back:
+        run.echo(held_back)
+
+
+def at(run: Run, what: str) -> None:
+    """Where this rank is (for the watchdog: a rank stuck somewhere is named with it)."""
+    if run.watchdog:
+        run.watchdog.now(what)
+
+
+def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, forwarded: Callable[[], None]) -> torch.Tensor:
+    """One optimizer step on a batch; its loss. ``forwarded`` is called once the forward pass is queued."""
     if run.mixer:
         x, y = run.mixer(x, y)  # y: class probabilities from here on
     with autocast(run.cfg, run.process.device):
         loss = run.criterion(run.model(x), y)
+    forwarded()
     if run.decent:  # the wrapper's backward hooks step, zero and mix each bucket
         run.scaler.scale(loss).backward()
         return loss
@@ -337,6 +374,7 @@ def validate_epoch(run: Run) -> bool:
     train_state, val_loader = run.train_state, run.val_loader
     if val_loader is None:
         return False
+    at(run, f"validation after epoch {train_state.epoch + 1}")
     # decentralized ranks agree on one model first (the average); record how far apart they were
     agreement = average(run) if run.decent else {}
     if not run.decent:  # every rank's share scored with the statistics the checkpoint keeps: rank 0's
@@ -384,11 +422,13 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
 
     Every rank's RNG and data position go in it: collectives, so all ranks call this."""
     cfg, process, train_state, loader = run.cfg, run.process, run.train_state, run.train_loader
+    at(run, f"saving the checkpoint of step {train_state.step}")
     if run.decent and train_state.averaged_at != train_state.step:
         average(run)  # the model every rank continues from
     if distributed.any_rank(not finite(run.raw_model), process.device):
         raise Diverged
     rng = distributed.gather_objects(checkpoint.rng_state())
+    data_read = run.cost.run_totals()
     # where the epochs stand, an exact one's samples trained by any rank (synthetic data has none)
     data = loader.state_dict() if isinstance(loader, ShardLoader) else None
     if not process.main:
@@ -409,12 +449,14 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
         "rng": rng,
         "data": data,
         "data_identity": loader.identity(),
+        "data_cost": data_read,
         "keys_logged": keys_log.sizes(run.output, epoch) if cfg.log_keys else {},
         "arch": cfg.arch,
         "classes": run.classes,
         "config": asdict(cfg),
     }
-    saved = checkpoint.save(state, run.output, train_state.step, cfg.keep_last)
+    with run.watchdog.checkpoint_written() if run.watchdog else nullcontext():
+        saved = checkpoint.save(state, run.output, train_state.step, cfg.keep_last)
     if best:
         checkpoint.link(saved.path, checkpoint.BEST)
     if run.uploader:
@@ -437,9 +479,11 @@ def finite(module: nn.Module) -> bool:
 def finish(run: Run, complete: bool, exit_code: int = 0) -> dict[str, Any]:
     """Closes the run (signals, logs, pending uploads); its outcome."""
     cfg = run.cfg
+    if run.watchdog:  # no more collectives: rank 0's uploads may take longer than the timeout
+        run.watchdog.close()
     run.stop.restore()
     if not cfg.synthetic:
-        run.echo(run.health.summary())
+        run.echo(run.health.summary(data_cost.described(run.cost.latest) if run.cost.latest else ""))
     last = run.train_state.last_val or {}
     status = "finished" if complete else "stopped" if exit_code in (0, EXIT_PREEMPTED) else "failed"
     run.log.close(status, {f"final/{k}": last[k] for k in ("top1", "top5") if k in last}, run.train_state.step)

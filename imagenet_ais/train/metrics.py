@@ -151,6 +151,11 @@ def throttle_names(bits: float) -> list[str]:
     return [name for bit, name in THROTTLE_REASONS.items() if int(bits) & bit]
 
 
+def rank_says(rank: int, message: str) -> None:
+    """A message of a rank other than 0, for itself (on stderr, with its rank)."""
+    print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
+
+
 class Reporter:
     """Rank 0's messages, on the console and in ``train.log``."""
 

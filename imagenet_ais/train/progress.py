@@ -58,14 +58,22 @@ class StepClock:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.marks: list[Any] = []
+        self.forwards: list[Any] = []  # when each step's forward pass ended
 
     def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
+        self.marks.append(self._now())
+
+    def forwarded(self) -> None:
+        """The step's forward pass is done: its time is this rank's own work, no wait for the
+        other ranks in it (DDP's all-reduce is in the backward pass; SyncBatchNorm's aside)."""
+        self.forwards.append(self._now())
+
+    def _now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def durations_ms(self) -> list[float]:
         """Each marked step's time to the next mark (the last one's to now); call once the device
@@ -73,18 +81,32 @@ class StepClock:
         self.mark()
         if self.cuda:
             self.marks[-1].synchronize()
-            return [a.elapsed_time(b) for a, b in itertools.pairwise(self.marks)]
-        return [1000 * (b - a) for a, b in itertools.pairwise(self.marks)]
+        return [self._ms(a, b) for a, b in itertools.pairwise(self.marks)]
+
+    def forward_ms(self) -> list[float]:
+        """Each marked step's forward pass (after ``durations_ms``)."""
+        return [self._ms(a, b) for a, b in zip(self.marks, self.forwards, strict=False)]
+
+    def _ms(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) if self.cuda else 1000 * (b - a)
 
 
 class Window:
     """One metrics interval of the epoch loop: its steps, their losses and times, the time spent
-    waiting for data."""
+    waiting for data, the bytes read (``read``: the loader's read totals at its start, as the
+    window before it ended with them)."""
 
-    def __init__(self, device: torch.device, start: float | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        loader: ShardLoader | SyntheticLoader,
+        start: float | None = None,
+        read: dict[str, int] | None = None,
+    ) -> None:
         self.device = device
         self.start = time.perf_counter() if start is None else start
         self.end = self.start
+        self.read_start = self.read_end = read if read is not None else read_totals(loader)
         self.steps, self.waited = 0, 0.0
         self.losses: list[torch.Tensor] = []
         self.clock = StepClock(device)
@@ -110,7 +132,9 @@ class Window:
         self.end = time.perf_counter()
         elapsed = self.end - self.start
         steps_ms = sorted(self.clock.durations_ms())
+        forward_ms = sorted(self.clock.forward_ms())
         counters = loader.counters()
+        self.read_end = read_totals(loader)
         mine = {
             "loss": loss,
             "nonfinite_tail": nonfinite_tail,  # the window's last steps whose loss was NaN or infinite
@@ -118,6 +142,12 @@ class Window:
             "data_wait": self.waited / elapsed,
             "step_ms_p50": _quantile(steps_ms, 0.5),
             "step_ms_p90": _quantile(steps_ms, 0.9),
+            "forward_ms_p50": _quantile(forward_ms, 0.5),  # this rank's own pace, the others' waits left out
+            # this rank's reads: from the stores (copies fetched into the cache included), and from the cache
+            **{
+                f"{name.removesuffix('_bytes')}_mb_s": (self.read_end[name] - self.read_start[name]) / elapsed / 1e6
+                for name in ("read_bytes", "cache_bytes")
+            },
             # the feed threads' share of the time working: the one near 1 is what the step waits for
             **{f"busy_{k}": v / elapsed for k, v in loader.busy().items()},
             **gpu_sample(process.device),
@@ -149,6 +179,12 @@ class Window:
             ],
         }
         return record, totals
+
+
+def read_totals(loader: ShardLoader | SyntheticLoader) -> dict[str, int]:
+    """The bytes the loader has read so far, over its sources (loader/signals.py's READS)."""
+    counts = loader.reads().values()
+    return {name: sum(c[name] for c in counts) for name in ("read_bytes", "cache_bytes")}
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:

@@ -39,6 +39,7 @@ class TrainState:
     trackers: dict[str, str] = field(default_factory=dict)  # --tracker's runs (MLflow's, W&B's ids) to continue
     planned_epochs: int | None = None  # the --epochs of the checkpoint's run (its schedule's length)
     lr_before: float | None = None  # the learning rate the checkpoint's run would have stepped with next
+    data_cost: dict[str, dict[str, int]] = field(default_factory=dict)  # what its reads cost so far (data_cost.py)
 
 
 Found = tuple[Path, dict[str, Any]]  # a checkpoint's path and its state
@@ -49,6 +50,7 @@ Found = tuple[Path, dict[str, Any]]  # a checkpoint's path and its state
 OF_THIS_INVOCATION = frozenset({
     "resume", "weights", "test_only", "max_steps", "output", "workers", "cache_dir", "cache_size", "compile",
     "compile_mode", "decode", "cpu_share", "channels_last", "data_timeout", "flush_timeout", "upload_retry_seconds",
+    "collective_timeout",
 })  # fmt: skip
 # settings one option sets together (--data: data and mix), or that exclude each other (a named
 # --image-size is no size of a --progressive taken from the checkpoint)
@@ -150,6 +152,7 @@ def from_checkpoint(
         trackers=state.get("trackers", {}),
         planned_epochs=state["config"].get("epochs"),
         lr_before=lr_before,
+        data_cost=state.get("data_cost", {}),  # (older checkpoints counted none)
     )
     if train_state.epoch < cfg.epochs:
         train_state.first_step = continue_epoch(state, cfg, loader, process, echo)

@@ -33,12 +33,15 @@ from imagenet_ais.shards.manifest import load_manifest
 from imagenet_ais.storage import open_store
 from imagenet_ais.train import checkpoint, keys_log, model, upload
 from imagenet_ais.train.config import TrainConfig
+from imagenet_ais.train.data_cost import DataCost
 from imagenet_ais.train.data_health import DataHealth
 from imagenet_ais.train.ema import ModelEma, ema_decay
-from imagenet_ais.train.metrics import MetricsLog
+from imagenet_ais.train.metrics import MetricsLog, rank_says
 from imagenet_ais.train.mixup import Mixer, batch_mixer
 from imagenet_ais.train.resume import TrainState
+from imagenet_ais.train.slow_rank import EpochFigures
 from imagenet_ais.train.trackers import open_trackers
+from imagenet_ais.train.watchdog import Watchdog, watchable
 
 
 class StopSignal:
@@ -110,9 +113,14 @@ class Parts:
     def global_batch(self) -> int:
         return self.cfg.batch_size * self.process.world
 
+    @property
+    def loaders(self) -> list[ShardLoader | SyntheticLoader]:
+        """The train loader, and the val loader where there is one."""
+        return [self.train_loader] if self.val_loader is None else [self.train_loader, self.val_loader]
+
     def close(self) -> None:
         """The loaders' workers and feed threads ended: a run leaves no process of its own behind."""
-        for loader in (self.train_loader, self.val_loader):
+        for loader in self.loaders:
             if isinstance(loader, ShardLoader):
                 loader.close()
 
@@ -129,6 +137,9 @@ class Run(Parts):
     log: MetricsLog
     uploader: upload.Uploader | None
     stop: StopSignal
+    cost: DataCost  # what the data cost, per epoch and for the run
+    figures: EpochFigures  # this rank's figures over the epoch, to find the rank that held the others back
+    watchdog: Watchdog | None  # ends every rank where one never reaches the others (several ranks)
     nonfinite_steps: int = 0  # the last steps in a row whose loss was NaN or infinite (on any rank)
 
 
@@ -286,6 +297,23 @@ def build(
     )  # fmt: skip
 
 
+def watch(parts: Parts, uploader: upload.Uploader | None) -> Watchdog | None:
+    """With several ranks and a --collective-timeout, the watchdog that ends them all where one
+    never reaches the others (watchdog.py); rank 0 flushes its uploads before its process ends."""
+    cfg, process = parts.cfg, parts.process
+    if process.world == 1 or not cfg.collective_timeout:
+        return None
+    if not watchable():
+        parts.echo(
+            "note: no rendezvous store to watch the ranks by (MASTER_ADDR, MASTER_PORT unset): a rank that never "
+            "reaches the others ends the run at the collective library's own timeout",
+            err=True,
+        )
+        return None
+    say = functools.partial(parts.echo, err=True) if process.main else functools.partial(rank_says, process.rank)
+    return Watchdog(process, cfg.collective_timeout, say, uploader.flush if uploader else lambda seconds: None)
+
+
 FEW_STEPS = 10  # an epoch shorter than this is said: train.py's defaults (batch 256) on a small data set
 
 
@@ -374,10 +402,12 @@ def assemble(
     )
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     stop = StopSignal(process.world, stop_requested, says=process.main)
+    watchdog = watch(parts, uploader)
     if isinstance(parts.train_loader, ShardLoader):
         parts.train_loader.stop_waiting_when(stop.stop_waiting)
     return Run(
         **vars(parts), train_state=train_state, model=stepping, criterion=criterion,
         mixer=batch_mixer(cfg.mixup_alpha, cfg.cutmix_alpha, len(parts.classes)), scheduler=scheduler,
-        log=log, uploader=uploader, stop=stop,
+        log=log, uploader=uploader, stop=stop, figures=EpochFigures(parts.train_loader), watchdog=watchdog,
+        cost=DataCost(parts.loaders, process, train_state.data_cost),
     )  # fmt: skip

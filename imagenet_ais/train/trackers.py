@@ -44,12 +44,26 @@ def runnable(command: str) -> str:
 
 
 def numbers(record: dict[str, Any]) -> dict[str, float]:
-    """A metrics record's numbers as ``<kind>/<name>`` (step and epoch are where, not what)."""
+    """A metrics record's numbers as ``<kind>/<name>`` (step and epoch are where, not what); with
+    several ranks, each rank's own as ``ranks/<name>/<rank>`` (one panel group, filtered by name)."""
+    ranks = record.get("ranks", []) if record["kind"] == "train" else []
     return {
-        f"{record['kind']}/{name}": float(value)
-        for name, value in record.items()
-        if isinstance(value, int | float) and not isinstance(value, bool) and name not in ("step", "epoch")
+        **{
+            f"{record['kind']}/{name}": float(value)
+            for name, value in record.items()
+            if _number(value) and name not in ("step", "epoch")
+        },
+        **{
+            f"ranks/{name}/{rank:0{len(str(len(ranks) - 1))}d}": float(value)
+            for rank, figures in enumerate(ranks if len(ranks) > 1 else [])
+            for name, value in figures.items()
+            if _number(value)
+        },
     }
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class TensorBoard:
