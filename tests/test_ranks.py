@@ -5,16 +5,22 @@ others when one dies, as on NGC or Slurm across nodes)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
+import socket
+import threading
 import time
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import TINY, wait_until, write_shards
-from forked import ranks, start_ranks
+from forked import Started, ranks, start_ranks
 
 from imagenet_ais.errors import EXIT_RANKS_LOST
 
@@ -80,39 +86,86 @@ def test_the_rank_reading_through_a_slow_server_is_named_with_its_reads(serve, t
     assert {"ranks/data_wait/0", "ranks/data_wait/1", "ranks/data_wait/2", "epoch/read_bytes"} <= set(tags), tags
 
 
-@pytest.mark.parametrize("how", [signal.SIGSTOP, signal.SIGKILL], ids=["stopped", "killed"])
-def test_a_rank_that_never_arrives_ends_every_live_rank_in_one_line(how: signal.Signals, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def hanging_server(root: Path) -> Iterator[str]:
+    """An HTTP server of ``root`` whose shard GETs send their first 4 kB, then nothing more
+    (a read that hangs: a stalled mount, a store that stopped answering mid-object)."""
+    released = threading.Event()
+
+    class Handler(SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, directory=str(root), **kwargs)
+
+        def copyfile(self, source, outputfile) -> None:
+            if not self.path.endswith(".tar"):
+                return super().copyfile(source, outputfile)
+            outputfile.write(source.read(4096))
+            outputfile.flush()
+            released.wait(120)
+            return None
+
+        def log_message(self, *args) -> None:
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            yield f"http://127.0.0.1:{server.server_port}/"
+        finally:
+            released.set()
+            server.shutdown()
+
+
+@pytest.mark.parametrize("how", ["stopped", "killed", "hung read"])
+def test_a_rank_that_never_arrives_ends_every_live_rank_in_one_line(how: str, tmp_path: Path) -> None:
     """Rank 1 stopped (its connections open: the others would wait for gloo's 30 minutes) or
-    killed (gloo's connections break) mid-epoch: every live rank ends with exit 6 within
-    --collective-timeout, one line names rank 1 and what it was last doing, and the last
-    checkpoint is whole."""
+    killed (gloo's connections break) mid-epoch, or rank 2's read hanging from its first shard:
+    every live rank ends with exit 6 within --collective-timeout, one line names the rank and
+    what it was last doing, and the last checkpoint is whole."""
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": TRAIN})
-    started = start_ranks(
-        3, "--data", data, "--output", output, *TINY, "--epochs", "50", "--workers", "1", "--log-every", "1",
-        "--checkpoint-every", "3", "--collective-timeout", "5",
-    )  # fmt: skip
-    try:
-        wait_until(
-            started[0], lambda: "epoch 2/50 step 2/4" in started[0].log.read_text(), "mid-epoch", log=started[0].log
-        )
-        began = time.monotonic()
-        os.kill(started[1].pid, how)
-        codes = [started[r].wait(timeout=60) for r in (0, 2)]
-        took = time.monotonic() - began
-        if how == signal.SIGSTOP:  # continued, it finds the verdict and ends alike
-            os.kill(started[1].pid, signal.SIGCONT)
-            codes.append(started[1].wait(timeout=30))
-    finally:
-        for proc in started:
-            proc.kill()
-    assert codes == [EXIT_RANKS_LOST] * len(codes), codes
+    with hanging_server(data) as hanging:
+        started = start_ranks(
+            3, "--output", output, *TINY, "--epochs", "50", "--workers", "1", "--log-every", "1",
+            "--checkpoint-every", "3", "--collective-timeout", "5",
+            rank_args=lambda rank: ["--data", hanging if how == "hung read" and rank == 2 else data],
+        )  # fmt: skip
+        try:
+            codes, took = _stopped_one(started, how)
+        finally:
+            for proc in started:
+                proc.kill()
+    assert codes == dict.fromkeys([0, 2] if how == "killed" else [0, 1, 2], EXIT_RANKS_LOST), codes
     assert took < 5 + 10, f"{took:.0f} s: bounded by --collective-timeout (and a few beats)"
     printed = "".join(out + (err or "") for out, err in (proc.communicate() for proc in started))
     (line,) = [line for line in printed.splitlines() if "did not meet" in line]
-    assert line.startswith("ERROR: ranks did not meet at ") and "rank 1 (node " in line and "silent for" in line, line
-    assert "last seen at training step" in line or "last seen at waiting for data" in line, line
-    assert "rank 0 " not in line and "rank 2 " not in line, "the live ranks are not named"
+    assert line.startswith("ERROR: ranks did not meet at training step ") or "saving the checkpoint" in line, line
     assert "continue with --resume auto" in line and "Traceback" not in printed, printed
+    if how == "hung read":
+        assert (
+            f"rank 2 (node {socket.gethostname()}) waiting for data for step 1 (its workers reading {hanging}" in line
+        )
+        assert "rank 0 " not in line and "rank 1 " not in line, "the ranks that arrived are not named"
+        return
+    assert "rank 1 (node " in line and "silent for" in line, line
+    assert re.search(r"last seen at (training|waiting for data for|saving the checkpoint of) step \d+", line), line
+    assert "rank 0 " not in line and "rank 2 " not in line, "the live ranks are not named"
     state = torch.load(output / "last.pt", weights_only=True)  # (whole: its digest is checked on resume)
     assert state["step"] >= 4 and not list(output.glob(".*")), list(output.iterdir())
+
+
+def _stopped_one(started: list[Started], how: str) -> tuple[dict[int, int], float]:
+    """The exit status of each rank that lived once rank 1 is stopped or killed mid-epoch (or,
+    for a hung read, once the ranks are set up), and the seconds they took to end from then."""
+    mark = "TensorBoard: " if how == "hung read" else "epoch 2/50 step 2/4"  # (set up; mid-epoch)
+    wait_until(started[0], lambda: mark in started[0].log.read_text(), mark, log=started[0].log)
+    began = time.monotonic()
+    if how != "hung read":
+        os.kill(started[1].pid, signal.SIGSTOP if how == "stopped" else signal.SIGKILL)
+    codes = {r: started[r].wait(timeout=60) for r in (0, 2)}
+    took = time.monotonic() - began
+    if how == "stopped":  # continued, it finds the verdict and ends alike
+        os.kill(started[1].pid, signal.SIGCONT)
+    if how != "killed":
+        codes[1] = started[1].wait(timeout=30)
+    return codes, took

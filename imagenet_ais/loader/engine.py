@@ -246,6 +246,11 @@ class _ShardLoader:
         samples the workers cropped themselves (cpu_share.py)."""
         return {**self.signals.counts(), "padded": self.padded}
 
+    def in_reading(self) -> list[tuple[str, float]]:
+        """The shards this loader's workers are reading (where, from its source's location), each
+        with the seconds it has been read."""
+        return [(self.spec.shards.where(shard), seconds) for shard, seconds in self.signals.in_reading()]
+
     def reads(self) -> dict[str, dict[str, int]]:
         """What reading the shards has cost so far, by source location (signals.READS)."""
         return dict(zip(self.spec.shards.locations, self.signals.read_counts(), strict=True))

@@ -365,6 +365,11 @@ class ShardLoader:
         unread, samples of the shards set out to read, samples repeated to pad (all this process's)."""
         return self._loader.counters()
 
+    def in_reading(self) -> list[tuple[str, float]]:
+        """The shards the workers are reading now, each with the seconds it has been read (for
+        a step that waits: a read that hangs shows here)."""
+        return self._loader.in_reading()
+
     def reads(self) -> dict[str, dict[str, int]]:
         """What reading the shards has cost this process so far, by source location: bytes from its
         store (``read_bytes``, copies fetched into the cache included) in ``read_requests``, bytes

@@ -5,6 +5,7 @@ it sees what they count. One object, made with the loader's stream and handed to
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 from ctypes import c_double
 from dataclasses import dataclass, field
 from multiprocessing.sharedctypes import Synchronized, SynchronizedArray
@@ -16,6 +17,7 @@ COUNTERS = ("skipped", "read_errors", "unread", "drawn", "cropped")
 # bytes read again after a failure (a resumed epoch's samples trained before it, bad copies
 # fetched again), and the microseconds the workers' reads from the store took (summed over workers)
 READS = ("read_bytes", "read_requests", "cache_bytes", "reread_bytes", "store_us")
+READERS = 256  # workers whose shard in reading is kept (a worker beyond takes the slot of worker % READERS)
 
 
 def _count() -> Synchronized[int]:
@@ -43,6 +45,9 @@ class Signals:
     cropped: Synchronized[int] = field(default_factory=_count)  # training samples the workers cropped (cpu_share.py)
     problems: mp.Queue = field(default_factory=mp.Queue)  # "where: what" lines, for the training process to name
     reads: SynchronizedArray[int] = field(init=False)  # READS of each source, one after another
+    # the shard each worker reads (-1: none) and since when (time.time()): what a stuck rank was doing
+    reading: SynchronizedArray[int] = field(default_factory=lambda: mp.Array("q", [-1] * READERS, lock=False))
+    reading_since: SynchronizedArray[float] = field(default_factory=lambda: mp.Array("d", READERS, lock=False))
 
     def __post_init__(self) -> None:
         self.size = mp.Value("q", self.image_size)
@@ -63,6 +68,20 @@ class Signals:
         with self.reads.get_lock():
             for name, n in counts.items():
                 self.reads[source * len(READS) + READS.index(name)] += n
+
+    def read_start(self, worker: int, shard: int) -> None:
+        """Worker ``worker`` starts reading ``shard`` (-1: it is done with it)."""
+        self.reading_since[worker % READERS] = time.time()
+        self.reading[worker % READERS] = shard
+
+    def in_reading(self) -> list[tuple[int, float]]:
+        """The shards the workers are reading, each with the seconds it has been read."""
+        now = time.time()
+        return [
+            (shard, now - since)
+            for shard, since in zip(self.reading[:], self.reading_since[:], strict=True)
+            if shard >= 0
+        ]
 
     def read_counts(self) -> list[dict[str, int]]:
         """Each source's READS so far, summed over this loader's workers."""

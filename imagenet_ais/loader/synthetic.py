@@ -41,6 +41,9 @@ class SyntheticLoader:
     def counters(self) -> dict[str, int]:
         return {"skipped": 0, "read_errors": 0, "unread": 0, "drawn": 0, "padded": 0}
 
+    def in_reading(self) -> list[tuple[str, float]]:
+        return []  # nothing read
+
     def reads(self) -> dict[str, dict[str, int]]:
         return {}  # nothing read
 

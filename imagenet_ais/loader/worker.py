@@ -131,6 +131,7 @@ class ShardStream(IterableDataset):
         self.spec, self.mode = spec, mode
         self.signals = Signals(spec.image_size, len(spec.shards.locations))  # shared with the training process
         self._failing = 0  # (per worker) shard reads that failed in a row, nothing read from them
+        self._worker = 0  # (per worker) its index among the loader's workers
         self._told: set[str] = set()  # (per worker) shards already reported
         # a resumed epoch: (epoch, samples trained before the restart, the name that makes its
         # resampled streams fresh ones); set before the workers start, so even persistent
@@ -186,9 +187,11 @@ class ShardStream(IterableDataset):
         self.signals.add(self.signals.drawn, drawn)
         size, sha256 = shards.listed[piece.shard]
         began = time.perf_counter()
+        self.signals.read_start(self._worker, piece.shard)
         try:
             stream, came_from = self._open(piece.shard, size)
         except Exception as e:  # after the storage client's own retries
+            self.signals.read_start(self._worker, -1)
             self._read_failed(where, f"could not be read, skipped ({e})", drawn, read_any=False)
             return
         end = piece.start  # one past the last sample seen
@@ -214,6 +217,7 @@ class ShardStream(IterableDataset):
                     hashed.read_to_end()  # the bytes past this piece, for the shard's checksum
             finally:  # (also when the epoch ends before this piece does)
                 cost.update(hashed.count, again, hashed.waited, last=True)
+                self.signals.read_start(self._worker, -1)
         unread, read_any = sum(i not in done for i in range(end, piece.stop)), end > piece.start
         if errors:
             self._read_failed(where, f"read failed at sample {end}, the rest skipped ({errors[0]})", unread, read_any)
@@ -247,6 +251,7 @@ class ShardStream(IterableDataset):
     def __iter__(self) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        self._worker = worker
         self._failing = 0  # (a persistent worker's count starts again each epoch)
         samples = self._decoded(self._pieces(worker, workers))
         if self.spec.shuffle > 1 and self.mode != "val":

@@ -311,7 +311,8 @@ def watch(parts: Parts, uploader: upload.Uploader | None) -> Watchdog | None:
         )
         return None
     say = functools.partial(parts.echo, err=True) if process.main else functools.partial(rank_says, process.rank)
-    return Watchdog(process, cfg.collective_timeout, say, uploader.flush if uploader else lambda seconds: None)
+    flush = uploader.flush if uploader else lambda seconds: None
+    return Watchdog(process, cfg.collective_timeout, say, flush, parts.train_loader.in_reading)
 
 
 FEW_STEPS = 10  # an epoch shorter than this is said: train.py's defaults (batch 256) on a small data set

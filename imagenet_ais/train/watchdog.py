@@ -51,7 +51,9 @@ class Doing:
 class Watchdog:
     """Call ``now`` wherever the run moves on, ``lost`` when a collective raised, and ``close`` at
     the run's end. ``say``: this rank's voice (rank 0's echo, else stderr); ``before_exit``: what
-    must finish before the process ends (rank 0: pending uploads), given a deadline in seconds."""
+    must finish before the process ends (rank 0: pending uploads), given a deadline in seconds;
+    ``reading``: the shards the training loader's workers read, and for how long (a rank waiting
+    for data is named with them)."""
 
     def __init__(
         self,
@@ -59,8 +61,10 @@ class Watchdog:
         timeout: float,
         say: Callable[[str], None],
         before_exit: Callable[[float], object],
+        reading: Callable[[], list[tuple[str, float]]],
     ) -> None:
         self.process, self.timeout, self.say, self.before_exit = process, timeout, say, before_exit
+        self.reading = reading
         self.beat = min(BEAT_MAX, timeout / 10)
         self.stale = max(STALE_BEATS * self.beat, 2.0)
         self.doing = Doing("starting", time.time())
@@ -124,7 +128,10 @@ class Watchdog:
 
     def _beat(self) -> None:
         d = self.doing
-        beat = {"t": time.time(), "what": d.what, "since": d.since, "host": self.host}
+        what = d.what
+        if what.startswith(WAITING_FOR_DATA) and (reads := sorted(self.reading(), key=lambda r: -r[1])):
+            what += f" (its workers reading {', '.join(f'{shard} for {s:.0f} s' for shard, s in reads[:3])})"
+        beat = {"t": time.time(), "what": what, "since": d.since, "host": self.host}
         self.store.set(f"beat/{self.process.rank}", json.dumps(beat))
 
     def _beats(self) -> dict[int, dict | None]:
