@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -38,6 +39,16 @@ def test_two_ranks_two_workers_fetch_each_shard_once_and_a_bad_copy_again(serve,
         ranks(2, *common, "--output", tmp_path / mode, "--epochs", "2", "--epoch-mode", mode)
     gets = server.gets()
     assert {name: gets[name] for name in shards} == dict.fromkeys(shards, 1), "one download each, for all runs"
+    # what each epoch cost: every shard fetched whole in the first, then read from the cache
+    listed = sum(s.bytes for split in manifest.splits.values() for s in split.shards)
+    first, second = epoch_costs(tmp_path / "exact", server.url)
+    assert (first["read_bytes"], first["reread_bytes"], second["read_bytes"], second["read_requests"]) == (
+        listed,
+        0,
+        0,
+        0,
+    )
+    assert first["read_requests"] >= len(shards) and second["cache_bytes"] >= listed
     cached = sorted(cache.rglob("imagenet-*.tar"))
     assert [p.name for p in cached] == sorted(shards)
     assert not list(cache.rglob("*.partial"))
@@ -51,6 +62,14 @@ def test_two_ranks_two_workers_fetch_each_shard_once_and_a_bad_copy_again(serve,
     gets = server.gets()
     assert {name: gets[name] for name in shards} == {name: 1 + (name == bad.name) for name in shards}
     assert bad.read_bytes() == (data / bad.name).read_bytes()
+    (again,) = epoch_costs(tmp_path / "again", server.url)
+    assert again["read_bytes"] == again["reread_bytes"] == bad.stat().st_size, "the bad copy, fetched again"
+
+
+def epoch_costs(output: Path, location: str) -> list[dict[str, int]]:
+    """What reading ``location`` cost in each epoch of the run in ``output`` (its metrics' epoch records)."""
+    lines = (output / "metrics.jsonl").read_text().splitlines()
+    return [r["data"][location] for r in map(json.loads, lines) if r["kind"] == "epoch"]
 
 
 def test_the_cache_stays_within_its_size_bound(serve, tmp_path: Path) -> None:

@@ -63,12 +63,14 @@ def test_the_rank_reading_through_a_slow_server_is_named_with_its_reads(serve, t
     assert paces[2][f"{slow.url}/"] < 0.1 < min(paces[0][f"{fast.url}/"], paces[1][f"{fast.url}/"]), paces
     assert max(r["data_wait"] for r in epoch["ranks"][:2]) < epoch["ranks"][2]["data_wait"]
 
-    # the data cost: every train and val shard read at least once, 2 requests (size, GET) a read
+    # the data cost: every train and val shard read at least once
     cost = epoch["data"]
     assert set(cost) == {f"{fast.url}/", f"{slow.url}/"}
     listed = sum(s.bytes for split in ("train", "val") for s in manifest.splits[split].shards)
     assert epoch["read_bytes"] == sum(c["read_bytes"] for c in cost.values()) >= listed
-    assert all(c["read_requests"] % 2 == 0 and c["read_requests"] >= 2 for c in cost.values()), cost
+    for server in (fast, slow):  # every request to a shard counted: nginx's log says how many it answered
+        answered = [line for line in server.log.read_text().splitlines() if ".tar HTTP/" in line]
+        assert cost[f"{server.url}/"]["read_requests"] == len(answered) > 0, answered
     assert all(c["cache_bytes"] == c["reread_bytes"] == 0 for c in cost.values())
     assert f"epoch 1 data: {fast.url}/ " in done.stdout and " requests; " in done.stdout
     state = torch.load(output / "last.pt", weights_only=True)

@@ -3,7 +3,9 @@ the training process sees a long read's bytes while it runs, not only once it en
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from imagenet_ais.loader.signals import Signals
 from imagenet_ais.shards.cache import FETCHED, HIT, REFETCHED, STREAMED
@@ -14,30 +16,32 @@ FLUSH_BYTES = 4 * 2**20  # bytes read between two counts: a lock taken per few M
 
 @dataclass
 class ReadCost:
-    """One read of a shard of ``size`` bytes from ``source``, which ``came_from`` the store or the
-    node's cache (cache.py's HIT, FETCHED, REFETCHED, STREAMED), opened in ``opening`` seconds
-    (a copy fetched into the cache: its download)."""
+    """One read of a shard from ``source``; ``sent()``: the requests this worker's stores of that
+    source have sent so far (storage's ``Store.requests``), so a read counts what it sent."""
 
     signals: Signals
     source: int
-    came_from: str
-    size: int
-    opening: float
+    sent: Callable[[], int]
+    came_from: str = ""  # where the shard came from, once opened (STORE, or cache.py's HIT...)
+    began: float = field(default_factory=time.perf_counter)
     counted: int = 0  # bytes read so far, of them read again, and the seconds reads took, already counted
     counted_again: int = 0
     counted_waited: float = 0.0
+    counted_sent: int = field(init=False)
 
     def __post_init__(self) -> None:
-        store_us = round(1e6 * self.opening) if self.came_from != HIT else 0
-        if self.came_from == STORE:  # a size check, then a GET
-            self.signals.add_read(self.source, read_requests=2, store_us=store_us)
-        elif self.came_from == STREAMED:  # the cache had no room: a GET
-            self.signals.add_read(self.source, read_requests=1, store_us=store_us)
-        elif self.came_from in (FETCHED, REFETCHED):  # the whole shard came into the cache with one GET
-            refetched = self.size if self.came_from == REFETCHED else 0
-            self.signals.add_read(
-                self.source, read_bytes=self.size, read_requests=1, reread_bytes=refetched, store_us=store_us
-            )
+        self.counted_sent = self.sent()
+
+    def opened(self, came_from: str, size: int) -> None:
+        """The shard of ``size`` bytes is open, from where it ``came_from``: a copy fetched into
+        the cache came over whole (and again, where the copy there was bad)."""
+        self.came_from, opening = came_from, round(1e6 * (time.perf_counter() - self.began))
+        if came_from in (FETCHED, REFETCHED):
+            refetched = size if came_from == REFETCHED else 0
+            self.signals.add_read(self.source, read_bytes=size, reread_bytes=refetched, store_us=opening)
+        elif came_from != HIT:  # (the size check, the GET's first bytes)
+            self.signals.add_read(self.source, store_us=opening)
+        self.update(0, 0, 0.0, last=True)  # its requests so far
 
     def update(self, read: int, again: int, waited: float, last: bool = False) -> None:
         """``read`` bytes of the shard read so far in ``waited`` seconds of reads, ``again`` of them
@@ -45,10 +49,15 @@ class ReadCost:
         if not last and read - self.counted < FLUSH_BYTES:
             return
         new, new_again, new_waited = read - self.counted, again - self.counted_again, waited - self.counted_waited
+        sent = self.sent()
+        new_sent, self.counted_sent = sent - self.counted_sent, sent
         self.counted, self.counted_again, self.counted_waited = read, again, waited
         if self.came_from == HIT:
-            self.signals.add_read(self.source, cache_bytes=new, reread_bytes=new_again)
+            self.signals.add_read(self.source, cache_bytes=new, reread_bytes=new_again, read_requests=new_sent)
         elif self.came_from in (STORE, STREAMED):
-            self.signals.add_read(self.source, read_bytes=new, reread_bytes=new_again, store_us=round(1e6 * new_waited))
-        else:  # read from the copy just fetched: its bytes were counted as they came
-            self.signals.add_read(self.source, reread_bytes=new_again)
+            store_us = round(1e6 * new_waited)
+            self.signals.add_read(
+                self.source, read_bytes=new, reread_bytes=new_again, read_requests=new_sent, store_us=store_us
+            )
+        else:  # read from the copy just fetched (its bytes counted as it came), or never opened
+            self.signals.add_read(self.source, reread_bytes=new_again, read_requests=new_sent)

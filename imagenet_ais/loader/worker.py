@@ -11,10 +11,10 @@ are read: nothing in a shard is unpickled.
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 import signal
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.sharedctypes import Synchronized
@@ -186,17 +186,18 @@ class ShardStream(IterableDataset):
         drawn = sum(i not in done for i in range(piece.start, piece.stop))
         self.signals.add(self.signals.drawn, drawn)
         size, sha256 = shards.listed[piece.shard]
-        began = time.perf_counter()
         self.signals.read_start(self._worker, piece.shard)
+        cost = ReadCost(self.signals, shards.source[piece.shard], functools.partial(self._sent, piece.shard))
         try:
             stream, came_from = self._open(piece.shard, size)
         except Exception as e:  # after the storage client's own retries
+            cost.update(0, 0, 0.0, last=True)  # (the requests it took)
             self.signals.read_start(self._worker, -1)
             self._read_failed(where, f"could not be read, skipped ({e})", drawn, read_any=False)
             return
+        cost.opened(came_from, size)
         end = piece.start  # one past the last sample seen
         again = 0  # bytes of samples trained before a resume, read again to reach the others
-        cost = ReadCost(self.signals, shards.source[piece.shard], came_from, size, time.perf_counter() - began)
         with stream:
             hashed = HashingReader(stream)
             # past a broken member nothing is trusted: the rest of the shard is skipped
@@ -247,6 +248,12 @@ class ShardStream(IterableDataset):
                 f"it is {stored:,} bytes, the manifest lists {size:,}: replaced or damaged since it was converted"
             )
         return store.open(name), STORE
+
+    def _sent(self, shard: int) -> int:
+        """The requests this worker's stores of ``shard``'s source have sent (its cache's too)."""
+        source = self.spec.shards.source[shard]
+        cache = self.spec.caches[source]
+        return cache.requests if cache else process_store(self.spec.shards.locations[source]).requests
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | tuple, int, str, int, int]]:
         info = get_worker_info()

@@ -109,6 +109,11 @@ class ShardCache:
         return self.root / _slug(self.location)
 
     @property
+    def requests(self) -> int:
+        """The requests its store has sent (for its downloads), in this process."""
+        return self._store.requests if self._store else 0
+
+    @property
     def store(self) -> Store:
         if self._store is None:
             self._store = open_store(self.location)

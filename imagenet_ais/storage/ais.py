@@ -164,10 +164,11 @@ class _ResumingGet(io.BufferedIOBase):
     (bench/shard_reads.py, RESULTS.md).
     """
 
-    def __init__(self, obj: Any, where: str, max_resume: int, chunk: int):
-        self.obj, self.where, self.max_resume, self.chunk = obj, where, max_resume, chunk
+    def __init__(self, obj: Any, where: str, max_resume: int, chunk: int, sent: Callable[[], None]):
+        self.obj, self.where, self.max_resume, self.chunk, self.sent = obj, where, max_resume, chunk, sent
         self.fetched = 0  # bytes taken off the responses so far
         self.resumed = 0
+        self.sent()
         self.response = obj.get_reader().raw()  # urllib3's response, streaming
         self.data, self.view = b"", memoryview(b"")  # the chunk in hand, and its unread part
 
@@ -185,6 +186,7 @@ class _ResumingGet(io.BufferedIOBase):
                     self.resumed += 1
                     self.response.close()
                     time.sleep(min(5.0, 0.5 * self.resumed))  # besides the SDK's own retries: a target restarts
+                    self.sent()
                     self.response = self.obj.get_reader(byte_range=f"bytes={self.fetched}-").raw()
                     continue
                 self.fetched += len(data)
@@ -254,6 +256,7 @@ class AISStore(_StoreBase):
 
     @_ais_errors
     def size(self, name: str) -> int:
+        self._sent()  # (counted here: the SDK's sessions are made anew in each process)
         return int(self._obj(name).head().size)
 
     @_ais_errors
@@ -277,7 +280,7 @@ class AISStore(_StoreBase):
     @_ais_errors
     def open(self, name: str) -> BinaryIO:
         where = f"{self.url}/{name}"
-        return _ResumingGet(self._obj(name), where, self.MAX_RESUME, self.READ_CHUNK)  # type: ignore[return-value]
+        return _ResumingGet(self._obj(name), where, self.MAX_RESUME, self.READ_CHUNK, self._sent)  # type: ignore[return-value]
 
     @_ais_errors
     def read_bytes(self, name: str) -> bytes:

@@ -34,6 +34,8 @@ class Store(Protocol):
     def scratch_file(self, name: str) -> Path: ...
     def matches(self, name: str, path: Path) -> bool: ...  # the object exists with path's exact bytes
 
+    requests: int  # requests sent to its server so far, retries included (what reads cost)
+
 
 def is_inside(name: str) -> bool:
     """Whether ``name`` is an object name relative to a location: not absolute, no way out of it."""
@@ -131,6 +133,12 @@ def _same_bytes(store: Store, name: str, path: Path) -> bool:
 
 class _StoreBase(Store):
     """What every store does the same way on top of its own primitives (the rest of Store)."""
+
+    requests = 0  # requests sent to the store's server, retries included (a local directory: none)
+
+    def _sent(self, *_: object, **__: object) -> None:
+        """Counts one request (a hook of the store's HTTP session or SDK)."""
+        self.requests += 1
 
     def write_bytes(self, name: str, data: bytes) -> None:
         tmp = self.scratch_file(name)

@@ -58,6 +58,7 @@ class GCSStore(_StoreBase):
         bucket, self.prefix = _bucket_and_prefix(url, "gs")
         try:
             self.client = storage.Client()
+            self.client._http.hooks["response"].append(self._sent)  # (the client's requests.Session)
         except DefaultCredentialsError as e:
             raise ConfigError(
                 f"{url}: no Google credentials; set GOOGLE_APPLICATION_CREDENTIALS, run "

@@ -162,6 +162,7 @@ class HTTPStore(_StoreBase):
         if bundle:
             self.session.verify = bundle
         self.session.auth = _credentials(scheme, netloc)
+        self.session.hooks["response"].append(self._sent)
 
     def request(self, method: str, name: str, headers: dict[str, str] | None = None) -> requests.Response:
         """One request, retried on connection errors and 5xx; 404 is FileNotFoundError."""

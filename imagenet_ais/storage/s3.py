@@ -136,6 +136,7 @@ class S3Store(_StoreBase):
             )
         with _one_line(self.url):
             self.client = _client()
+        self.client.meta.events.register("before-send.s3", self._sent)  # (every attempt)
 
     def _key(self, name: str) -> str:
         return self.prefix + _checked(name, self.url)

@@ -80,7 +80,8 @@ def described(cost: Cost) -> str:
     node's cache, 12.0 MB read again after a failure"."""
     parts = []
     for location, c in cost.items():
-        said = f"{location} {_size(c['read_bytes'])} in {c['read_requests']:,} requests"
+        said = f"{location} {_size(c['read_bytes'])}"
+        said += f" in {c['read_requests']:,} requests" if c["read_requests"] else " read"  # (a directory: none)
         if c["cache_bytes"]:
             said += f", {_size(c['cache_bytes'])} from the node's cache"
         if c["reread_bytes"]:
