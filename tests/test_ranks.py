@@ -23,8 +23,10 @@ from conftest import TINY, wait_until, write_shards
 from forked import Started, ranks, start_ranks
 
 from imagenet_ais.errors import EXIT_RANKS_LOST
+from imagenet_ais.train.slow_rank import slowest
 
 TRAIN, VAL = [8] * 6, [4, 4]  # 48 samples: 4 steps of 3 ranks × 4
+TIMEOUT = 8  # --collective-timeout: over a loaded machine's first batch, under a test's patience
 
 
 def records(output: Path, kind: str) -> list[dict]:
@@ -60,7 +62,7 @@ def test_the_rank_reading_through_a_slow_server_is_named_with_its_reads(serve, t
     assert f"its reads from {slow.url}/ came at" in held, held
     assert held in done.stdout
     paces = [r["pace_mb_s"] for r in epoch["ranks"]]
-    assert paces[2][f"{slow.url}/"] < 0.1 < min(paces[0][f"{fast.url}/"], paces[1][f"{fast.url}/"]), paces
+    assert 3 * paces[2][f"{slow.url}/"] < min(paces[0][f"{fast.url}/"], paces[1][f"{fast.url}/"]), paces
     assert max(r["data_wait"] for r in epoch["ranks"][:2]) < epoch["ranks"][2]["data_wait"]
 
     # the data cost: every train and val shard read at least once
@@ -72,9 +74,10 @@ def test_the_rank_reading_through_a_slow_server_is_named_with_its_reads(serve, t
         answered = [line for line in server.log.read_text().splitlines() if ".tar HTTP/" in line]
         assert cost[f"{server.url}/"]["read_requests"] == len(answered) > 0, answered
     assert all(c["cache_bytes"] == c["reread_bytes"] == 0 for c in cost.values())
-    assert f"epoch 1 data: {fast.url}/ " in done.stdout and " requests; " in done.stdout
+    (said,) = [line for line in done.stdout.splitlines() if line.startswith("epoch 1 data: ")]
+    assert f"{fast.url}/ " in said and f"{slow.url}/ " in said and " requests; " in said, said
     state = torch.load(output / "last.pt", weights_only=True)
-    assert {loc: c["read_bytes"] for loc, c in state["data_cost"].items()} == {
+    assert {loc: c["read_bytes"] for loc, c in state["data_cost"]["run"].items()} == {
         loc: c["read_bytes"] for loc, c in cost.items()
     }, "the checkpoint carries the run's reads"
     assert "data: every sample was read as the manifest lists it; the run read " in done.stdout
@@ -129,7 +132,7 @@ def test_a_rank_that_never_arrives_ends_every_live_rank_in_one_line(how: str, tm
     with hanging_server(data) as hanging:
         started = start_ranks(
             3, "--output", output, *TINY, "--epochs", "50", "--workers", "1", "--log-every", "1",
-            "--checkpoint-every", "3", "--collective-timeout", "5",
+            "--checkpoint-every", "3", "--collective-timeout", str(TIMEOUT),
             rank_args=lambda rank: ["--data", hanging if how == "hung read" and rank == 2 else data],
         )  # fmt: skip
         try:
@@ -138,10 +141,12 @@ def test_a_rank_that_never_arrives_ends_every_live_rank_in_one_line(how: str, tm
             for proc in started:
                 proc.kill()
     assert codes == dict.fromkeys([0, 2] if how == "killed" else [0, 1, 2], EXIT_RANKS_LOST), codes
-    assert took < 5 + 10, f"{took:.0f} s: bounded by --collective-timeout (and a few beats)"
+    assert took < TIMEOUT + 15, f"{took:.0f} s: bounded by --collective-timeout (and a few beats)"
     printed = "".join(out + (err or "") for out, err in (proc.communicate() for proc in started))
-    (line,) = [line for line in printed.splitlines() if "did not meet" in line]
-    assert line.startswith("ERROR: ranks did not meet at training step ") or "saving the checkpoint" in line, line
+    errors = [line for line in printed.splitlines() if "ERROR" in line]
+    (line,) = [line for line in errors if "did not meet" in line]
+    others = [e for e in errors if e != line]  # (rank 1, stopped, finds the store gone with rank 0 once continued)
+    assert not others or (how == "stopped" and all(e.startswith("rank 1: ") for e in others)), errors
     assert "continue with --resume auto" in line and "Traceback" not in printed, printed
     if how == "hung read":
         assert (
@@ -149,7 +154,7 @@ def test_a_rank_that_never_arrives_ends_every_live_rank_in_one_line(how: str, tm
         )
         assert "rank 0 " not in line and "rank 1 " not in line, "the ranks that arrived are not named"
         return
-    assert "rank 1 (node " in line and "silent for" in line, line
+    assert "rank 1 (node " in line and "silent (killed, stopped, or its node lost)" in line, line
     assert re.search(r"last seen at (training|waiting for data for|saving the checkpoint of) step \d+", line), line
     assert "rank 0 " not in line and "rank 2 " not in line, "the live ranks are not named"
     state = torch.load(output / "last.pt", weights_only=True)  # (whole: its digest is checked on resume)
@@ -171,3 +176,21 @@ def _stopped_one(started: list[Started], how: str) -> tuple[dict[int, int], floa
     if how != "killed":
         codes[1] = started[1].wait(timeout=30)
     return codes, took
+
+
+def figures(wait: float, forward: float = 10.0) -> dict:
+    return {"host": "n", "data_wait": wait, "forward_ms": forward, "busy": {}, "pace_mb_s": {}, "cache_mb_s": 0}
+
+
+@pytest.mark.parametrize(
+    ("ranks", "said"),
+    [
+        ([figures(0.001), figures(0.4)], "rank 1 (node n) held the others back: it waited 40% of its time"),
+        ([figures(0.01), figures(0.02), figures(0.3), figures(0.01)], "rank 2 (node n) held the others back"),
+        ([figures(0.2), figures(0.3)], "no one rank held the others back: every rank waited for data"),
+        ([figures(0.0, 10), figures(0.0, 10), figures(0.01, 12)], "rank 2 (node n) held the others back: its forward"),
+        ([figures(0.01, 10), figures(0.0, 10.5)], "no rank held the others back: the most any waited for data was 1%"),
+    ],
+)
+def test_the_line_names_the_rank_that_held_the_others_back(ranks: list[dict], said: str) -> None:
+    assert said in slowest(3, ranks)

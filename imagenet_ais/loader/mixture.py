@@ -196,7 +196,7 @@ class Shards:
         return f"{key}#{copy}" if copy else key
 
     def where(self, shard: int) -> str:
-        return f"{self.locations[self.source[shard]]}/{self.names[shard]}"
+        return f"{self.locations[self.source[shard]].rstrip('/')}/{self.names[shard]}"
 
     def rule(self, shard: int) -> LabelRule:
         """The rule ``shard``'s labels are read by."""

@@ -2,14 +2,15 @@
 cache served, bytes read again after a failure; per epoch and for the whole run, summed over
 ranks, the train and val loaders together.
 
-Each loader counts its own reads (loader/signals.py's READS); here they are summed over ranks
-once per epoch (one small gather: ranks may read from places of their own) and at each
-checkpoint, which carries the run's totals over a resume.
+Each loader counts its own reads (loader/signals.py's READS). Every rank's are gathered at each
+epoch's end (with its epoch figures, slow_rank.py: one small gather; ranks may read from places
+of their own) and at each checkpoint, which carries the run's totals and where its epoch began
+over a resume.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from imagenet_ais import distributed
@@ -20,59 +21,58 @@ from imagenet_ais.loader.synthetic import SyntheticLoader
 Cost = dict[str, dict[str, int]]  # location → READS
 
 
+def plus(*costs: Cost) -> Cost:
+    """The costs summed, location by location."""
+    locations = sorted({loc for cost in costs for loc in cost})
+    return {loc: {name: sum(c.get(loc, {}).get(name, 0) for c in costs) for name in READS} for loc in locations}
+
+
+def minus(a: Cost, b: Cost) -> Cost:
+    """What ``a`` holds more than ``b``, location by location."""
+    return {loc: {name: n - b.get(loc, {}).get(name, 0) for name, n in counts.items()} for loc, counts in a.items()}
+
+
+def totals(cost: Cost) -> dict[str, int]:
+    """``cost`` summed over its locations."""
+    return {name: sum(c[name] for c in cost.values()) for name in READS}
+
+
 @dataclass
 class DataCost:
-    """Call ``end_epoch`` after each epoch and ``run_totals`` at each save, on every rank (both
-    gather from all ranks); ``carried``: the run's totals in the checkpoint it resumed from. ``latest``:
-    the run's totals as the last of those calls found them (for a run ending where no collective may run)."""
+    """The run's reads: ``carried`` (the run's totals in the checkpoint it resumed from) and this
+    attempt's; ``epoch_start``: the run's totals when the epoch under way began. ``latest``: the
+    run's totals as the last gather found them (for a run ending where no collective may run)."""
 
     loaders: Sequence[ShardLoader | SyntheticLoader]
-    process: distributed.Process
     carried: Cost = field(default_factory=dict)
+    epoch_start: Cost = field(default_factory=dict)
     latest: Cost = field(default_factory=dict)
-    _at_epoch_start: Cost = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.latest = self.carried
 
-    def _summed(self) -> Cost:
-        """This attempt's reads so far, summed over the loaders and the ranks; ``latest`` set from them."""
-        mine: Cost = {}
-        for loader in self.loaders:
-            for location, counts in loader.reads().items():
-                mine[location] = _plus(mine.get(location, {}), counts)
-        summed: Cost = {}  # (ranks may read from places of their own: a node's mirror)
-        for theirs in distributed.gather_objects(mine):
-            for location, counts in theirs.items():
-                summed[location] = _plus(summed.get(location, {}), counts)
-        everywhere = sorted({*self.carried, *summed})
-        self.latest = {loc: _plus(self.carried.get(loc, {}), summed.get(loc, {})) for loc in everywhere}
-        return summed
+    def mine(self) -> Cost:
+        """This rank's reads in this attempt, its loaders' together."""
+        return plus(*(loader.reads() for loader in self.loaders))
 
-    def end_epoch(self) -> Cost:
-        """What the epoch just ended cost (its training and its validation)."""
-        now = self._summed()
-        epoch = {loc: _minus(counts, self._at_epoch_start.get(loc, {})) for loc, counts in now.items()}
-        self._at_epoch_start = now
+    def summed(self, gathered: Iterable[Cost]) -> Cost:
+        """The run's totals, from every rank's ``mine`` (``latest`` set to them)."""
+        self.latest = plus(self.carried, *gathered)
+        return self.latest
+
+    def end_epoch(self, gathered: Iterable[Cost]) -> Cost:
+        """What the epoch just ended cost (its training and its validation), from every rank's ``mine``."""
+        run = self.summed(gathered)
+        epoch, self.epoch_start = minus(run, self.epoch_start), run
         return epoch
 
     def run_totals(self) -> Cost:
-        """The run's reads: every attempt's, this one's so far included."""
-        self._summed()
-        return self.latest
+        """The run's reads so far (a collective: every rank calls it)."""
+        return self.summed(distributed.gather_objects(self.mine()))
 
-
-def _plus(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    return {name: a.get(name, 0) + b.get(name, 0) for name in READS}
-
-
-def _minus(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    return {name: a.get(name, 0) - b.get(name, 0) for name in READS}
-
-
-def totals(cost: Cost) -> dict[str, int]:
-    """``cost`` summed over its locations (for the trackers' charts)."""
-    return {name: sum(c[name] for c in cost.values()) for name in READS}
+    def state(self) -> dict[str, Cost]:
+        """What a checkpoint carries (``carried`` and ``epoch_start`` of the run that resumes from it)."""
+        return {"run": self.latest, "epoch_start": self.epoch_start}
 
 
 def described(cost: Cost) -> str:

@@ -36,20 +36,18 @@ from imagenet_ais.errors import (
 from imagenet_ais.loader import Interrupted, UnreadableData, WorkerDied
 from imagenet_ais.loader.shard_loader import ShardLoader
 from imagenet_ais.storage import locks
-from imagenet_ais.train import checkpoint, data_cost, decentralized, keys_log, resume, setup, upload
+from imagenet_ais.train import checkpoint, data_cost, decentralized, keys_log, resume, setup, upload, watchdog
 from imagenet_ais.train.config import TrainConfig, check, differences, image_sizes, with_recipe
 from imagenet_ais.train.data_health import DataHealth
 from imagenet_ais.train.ema import ModelEma
-from imagenet_ais.train.metrics import CLASSES, CONFIG, LOG, METRICS, TOP5_CLASSES, Reporter, accuracy, rank_says
+from imagenet_ais.train.metrics import CLASSES, CONFIG, LOG, TOP5_CLASSES, Reporter, accuracy, logs, rank_says
 from imagenet_ais.train.model import autocast, check_arch
 from imagenet_ais.train.progress import Progress, Window
 from imagenet_ais.train.resume import TrainState
 from imagenet_ais.train.setup import Parts, Run
 from imagenet_ais.train.slow_rank import slowest
-from imagenet_ais.train.watchdog import WAITING_FOR_DATA
 
 NONFINITE_STEPS = 10  # steps of a NaN or infinite loss before the run ends as diverged
-WATCHDOG_FIRST = 300.0  # seconds the process group's timeout exceeds --collective-timeout by
 
 
 class Diverged(Exception):
@@ -82,7 +80,7 @@ def train(
         # the backward pass: faster over NVLink (4 H200s: 25,319 img/s against 24,832, RESULTS run S)
         # Rank 0 writes the output: a second run into it would mix checkpoints and event files.
         # the group's own timeout past --collective-timeout: the watchdog's one line comes first
-        timeout = cfg.collective_timeout + WATCHDOG_FIRST if cfg.collective_timeout else None
+        timeout = cfg.collective_timeout + watchdog.FIRST if cfg.collective_timeout else None
         with (
             distributed.joined(timeout) as process,
             torch._dynamo.config.patch(optimize_ddp=False),
@@ -251,7 +249,7 @@ def train_one_epoch(run: Run) -> Stopped | None:
     stopped = None
     for step_in_epoch in range(train_state.first_step, steps):
         t0 = time.perf_counter()
-        at(run, f"{WAITING_FOR_DATA} for step {train_state.step + 1}")
+        at(run, f"waiting for data for step {train_state.step + 1}", meeting=False)
         try:
             x, y, keys = next(batches)
         except Interrupted:  # signalled while waiting for data (alone, or the others would not wait)
@@ -306,7 +304,8 @@ def epoch_ended(run: Run) -> None:
     the one that held the others back; logged (a ``report`` hears it on every rank), said by rank 0."""
     epoch = run.train_state.epoch + 1
     at(run, f"the end of epoch {epoch}")
-    cost, ranks = run.cost.end_epoch(), run.figures.gathered()
+    gathered = distributed.gather_objects((run.cost.mine(), run.figures.mine()))  # (one small gather an epoch)
+    cost, ranks = run.cost.end_epoch(c for c, _ in gathered), [figures for _, figures in gathered]
     held_back = slowest(epoch, ranks) if len(ranks) > 1 else None
     run.log.write(
         kind="epoch", epoch=epoch, step=run.train_state.step, **data_cost.totals(cost), data=cost, ranks=ranks,
@@ -318,10 +317,11 @@ def epoch_ended(run: Run) -> None:
         run.echo(held_back)
 
 
-def at(run: Run, what: str) -> None:
-    """Where this rank is (for the watchdog: a rank stuck somewhere is named with it)."""
+def at(run: Run, what: str, meeting: bool = True) -> None:
+    """Where this rank is (for the watchdog: a rank stuck somewhere is named with it); ``meeting``:
+    it may wait for the other ranks there."""
     if run.watchdog:
-        run.watchdog.now(what)
+        run.watchdog.now(what, meeting)
 
 
 def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, forwarded: Callable[[], None]) -> torch.Tensor:
@@ -428,7 +428,7 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
     if distributed.any_rank(not finite(run.raw_model), process.device):
         raise Diverged
     rng = distributed.gather_objects(checkpoint.rng_state())
-    data_read = run.cost.run_totals()
+    run.cost.run_totals()
     # where the epochs stand, an exact one's samples trained by any rank (synthetic data has none)
     data = loader.state_dict() if isinstance(loader, ShardLoader) else None
     if not process.main:
@@ -449,12 +449,13 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
         "rng": rng,
         "data": data,
         "data_identity": loader.identity(),
-        "data_cost": data_read,
+        "data_cost": run.cost.state(),
         "keys_logged": keys_log.sizes(run.output, epoch) if cfg.log_keys else {},
         "arch": cfg.arch,
         "classes": run.classes,
         "config": asdict(cfg),
     }
+    at(run, f"writing the checkpoint of step {train_state.step}", meeting=False)
     with run.watchdog.checkpoint_written() if run.watchdog else nullcontext():
         saved = checkpoint.save(state, run.output, train_state.step, cfg.keep_last)
     if best:
@@ -463,11 +464,6 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
         run.uploader.submit(saved.path, checkpoint_step=train_state.step, replace=saved.replaced)
         for file in logs(run.output):
             run.uploader.submit(file)
-
-
-def logs(output: Path) -> list[Path]:
-    """The run's files that go up with each checkpoint."""
-    return [f for f in (output / METRICS, output / LOG, *output.glob("events.out.tfevents.*")) if f.exists()]
 
 
 def finite(module: nn.Module) -> bool:

@@ -86,6 +86,11 @@ class MetricsLog:
             self.file.close()
 
 
+def logs(output: Path) -> list[Path]:
+    """The run's files that go up with each checkpoint."""
+    return [f for f in (output / METRICS, output / LOG, *output.glob("events.out.tfevents.*")) if f.exists()]
+
+
 def _drop_records_after(path: Path, step: int) -> None:
     if not path.exists():
         return

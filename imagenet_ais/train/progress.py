@@ -15,6 +15,7 @@ from tqdm import tqdm
 from imagenet_ais import distributed
 from imagenet_ais.loader.shard_loader import ShardLoader
 from imagenet_ais.loader.synthetic import SyntheticLoader
+from imagenet_ais.train import data_cost
 from imagenet_ais.train.metrics import gpu_sample
 
 
@@ -106,7 +107,7 @@ class Window:
         self.device = device
         self.start = time.perf_counter() if start is None else start
         self.end = self.start
-        self.read_start = self.read_end = read if read is not None else read_totals(loader)
+        self.read_start = self.read_end = read if read is not None else data_cost.totals(loader.reads())
         self.steps, self.waited = 0, 0.0
         self.losses: list[torch.Tensor] = []
         self.clock = StepClock(device)
@@ -134,7 +135,7 @@ class Window:
         steps_ms = sorted(self.clock.durations_ms())
         forward_ms = sorted(self.clock.forward_ms())
         counters = loader.counters()
-        self.read_end = read_totals(loader)
+        self.read_end = data_cost.totals(loader.reads())
         mine = {
             "loss": loss,
             "nonfinite_tail": nonfinite_tail,  # the window's last steps whose loss was NaN or infinite
@@ -179,12 +180,6 @@ class Window:
             ],
         }
         return record, totals
-
-
-def read_totals(loader: ShardLoader | SyntheticLoader) -> dict[str, int]:
-    """The bytes the loader has read so far, over its sources (loader/signals.py's READS)."""
-    counts = loader.reads().values()
-    return {name: sum(c[name] for c in counts) for name in ("read_bytes", "cache_bytes")}
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:

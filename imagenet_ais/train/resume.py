@@ -39,7 +39,7 @@ class TrainState:
     trackers: dict[str, str] = field(default_factory=dict)  # --tracker's runs (MLflow's, W&B's ids) to continue
     planned_epochs: int | None = None  # the --epochs of the checkpoint's run (its schedule's length)
     lr_before: float | None = None  # the learning rate the checkpoint's run would have stepped with next
-    data_cost: dict[str, dict[str, int]] = field(default_factory=dict)  # what its reads cost so far (data_cost.py)
+    data_cost: dict[str, Any] = field(default_factory=dict)  # what its reads cost (data_cost.DataCost's arguments)
 
 
 Found = tuple[Path, dict[str, Any]]  # a checkpoint's path and its state
@@ -152,11 +152,16 @@ def from_checkpoint(
         trackers=state.get("trackers", {}),
         planned_epochs=state["config"].get("epochs"),
         lr_before=lr_before,
-        data_cost=state.get("data_cost", {}),  # (older checkpoints counted none)
+        data_cost=_cost_carried(state.get("data_cost")),
     )
     if train_state.epoch < cfg.epochs:
         train_state.first_step = continue_epoch(state, cfg, loader, process, echo)
     return train_state
+
+
+def _cost_carried(saved: dict[str, Any] | None) -> dict[str, Any]:
+    """What a checkpoint's reads carry over (data_cost.DataCost.state; older checkpoints counted none)."""
+    return {"carried": saved["run"], "epoch_start": saved["epoch_start"]} if saved else {}
 
 
 def check_fits(state: dict[str, Any], path: Path, arch: str, opt: str, classes: list[str]) -> None:

@@ -12,6 +12,7 @@ import random
 import signal
 import sys
 import threading
+import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from imagenet_ais.train.config import TrainConfig
 from imagenet_ais.train.data_cost import DataCost
 from imagenet_ais.train.data_health import DataHealth
 from imagenet_ais.train.ema import ModelEma, ema_decay
-from imagenet_ais.train.metrics import MetricsLog, rank_says
+from imagenet_ais.train.metrics import MetricsLog, logs, rank_says
 from imagenet_ais.train.mixup import Mixer, batch_mixer
 from imagenet_ais.train.resume import TrainState
 from imagenet_ais.train.slow_rank import EpochFigures
@@ -297,11 +298,16 @@ def build(
     )  # fmt: skip
 
 
-def watch(parts: Parts, uploader: upload.Uploader | None) -> Watchdog | None:
+def watch(parts: Parts, train_state: TrainState, log: MetricsLog, uploader: upload.Uploader | None) -> Watchdog | None:
     """With several ranks and a --collective-timeout, the watchdog that ends them all where one
-    never reaches the others (watchdog.py); rank 0 flushes its uploads before its process ends."""
+    never reaches the others (watchdog.py); before a process ends so, its log and trackers are
+    closed (the run failed) and rank 0 uploads its logs."""
     cfg, process = parts.cfg, parts.process
-    if process.world == 1 or not cfg.collective_timeout:
+    if process.world == 1:
+        return None
+    # rank 0's setting on every rank (nodes started with others would not meet at the same calls)
+    timeout, token = distributed.broadcast_object((cfg.collective_timeout, uuid.uuid4().hex))
+    if not timeout:
         return None
     if not watchable():
         parts.echo(
@@ -311,8 +317,15 @@ def watch(parts: Parts, uploader: upload.Uploader | None) -> Watchdog | None:
         )
         return None
     say = functools.partial(parts.echo, err=True) if process.main else functools.partial(rank_says, process.rank)
-    flush = uploader.flush if uploader else lambda seconds: None
-    return Watchdog(process, cfg.collective_timeout, say, flush, parts.train_loader.in_reading)
+
+    def last_words(seconds: float) -> None:
+        log.close("failed", step=train_state.step)
+        if uploader:
+            for file in logs(parts.output):
+                uploader.submit(file)
+            uploader.flush(seconds)
+
+    return Watchdog(process, timeout, token, say, last_words, parts.train_loader.in_reading)
 
 
 FEW_STEPS = 10  # an epoch shorter than this is said: train.py's defaults (batch 256) on a small data set
@@ -403,12 +416,12 @@ def assemble(
     )
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     stop = StopSignal(process.world, stop_requested, says=process.main)
-    watchdog = watch(parts, uploader)
+    watchdog = watch(parts, train_state, log, uploader)
     if isinstance(parts.train_loader, ShardLoader):
         parts.train_loader.stop_waiting_when(stop.stop_waiting)
     return Run(
         **vars(parts), train_state=train_state, model=stepping, criterion=criterion,
         mixer=batch_mixer(cfg.mixup_alpha, cfg.cutmix_alpha, len(parts.classes)), scheduler=scheduler,
         log=log, uploader=uploader, stop=stop, figures=EpochFigures(parts.train_loader), watchdog=watchdog,
-        cost=DataCost(parts.loaders, process, train_state.data_cost),
+        cost=DataCost(parts.loaders, **train_state.data_cost),
     )  # fmt: skip

@@ -2,17 +2,19 @@
 
 A rank may die, be stopped, or hang in a read or on a hung worker; the others then wait in the
 collective library until its own timeout (NCCL's 10 minutes, gloo's 30) and end with a stack
-trace. Here each rank's main thread says what it is doing (``Watchdog.now``), and a thread of
-its own beats that into the job's rendezvous store (torchrun's, or rank 0's) every few seconds.
-A rank that has been at one place longer than ``--collective-timeout`` (a training step, whose
-all-reduce waits for every rank; a gather at an epoch's end) reads every rank's beat and writes
-the verdict once: the ranks that did not arrive, and what each was last doing, or that it went
-silent. Each rank's thread, seeing the verdict, ends its process with EXIT_RANKS_LOST: its main
-thread is blocked inside the collective library, where nothing wakes it. Rank 0 first waits for a
-checkpoint being written and the uploads under way, within the timeout.
+trace. Here each rank's main thread says where it is (``Watchdog.now``), and a thread of its own
+beats that into the job's rendezvous store (torchrun's, or rank 0's) every few seconds, with a
+count. A rank that has been at one place longer than ``--collective-timeout`` reads every rank's
+beat twice, a few beats apart (a count that did not move: a silent rank; clocks across nodes
+are not compared), and where some rank is silent or elsewhere, writes the verdict once: those
+ranks and what each was last doing. Where every rank is at the same place (a long first-step
+compile, a long validation) nothing is judged: the collective library's timeout stays the bound.
 
-A rank killed outright breaks gloo's connections instead: the collective raises at once, and
-``lost`` turns that into the same verdict once the rank's beats have stopped.
+Each rank's thread, seeing the verdict, ends its process with EXIT_RANKS_LOST (its main thread
+is blocked in the collective library, where nothing wakes it), after a checkpoint being written
+is finished and ``before_exit`` (rank 0: its logs closed and uploaded) within the timeout. A rank
+killed outright breaks gloo's connections instead: the collective raises at once, and ``lost``
+turns that into the same verdict.
 """
 
 from __future__ import annotations
@@ -23,10 +25,9 @@ import socket
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -35,52 +36,58 @@ from imagenet_ais import distributed
 from imagenet_ais.errors import EXIT_RANKS_LOST, first_line
 
 BEAT_MAX = 5.0  # seconds between beats at most (a tenth of the timeout where that is less)
-STALE_BEATS = 4  # beats missed before a rank counts as silent (killed, stopped, its node lost)
-WAITING_FOR_DATA = "waiting for data"  # (the rank's own --data-timeout bounds that wait)
+STALE_BEATS = 4  # beats a count may stand still before its rank counts as silent (killed, stopped, its node lost)
+FIRST = 300.0  # seconds the process group's own timeout exceeds --collective-timeout by: this line comes first
 VERDICT = "verdict"
+# what the store's client raises when its server is gone or does not answer
+UNANSWERED = (dist.DistError, OSError)
 
 
 @dataclass(frozen=True)
 class Doing:
-    """What a rank's main thread is doing, since when (wall time: beats are compared across nodes)."""
+    """Where a rank's main thread is, since when (monotonic); ``meeting``: it may be waiting for the
+    other ranks there (a step's all-reduce, a gather), not for something of its own (its data)."""
 
     what: str
-    since: float
+    meeting: bool = True
+    since: float = field(default_factory=time.monotonic)
 
 
 class Watchdog:
     """Call ``now`` wherever the run moves on, ``lost`` when a collective raised, and ``close`` at
     the run's end. ``say``: this rank's voice (rank 0's echo, else stderr); ``before_exit``: what
-    must finish before the process ends (rank 0: pending uploads), given a deadline in seconds;
-    ``reading``: the shards the training loader's workers read, and for how long (a rank waiting
-    for data is named with them)."""
+    must finish before the process ends (rank 0: its logs closed and uploaded), given a deadline in
+    seconds; ``reading``: the shards the training loader's workers read, and for how long (a rank
+    waiting for data is named with them). ``token`` names this attempt's keys in the store (the
+    same on every rank, another on each attempt)."""
 
     def __init__(
         self,
         process: distributed.Process,
         timeout: float,
+        token: str,
         say: Callable[[str], None],
         before_exit: Callable[[float], object],
         reading: Callable[[], list[tuple[str, float]]],
     ) -> None:
         self.process, self.timeout, self.say, self.before_exit = process, timeout, say, before_exit
         self.reading = reading
-        self.beat = min(BEAT_MAX, timeout / 10)
+        self.beat = min(BEAT_MAX, self.timeout / 10)
         self.stale = max(STALE_BEATS * self.beat, 2.0)
-        self.doing = Doing("starting", time.time())
-        self.host = socket.gethostname()
+        self.doing, self.count, self.host = Doing("starting", meeting=False), 0, socket.gethostname()
         self.writing = threading.Lock()  # held while a checkpoint is written: never ended halfway
-        token = distributed.broadcast_object(uuid.uuid4().hex)  # this attempt's keys, apart from any other's
-        self.store = _store(f"imagenet_ais/watchdog/{token}/", self.stale)
+        self.store = _store(f"imagenet_ais/watchdog/{token}", self.stale)  # this attempt's keys alone
         self.stopped = threading.Event()
         self.ending = threading.Event()  # the main thread ends the run itself (``lost``): beat on, end nothing
+        self.verdict: str | None = None  # once seen (the store may go with the rank that held it)
+        self.said = threading.Lock()  # the line is said once, by its thread or the main one, whichever first
         self._beat()  # (before any rank can judge: every rank is here)
         self.thread = threading.Thread(target=self._watch, name="imagenet_ais watchdog", daemon=True)
         self.thread.start()
 
-    def now(self, what: str) -> None:
+    def now(self, what: str, meeting: bool = True) -> None:
         """The main thread moves on to ``what`` (a new object: the watching thread reads it whole)."""
-        self.doing = Doing(what, time.time())
+        self.doing = Doing(what, meeting)
 
     @contextmanager
     def checkpoint_written(self) -> Iterator[None]:
@@ -92,46 +99,39 @@ class Watchdog:
         self.stopped.set()
         self.thread.join(timeout=2 * self.beat)
 
-    def lost(self, error: BaseException) -> str | None:
-        """After a collective raised ``error``: the verdict once a rank's beats have stopped (or
-        another rank's verdict), said where this rank speaks; None where every rank still beats
-        (then ``error`` is no lost rank's)."""
+    def lost(self, error: RuntimeError) -> bool:
+        """After a collective raised ``error``: whether a rank was lost (its beats stopped, or
+        another rank's verdict says so), said where this rank speaks; False where every rank still
+        beats (``error`` is no lost rank's). Only the collective libraries' errors are looked into."""
+        if not (isinstance(error, dist.DistError) or any(lib in str(error) for lib in ("gloo", "NCCL"))):
+            return False
         self.ending.set()  # (the main thread ends the run: finish closes the logs and uploads)
-        deadline = time.monotonic() + self.stale + 2 * self.beat
-        while True:
-            try:
-                beats = self._beats()
-                silent = [r for r, b in beats.items() if b is None or time.time() - b["t"] > self.stale]
-                verdict = self._verdict() or (self._judge(beats, first_line(error)) if silent else None)
-            except Exception:  # the store is gone with the rank that held it
-                verdict = self._store_gone()
-            if verdict or time.monotonic() > deadline:
-                break
-            time.sleep(self.beat)
-        if verdict and json.loads(verdict)["speaker"] == self.process.rank:
-            self.say(json.loads(verdict)["line"])
-        return json.loads(verdict)["line"] if verdict else None
+        try:
+            verdict = self._seen() or self._judge(self.doing, first_line(error), silent_only=True)
+        except UNANSWERED:  # the store went with the rank that held it
+            verdict = self.verdict or self._store_gone()
+        if verdict:
+            self._say(json.loads(verdict))
+        return verdict is not None
 
     def _watch(self) -> None:
         while not self.stopped.wait(self.beat):
+            doing = self.doing
+            stuck = doing.meeting and time.monotonic() - doing.since > self.timeout
             try:
                 self._beat()
-                verdict = self._verdict()
-                doing = self.doing
-                stuck = not doing.what.startswith(WAITING_FOR_DATA) and time.time() - doing.since > self.timeout
-                if not verdict and stuck:
-                    verdict = self._judge(self._beats())
-            except Exception:  # the store is gone with the rank that held it (or unreachable)
-                verdict = self._store_gone() if time.time() - self.doing.since > self.timeout else None
+                verdict = self._seen() or (self._judge(doing) if stuck else None)
+            except UNANSWERED:  # the store went with the rank that held it (or does not answer)
+                verdict = self.verdict or (self._store_gone() if stuck else None)
             if verdict and not (self.stopped.is_set() or self.ending.is_set()):
                 self._end(json.loads(verdict))
 
     def _beat(self) -> None:
-        d = self.doing
+        d, self.count = self.doing, self.count + 1  # (two threads may beat: any change of the count is life)
         what = d.what
-        if what.startswith(WAITING_FOR_DATA) and (reads := sorted(self.reading(), key=lambda r: -r[1])):
+        if not d.meeting and (reads := sorted(self.reading(), key=lambda r: -r[1])):
             what += f" (its workers reading {', '.join(f'{shard} for {s:.0f} s' for shard, s in reads[:3])})"
-        beat = {"t": time.time(), "what": what, "since": d.since, "host": self.host}
+        beat = {"n": self.count, "what": what, "for": time.monotonic() - d.since, "host": self.host}
         self.store.set(f"beat/{self.process.rank}", json.dumps(beat))
 
     def _beats(self) -> dict[int, dict | None]:
@@ -141,39 +141,41 @@ class Watchdog:
             beats[rank] = json.loads(self.store.get(key)) if self.store.check([key]) else None
         return beats
 
-    def _verdict(self) -> str | None:
-        return self.store.get(VERDICT).decode() if self.store.check([VERDICT]) else None
+    def _seen(self) -> str | None:
+        if self.verdict is None and self.store.check([VERDICT]):
+            self.verdict = self.store.get(VERDICT).decode()
+        return self.verdict
 
-    def _judge(self, beats: dict[int, dict | None], failed: str = "") -> str:
-        """The verdict on the ranks that are not where this one waits, written once for all ranks
-        (the store's compare-and-set: the first rank's stands); returned as it stands."""
-        me, now = self.doing, time.time()
+    def _judge(self, doing: Doing, failed: str = "", silent_only: bool = False) -> str | None:
+        """The verdict on the ranks that are silent or not where this one waits at ``doing``,
+        written once for all ranks (the store's compare-and-set: the first rank's stands), or
+        None: none is missing (``silent_only``: none is silent), or this rank moved on meanwhile."""
+        before = self._beats()
+        for _ in range(round(self.stale / self.beat)):  # (a count that stands still over this: a silent rank)
+            time.sleep(self.beat)
+            self._beat()  # (this rank's own goes on: another rank may be judging too)
+        after = self._beats()
         missing, silent = [], set()
-        for rank, beat in beats.items():
+        for rank in range(self.process.world):
+            was, beat = before[rank], after[rank]
             if rank == self.process.rank:
                 continue
-            if beat is None:
-                missing.append(f"rank {rank} never beat (did it start?)")
+            if beat is None or (was is not None and was["n"] == beat["n"]):
+                last = f", last seen at {beat['what']}" if beat else ""
+                missing.append(f"rank {rank}{_node(beat)} silent (killed, stopped, or its node lost){last}")
                 silent.add(rank)
-            elif now - beat["t"] > self.stale:
-                missing.append(
-                    f"rank {rank} (node {beat['host']}) silent for {now - beat['t']:.0f} s (killed, stopped, or its "
-                    f"node lost), last seen at {beat['what']}"
-                )
-                silent.add(rank)
-            elif beat["what"] != me.what:
-                missing.append(f"rank {rank} (node {beat['host']}) {beat['what']} for {now - beat['since']:.0f} s")
+            elif beat["what"] != doing.what and not silent_only:
+                missing.append(f"rank {rank}{_node(beat)} {beat['what']} for {beat['for']:.0f} s")
+        if not missing or (self.doing is not doing and not failed):
+            return None
         how = f" ({failed})" if failed else f" within --collective-timeout {self.timeout:g} s"
-        who = (
-            "; ".join(missing) or "every rank is there, yet the collective never completed (a network or library hang?)"
-        )
         line = (
-            f"ERROR: ranks did not meet at {me.what}{how}: {who}. The run ends on every rank (exit {EXIT_RANKS_LOST}); "
-            "its last checkpoint stands: continue with --resume auto once every rank can run"
+            f"ERROR: ranks did not meet at {doing.what}{how}: {'; '.join(missing)}. The run ends on every rank "
+            f"(exit {EXIT_RANKS_LOST}); its last checkpoint stands: continue with --resume auto once every rank can run"
         )
-        speaker = min(r for r in range(self.process.world) if r not in silent)
-        verdict = json.dumps({"line": line, "speaker": speaker})
-        return self.store.compare_set(VERDICT, "", verdict).decode()
+        verdict = json.dumps({"line": line, "speaker": min(set(range(self.process.world)) - silent)})
+        self.verdict = self.store.compare_set(VERDICT, "", verdict).decode()
+        return self.verdict
 
     def _store_gone(self) -> str:
         line = (
@@ -183,15 +185,30 @@ class Watchdog:
         )
         return json.dumps({"line": line, "speaker": self.process.rank})
 
+    def _say(self, verdict: dict) -> None:
+        if verdict["speaker"] == self.process.rank and self.said.acquire(blocking=False):
+            self.say(verdict["line"])
+
     def _end(self, verdict: dict) -> None:
         """Ends this process: its main thread is blocked in the collective for good."""
-        if verdict["speaker"] == self.process.rank:
-            self.say(verdict["line"])
+        self._say(verdict)
+        deadline = time.monotonic() + self.timeout
         if self.writing.acquire(timeout=self.timeout):  # a checkpoint being written is finished first
-            self.before_exit(self.timeout)
+            self.before_exit(max(0.0, deadline - time.monotonic()))
+        if _holds_store(self.process):  # the others read the verdict from it first
+            time.sleep(2 * self.beat)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_RANKS_LOST)
+
+
+def _node(beat: dict | None) -> str:
+    return f" (node {beat['host']})" if beat else ""
+
+
+def _holds_store(process: distributed.Process) -> bool:
+    """Whether this process serves the job's store: rank 0, unless torchrun's agent does."""
+    return process.main and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
 
 
 def _store(prefix: str, timeout: float) -> dist.Store:
