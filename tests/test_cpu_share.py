@@ -18,7 +18,21 @@ from test_transforms import jpeg, photo, pixels
 from test_wire import off_the_main_thread
 
 from imagenet_ais.errors import ConfigError
-from imagenet_ais.loader.cpu_share import AUTO, GAIN, HOST_BUSY, IDLE, LIMIT, STEP_WAIT, CpuShare, checked, offload
+from imagenet_ais.loader.cpu_share import (
+    AUTO,
+    GAIN,
+    HOST_BUSY,
+    IDLE,
+    LIMIT,
+    PAUSE,
+    START,
+    STEP,
+    STEP_WAIT,
+    WINDOW,
+    CpuShare,
+    checked,
+    offload,
+)
 from imagenet_ais.loader.cpu_time import cpu_jiffies, own_cpu_jiffies
 from imagenet_ais.loader.engine import Feeding, TrainLoader
 from imagenet_ais.loader.mixture import one_source
@@ -129,12 +143,12 @@ class Cores:
 
 
 def test_auto_takes_more_while_a_worker_waits_and_gives_back_while_it_is_late() -> None:
-    share = CpuShare(AUTO, Cores(busy=0.5))
-    assert share.share == 0 and not share.take()
+    share = CpuShare(AUTO, Cores(busy=0.5))  # no crop timed yet: it moves by GAIN
+    assert share.share == START and not share.take()
     share.observe(0.3, 0.3)  # not a whole window yet
-    assert share.share == 0
+    assert share.share == START
     share.observe(0.0, 0.4)  # a window: waited 0.7 of it
-    assert share.share == pytest.approx(GAIN * (0.7 - IDLE))
+    assert share.share == pytest.approx(START + GAIN * (0.7 - IDLE))
     for _ in range(20):
         share.observe(0.2, 0.8)
     assert share.share == LIMIT
@@ -143,6 +157,57 @@ def test_auto_takes_more_while_a_worker_waits_and_gives_back_while_it_is_late() 
     for _ in range(20):
         share.observe(1.0, 0.0)
     assert share.share == 0
+
+
+def test_auto_starts_cropping_at_once() -> None:
+    share = CpuShare(AUTO, Cores(busy=0.5))
+    assert sum(share.take() for _ in range(round(10 / START))) == 10  # before any window
+    assert CpuShare(AUTO, lambda: None).share == START > 0
+
+
+def window(share: CpuShare, samples: int, cropped: int, crop: float, idle: float) -> None:
+    """One window of ``samples``, ``cropped`` of them taking ``crop`` seconds each, the worker
+    having waited ``idle`` of WINDOW seconds."""
+    busy = (WINDOW + 1e-9 - idle) / samples  # (a hair over: the sum of their parts reaches WINDOW)
+    for i in range(samples):
+        share.observe(busy, idle / samples, crop if i < cropped else 0.0)
+
+
+def test_auto_turns_its_spare_time_into_crops_at_what_they_took() -> None:
+    share = CpuShare(AUTO, Cores(busy=0.5))
+    # 100 samples a window, a crop 10 ms: a share of 1 would take the whole window
+    window(share, 100, cropped=5, crop=0.01, idle=IDLE + 0.2)
+    assert share.share == pytest.approx(START + STEP * 0.2)
+    window(share, 100, cropped=5, crop=0.005, idle=IDLE + 0.1)  # crops twice as cheap: twice as many
+    assert share.share == pytest.approx(START + STEP * 0.2 + 2 * STEP * 0.1)
+    window(share, 100, cropped=5, crop=0.005, idle=IDLE - 0.1)  # short of time: frees STEP of what it lacked
+    assert share.share == pytest.approx(START + STEP * 0.2)
+    window(share, 100, cropped=0, crop=0.0, idle=IDLE + 0.1)  # no crop in it: the last cost holds
+    assert share.share == pytest.approx(START + STEP * 0.2 + 2 * STEP * 0.1)
+
+
+def test_a_long_wait_is_a_pause_not_time_to_spare() -> None:
+    share = CpuShare(AUTO, Cores(busy=0.5))
+    share.observe(0.3, 0.4)
+    share.observe(0.0, PAUSE + 1)  # compiling, validating: no change, and the window starts again
+    assert share.share == START
+    share.observe(0.0, 0.6)  # 0.6 s of the new window: not yet a whole one
+    assert share.share == START
+    share.observe(0.0, 0.4)
+    assert share.share == pytest.approx(START + GAIN * (1 - IDLE))
+
+
+def test_offload_tells_the_share_how_long_each_crop_took() -> None:
+    class Seen(CpuShare):
+        def observe(self, busy: float, idle: float, cropping: float = 0.0) -> None:
+            seen.append((busy, cropping))
+
+    seen: list[tuple[float, float]] = []
+    good = encode_for_device(jpeg(photo(120, 100)), None)
+    samples = [((good[0], good[1], []), 0, f"k{i}", 0, i) for i in range(4)]
+    list(offload(iter(samples), Seen(0.5), 16, mp.Value("q", 0), lambda s, what: None))
+    assert [cropping > 0 for _, cropping in seen] == [False, True, False, True]
+    assert all(busy >= cropping for busy, cropping in seen)
 
 
 def test_auto_gives_back_while_the_hosts_cores_are_taken_even_if_it_waits() -> None:
