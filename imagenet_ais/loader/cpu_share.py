@@ -32,12 +32,12 @@ training step's wait (STEP_WAIT) and the job's own cores for the cap (not yet me
 How soon it settles (run BC, bench/settle.sh: ResNet-18 bs512 from ``--max-side 256 --quality
 90`` shards, 1,300 steps, against the ceiling of the same call): moved by GAIN from 0, the
 workers cropped 0.07 of the samples over steps 10-50 and 0.21 over 50-100; with timed crops,
-0.17 and 0.28; both held 0.18-0.25 after. From step 100 on, 0.878 of the ceiling over steps
+0.17 and 0.28; both held 0.16-0.28 after. From step 100 on, 0.878 of the ceiling over steps
 100-500 and 0.876 over 100-1,300, against 0.857 and 0.854 on the same machine (0.863 / 0.887
 against 0.849 / 0.877 on another, with a variant that also ignored STEP_WAIT for 5 s after a
 pause: dropped, as it cropped where ResNet-50 at 160 px needed none, 0.940-0.943 against
 0.945-0.948; the rule kept was not run on ResNet-50). What is still lost from step 100 on is not
-the share: single steps of 250-370 ms and stretches of 38 ms steps with the share where it
+the share: single steps of 250-370 ms and stretches of 37-48 ms steps with the share where it
 settles, more of them with a fixed 0.24.
 """
 
