@@ -40,6 +40,7 @@ from imagenet_ais.cli import train as train_cli
 from imagenet_ais.errors import EXIT_PREEMPTED, first_line
 from imagenet_ais.loader.mixture import parse_source
 from imagenet_ais.train import setup
+from imagenet_ais.train.watchdog import FIRST
 
 STOP_FILE = ".ray-stop"  # the driver's word to its workers, in --output (which all of them reach)
 
@@ -176,7 +177,7 @@ def main(
 
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     try:
         ray.init(address=address or "local", runtime_env={"py_modules": [str(Path(imagenet_ais.__file__).parent)]})
@@ -186,6 +187,8 @@ def main(
         trainer = TorchTrainer(
             worker,
             train_loop_config=asdict(cfg),
+            # the group's own timeout past --collective-timeout, as train.py's (Ray sets the group up)
+            torch_config=TorchConfig(timeout_s=int(cfg.collective_timeout + FIRST)) if cfg.collective_timeout else None,
             scaling_config=ScalingConfig(
                 num_workers=num_workers, use_gpu=gpu, resources_per_worker={"CPU": cpus_per_worker}
             ),

@@ -246,6 +246,7 @@ class AISStore(_StoreBase):
 
     @_ais_errors
     def exists(self, name: str) -> bool:
+        self._sent()
         try:
             self._obj(name).head()
         except Exception as e:
@@ -256,7 +257,7 @@ class AISStore(_StoreBase):
 
     @_ais_errors
     def size(self, name: str) -> int:
-        self._sent()  # (counted here: the SDK's sessions are made anew in each process)
+        self._sent()  # (reads are counted at their calls: the SDK's sessions are made anew in each process)
         return int(self._obj(name).head().size)
 
     @_ais_errors
@@ -284,6 +285,7 @@ class AISStore(_StoreBase):
 
     @_ais_errors
     def read_bytes(self, name: str) -> bytes:
+        self._sent()
         return self._obj(name).get_reader().read_all()
 
     @_ais_errors

@@ -34,7 +34,7 @@ class Store(Protocol):
     def scratch_file(self, name: str) -> Path: ...
     def matches(self, name: str, path: Path) -> bool: ...  # the object exists with path's exact bytes
 
-    requests: int  # requests sent to its server so far, retries included (what reads cost)
+    requests: int  # requests sent to its server so far, retries included (AIStore's: its reads' HEADs and GETs)
 
 
 def is_inside(name: str) -> bool:

@@ -82,14 +82,14 @@ def slowest(epoch: int, ranks: list[dict[str, Any]]) -> str:
     waits = [r["data_wait"] for r in ranks]
     worst = max(range(len(ranks)), key=lambda i: (waits[i], -i))
     others = statistics.median(w for i, w in enumerate(waits) if i != worst)
+    if waits[worst] >= WAITED and waits[worst] >= 2 * others:  # (the others may wait some: for it, or at the start)
+        return f"epoch {epoch}: {_named(worst, ranks)} held the others back: {_starved(worst, ranks, others)}"
     if min(waits) >= WAITED:
         return (
             f"epoch {epoch}: no one rank held the others back: every rank waited for data (the median rank "
             f"{statistics.median(waits):.0%} of its time, rank {worst} the most, {waits[worst]:.0%}); the feed is "
             f"the limit{_busiest(ranks[worst])}"
         )
-    if waits[worst] >= WAITED and waits[worst] >= 2 * others:
-        return f"epoch {epoch}: {_named(worst, ranks)} held the others back: {_starved(worst, ranks, others)}"
     forwards = [r["forward_ms"] for r in ranks]
     longest, median = max(range(len(ranks)), key=lambda i: (forwards[i], -i)), statistics.median(forwards)
     if median and forwards[longest] > (1 + SLOWER) * median:
