@@ -149,6 +149,10 @@ def test_an_exact_epoch_stopped_on_one_topology_ends_on_another_with_each_sample
     assert (end["epoch"], end["step"]) == (2, k1 + k2 + steps2)
     steps = [r["step"] for r in metrics(output) if r["kind"] == "train"]
     assert steps == list(range(1, k1 + k2 + steps2 + 1)), "each step recorded once, in order"
+    # what the reads cost, carried over the stop: both attempts' reads of epoch 1 in its record
+    epochs = [r["read_bytes"] for r in metrics(output) if r["kind"] == "epoch"]
+    run_before, run_after = (sum(c["read_bytes"] for c in s["data_cost"]["run"].values()) for s in (stopped, end))
+    assert len(epochs) == 2 and sum(epochs) == run_after > run_before > 0, (epochs, run_before, run_after)
 
 
 def test_an_epoch_stopped_on_its_last_step_is_validated_then_the_next_follows_on_another_batch(tmp_path: Path) -> None:
