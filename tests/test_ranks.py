@@ -23,6 +23,7 @@ from conftest import TINY, wait_until, write_shards
 from forked import Started, ranks, start_ranks
 
 from imagenet_ais.errors import EXIT_RANKS_LOST
+from imagenet_ais.train.data_cost import described
 from imagenet_ais.train.slow_rank import slowest
 
 TRAIN, VAL = [8] * 6, [4, 4]  # 48 samples: 4 steps of 3 ranks × 4
@@ -194,3 +195,13 @@ def figures(wait: float, forward: float = 10.0) -> dict:
 )
 def test_the_line_names_the_rank_that_held_the_others_back(ranks: list[dict], said: str) -> None:
     assert said in slowest(3, ranks)
+
+
+def test_the_data_line_says_each_stores_bytes_requests_and_cache() -> None:
+    remote = {"read_bytes": 156_000_000_000, "read_requests": 2204, "cache_bytes": 0, "reread_bytes": 0, "store_us": 9}
+    cached = {"read_bytes": 0, "read_requests": 0, "cache_bytes": 154_000_000_000, "reread_bytes": 1_200_000_000}
+    said = described({"s3://b/imagenet": remote, "/data/shards": {**cached, "store_us": 0}})
+    assert said == (
+        "s3://b/imagenet 156 GB in 2,204 requests; "
+        "/data/shards 0 B, 154 GB from the node's cache, 1.2 GB read again after a failure"
+    )

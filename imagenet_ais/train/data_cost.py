@@ -81,7 +81,7 @@ def described(cost: Cost) -> str:
     parts = []
     for location, c in cost.items():
         said = f"{location} {_size(c['read_bytes'])}"
-        said += f" in {c['read_requests']:,} requests" if c["read_requests"] else " read"  # (a directory: none)
+        said += f" in {c['read_requests']:,} requests" if c["read_requests"] else ""  # (a directory: none)
         if c["cache_bytes"]:
             said += f", {_size(c['cache_bytes'])} from the node's cache"
         if c["reread_bytes"]:
