@@ -144,8 +144,7 @@ def convert_cmd(
     for name, split in manifest.splits.items():  # last, where they are seen: what each split holds, and lost
         rejected = f"{len(split.rejected)} rejected" + (" (listed above and in the manifest)" if split.rejected else "")
         click.echo(f"{name}: {split.samples} samples in {_shards(split.shards)}, {rejected}")
-    if line := quality_line(dest, manifest.class_counts.get("train", [])):
-        click.echo(f"train: {line}")
+    _echo_quality(dest, manifest)
 
 
 @cli.command("verify")
@@ -227,8 +226,7 @@ def index_cmd(
     for name, split in manifest.splits.items():
         click.echo(f"{name}: {split.samples} samples in {_shards(split.shards)}, {len(split.rejected)} rejected")
         _echo_rejected(split, most=20)
-    if line := quality_line(manifest.shards_location(data_at), manifest.class_counts.get("train", [])):
-        click.echo(f"train: {line}")
+    _echo_quality(manifest.shards_location(data_at), manifest)
     click.echo(f"train with --data {data_at}")
 
 
@@ -267,8 +265,7 @@ def reshard_cmd(src: str, dst: str, maxcount: int, seed: int, spool: Path | None
         )
     for name, split in manifest.splits.items():
         click.echo(f"{dst}: {name}: {split.samples} samples in {_shards(split.shards)}")
-    if line := quality_line(dst, manifest.class_counts.get("train", [])):
-        click.echo(f"train: {line}")
+    _echo_quality(dst, manifest)
 
 
 @cli.command("summary")
@@ -285,8 +282,7 @@ def summary_cmd(dest: str) -> None:
             f"size={_human(split.bytes)} rejected={len(split.rejected)}"
         )
         _echo_rejected(split, most=20)
-    if line := quality_line(manifest.shards_location(dest), manifest.class_counts.get("train", [])):
-        click.echo(f"train: {line}")
+    _echo_quality(manifest.shards_location(dest), manifest)
 
 
 def _stored(manifest: Manifest) -> str:
@@ -306,6 +302,12 @@ def _echo_rejected(split: SplitInfo, most: int | None = None) -> None:
         click.echo(f"  rejected {r['path']}: {r['reason']}")
     if most is not None and len(split.rejected) > most:
         click.echo(f"  ... and {len(split.rejected) - most} more (the manifest lists them all)")
+
+
+def _echo_quality(location: str, manifest: Manifest) -> None:
+    """How well the train split's shards mix its classes (quality.py), where its manifest counted them."""
+    if line := quality_line(location, manifest.class_counts.get("train", [])):
+        click.echo(f"train: {line}")
 
 
 if __name__ == "__main__":  # python -m imagenet_ais.cli.shards
