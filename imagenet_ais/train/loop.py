@@ -249,7 +249,7 @@ def train_one_epoch(run: Run) -> Stopped | None:
     stopped = None
     for step_in_epoch in range(train_state.first_step, steps):
         t0 = time.perf_counter()
-        at(run, f"waiting for data for step {train_state.step + 1}", meeting=False)
+        at(run, f"waiting for data for step {train_state.step + 1}", for_data=True)
         try:
             x, y, keys = next(batches)
         except Interrupted:  # signalled while waiting for data (alone, or the others would not wait)
@@ -317,11 +317,11 @@ def epoch_ended(run: Run) -> None:
         run.echo(held_back)
 
 
-def at(run: Run, what: str, meeting: bool = True) -> None:
+def at(run: Run, what: str, meeting: bool = True, for_data: bool = False) -> None:
     """Where this rank is (for the watchdog: a rank stuck somewhere is named with it); ``meeting``:
-    it may wait for the other ranks there."""
+    it may wait for the other ranks there; ``for_data``: it waits for its next batch."""
     if run.watchdog:
-        run.watchdog.now(what, meeting)
+        run.watchdog.now(what, meeting, for_data)
 
 
 def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, forwarded: Callable[[], None]) -> torch.Tensor:

@@ -46,10 +46,12 @@ UNANSWERED = (dist.DistError, OSError)
 @dataclass(frozen=True)
 class Doing:
     """Where a rank's main thread is, since when (monotonic); ``meeting``: it may be waiting for the
-    other ranks there (a step's all-reduce, a gather), not for something of its own (its data)."""
+    other ranks there (a step's all-reduce, a gather), not for something of its own; ``for_data``:
+    it waits for its loader's next batch (its beats name the shards the workers read)."""
 
     what: str
     meeting: bool = True
+    for_data: bool = False
     since: float = field(default_factory=time.monotonic)
 
 
@@ -85,9 +87,9 @@ class Watchdog:
         self.thread = threading.Thread(target=self._watch, name="imagenet_ais watchdog", daemon=True)
         self.thread.start()
 
-    def now(self, what: str, meeting: bool = True) -> None:
+    def now(self, what: str, meeting: bool = True, for_data: bool = False) -> None:
         """The main thread moves on to ``what`` (a new object: the watching thread reads it whole)."""
-        self.doing = Doing(what, meeting)
+        self.doing = Doing(what, meeting and not for_data, for_data)
 
     @contextmanager
     def checkpoint_written(self) -> Iterator[None]:
@@ -129,7 +131,7 @@ class Watchdog:
     def _beat(self) -> None:
         d, self.count = self.doing, self.count + 1  # (two threads may beat: any change of the count is life)
         what = d.what
-        if not d.meeting and (reads := sorted(self.reading(), key=lambda r: -r[1])):
+        if d.for_data and (reads := sorted(self.reading(), key=lambda r: -r[1])):
             what += f" (its workers reading {', '.join(f'{shard} for {s:.0f} s' for shard, s in reads[:3])})"
         beat = {"n": self.count, "what": what, "for": time.monotonic() - d.since, "host": self.host}
         self.store.set(f"beat/{self.process.rank}", json.dumps(beat))
