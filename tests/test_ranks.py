@@ -11,6 +11,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -205,3 +207,15 @@ def test_the_data_line_says_each_stores_bytes_requests_and_cache() -> None:
         "s3://b/imagenet 156 GB in 2,204 requests; "
         "/data/shards 0 B, 154 GB from the node's cache, 1.2 GB read again after a failure"
     )
+
+
+@pytest.mark.parametrize(("codes", "status"), [((6, 6), 6), ((6, 1), 1)], ids=["all lost", "one failed"])
+def test_torchruns_wrapper_ends_as_its_ranks_where_they_said_why(codes: tuple, status: int, tmp_path: Path) -> None:
+    """Ranks that all end with 6 (each said why in one line) end the torchrun wrapper with 6, and
+    no ChildFailedError report; a rank that failed otherwise is reported as torchrun reports it."""
+    script = tmp_path / "rank.py"
+    script.write_text(f"import os, sys\nsys.exit({list(codes)}[int(os.environ['LOCAL_RANK'])])\n")
+    torchrun = [sys.executable, "-m", "imagenet_ais.cli.torchrun", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run([*torchrun, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == status, done.stderr
+    assert ("ChildFailedError" in done.stderr) == (status != EXIT_RANKS_LOST), done.stderr

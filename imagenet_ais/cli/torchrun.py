@@ -4,8 +4,9 @@ SIGTERM or Ctrl-C (SIGINT) on to the ranks and waits for them, and they save and
 exits quietly with the status of a process that the signal ended (128 + N: 143, 130), where
 torchrun adds a SignalException traceback and its warnings and exits 1, whatever the ranks did.
 Ranks that all end as stopped after saving (75: Slurm's SIGUSR1 warning, which they take
-themselves) end it with 75, where torchrun told a ChildFailedError. A rank that fails otherwise
-is told as torchrun tells it."""
+themselves) end it with 75, and ranks that all end because some rank never met them (6, told in
+one line by a rank: train/watchdog.py) end it with 6, where torchrun told a ChildFailedError. A
+rank that fails otherwise is told as torchrun tells it."""
 
 from __future__ import annotations
 
@@ -18,16 +19,17 @@ from torch.distributed.elastic.multiprocessing import api as processes
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from imagenet_ais.errors import EXIT_PREEMPTED
+from imagenet_ais.errors import EXIT_PREEMPTED, EXIT_RANKS_LOST
 
 # The agent's warnings that narrate a stop by a signal (torch 2.4 to 2.11): that it came, and that it
 # went on to each rank. (One that it had to kill a rank that did not end in time stays.)
 NARRATION = ("Received %s death signal, shutting down workers", "Sending process %s closing signal %s")
 FAILED = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"  # its agent's line for a rank's end
+TOLD = (EXIT_PREEMPTED, EXIT_RANKS_LOST)  # the ranks' own ends, each said by them in one line
 
 
 def _not_narration(record: logging.LogRecord) -> bool:
-    stopped = record.msg == FAILED and isinstance(record.args, tuple) and record.args[0] == EXIT_PREEMPTED
+    stopped = record.msg == FAILED and isinstance(record.args, tuple) and record.args[0] in TOLD
     return not (stopped or (record.msg in NARRATION and isinstance(sys.exc_info()[1], SignalException)))
 
 
@@ -39,9 +41,10 @@ def main(argv: list[str] | None = None) -> None:
     except SignalException as e:  # (the ranks have ended: the agent waits for them first)
         sys.exit(128 + e.sigval)
     except ChildFailedError as e:
-        if any(failure.exitcode != EXIT_PREEMPTED for failure in e.failures.values()):
+        codes = {failure.exitcode for failure in e.failures.values()}
+        if len(codes) != 1 or not codes <= set(TOLD):
             raise
-        sys.exit(EXIT_PREEMPTED)
+        sys.exit(codes.pop())
 
 
 if __name__ == "__main__":
