@@ -612,6 +612,54 @@ def _served(r: Read) -> str:
     return said + (f"; {r.served_bytes:,} B sent" if r.served_bytes is not None else "")
 
 
+def _fill(
+    key: str, candidates: dict[str, Store], shards: Path, split: SplitInfo, ais_url: str, moto_url: str, ais_full: bool
+) -> bool:
+    """Store ``key``'s bucket made and the shards put in it (nginx serves the folder itself);
+    whether AIStore's bucket holds them now (``ais-s3`` reads the objects ``ais`` put there)."""
+    store = candidates[key]
+    if key in ("ais", "ais-s3") and not ais_full:
+        with environment(candidates["ais"].settings):
+            from aistore.sdk import Client
+
+            Client(ais_url).bucket("bench").create(exist_ok=True)
+            upload(candidates["ais"], shards, split)
+        print(redirects(ais_url, split.shards[0].name), flush=True)
+        return True
+    if key == "s3":
+        with environment(store.settings):
+            boto3.session.Session().client("s3", endpoint_url=moto_url).create_bucket(Bucket="bench-moto")
+        upload(store, shards, split)
+    elif key == "gcs":
+        with environment(store.settings):
+            storage.Client().create_bucket("bench")
+        upload(store, shards, split)
+    return ais_full
+
+
+def _per_read(store: Store, mean: float, verbose: bool) -> PerRead:
+    """``store``'s reads as a table's rows (with the server's request lines where ``verbose``), and
+    what a read costs there, for the ImageNet table."""
+    for r in store.reads:
+        print(
+            f"| {store.name} | {r.what} | {r.requests} | {r.read_bytes:,} | {r.cache_bytes:,} | "
+            f"{_served(r)} | {r.seconds:.2f} |"
+        )
+        for line in r.lines if verbose else []:
+            print(f"|   | {line.replace('|', '/')} | | | | | |")
+    fetch = next(r for r in store.reads if "fetched" in r.what)
+    left = next(r for r in store.reads if "abandoned" in r.what)
+    chunk = GCS_CHUNK if store.location.startswith("gs://") else 0
+    whole = store.reads[1]  # the worker's piece of a whole shard
+    # a store's first read in a process may cost more than the next ones (GCS: one GET of the
+    # bucket's metadata), as the raw read (the first) and the worker's (the next) tell; the
+    # cache's store is a new one, its fetch a first read: that once a process is left out
+    first = store.reads[0].requests - whole.requests
+    if first:
+        print(f"{store.name}: {first} request(s) once a process, on its first read (left out below)")
+    return PerRead(store.name, whole.requests, fetch.requests - first, left.requests, mean, left.read_bytes, chunk)
+
+
 @click.command()
 @click.option("--shards", default=3, show_default=True, help="train shards made (at least 3)")
 @click.option("--scale", default=1.0, show_default=True, help="shard size against ImageNet's (a quick try: 0.05)")
@@ -669,23 +717,7 @@ def main(
             for key in wanted:
                 store = candidates[key]
                 t = time.perf_counter()
-                if key in ("ais", "ais-s3") and not aistore_filled:  # (ais-s3 reads the ais bucket's objects)
-                    with environment(candidates["ais"].settings):
-                        from aistore.sdk import Client
-
-                        Client(ais_url).bucket("bench").create(exist_ok=True)
-                        upload(candidates["ais"], work / "shards", split)
-                    aistore_filled = True
-                    print(redirects(ais_url, split.shards[0].name), flush=True)
-                elif key == "s3":
-                    with environment(store.settings):
-                        _client = boto3.session.Session().client("s3", endpoint_url=moto_url)
-                        _client.create_bucket(Bucket="bench-moto")
-                    upload(store, work / "shards", split)
-                elif key == "gcs":
-                    with environment(store.settings):
-                        storage.Client().create_bucket("bench")
-                    upload(store, work / "shards", split)
+                aistore_filled = _fill(key, candidates, work / "shards", split, ais_url, moto_url, aistore_filled)
                 up = time.perf_counter() - t
                 measure(store, split, work / "cache")
                 print(f"{store.name}: uploaded in {up:.0f} s, read in {time.perf_counter() - t - up:.0f} s", flush=True)
@@ -693,28 +725,7 @@ def main(
         print(f"\nmeasured in {time.perf_counter() - began:.0f} s; shard {mean / 1e6:.1f} MB\n")
         print("| store | read | requests counted | read_bytes | cache_bytes | the server answered | s |")
         print("|---|---|---|---|---|---|---|")
-        per: list[PerRead] = []
-        for store in measured:
-            for r in store.reads:
-                print(
-                    f"| {store.name} | {r.what} | {r.requests} | {r.read_bytes:,} | {r.cache_bytes:,} | "
-                    f"{_served(r)} | {r.seconds:.2f} |"
-                )
-                for line in r.lines if verbose else []:
-                    print(f"|   | {line.replace('|', '/')} | | | | | |")
-            fetch = next(r for r in store.reads if "fetched" in r.what)
-            left = next(r for r in store.reads if "abandoned" in r.what)
-            chunk = GCS_CHUNK if store.location.startswith("gs://") else 0
-            whole = store.reads[1]  # the worker's piece of a whole shard
-            # a store's first read in a process may cost more than the next ones (GCS: one GET of the
-            # bucket's metadata), as the raw read (the first) and the worker's (the next) tell; the
-            # cache's store is a new one, its fetch a first read: that once a process is left out
-            first = store.reads[0].requests - whole.requests
-            if first:
-                print(f"{store.name}: {first} request(s) once a process, on its first read (left out below)")
-            per.append(
-                PerRead(store.name, whole.requests, fetch.requests - first, left.requests, mean, left.read_bytes, chunk)
-            )
+        per = [_per_read(store, mean, verbose) for store in measured]
         shard, val = per_sample * TRAIN_IMAGES / TRAIN_SHARDS, per_sample * VAL_IMAGES / VAL_SHARDS
         print(
             f"\nImageNet (the bytes a sample measured here × its counts): {TRAIN_SHARDS} train shards of "
