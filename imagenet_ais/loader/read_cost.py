@@ -52,12 +52,10 @@ class ReadCost:
         sent = self.sent()
         new_sent, self.counted_sent = sent - self.counted_sent, sent
         self.counted, self.counted_again, self.counted_waited = read, again, waited
+        counts = {"reread_bytes": new_again, "read_requests": new_sent}
         if self.came_from == HIT:
-            self.signals.add_read(self.source, cache_bytes=new, reread_bytes=new_again, read_requests=new_sent)
+            counts["cache_bytes"] = new
         elif self.came_from in (STORE, STREAMED):
-            store_us = round(1e6 * new_waited)
-            self.signals.add_read(
-                self.source, read_bytes=new, reread_bytes=new_again, read_requests=new_sent, store_us=store_us
-            )
-        else:  # read from the copy just fetched (its bytes counted as it came), or never opened
-            self.signals.add_read(self.source, reread_bytes=new_again, read_requests=new_sent)
+            counts |= {"read_bytes": new, "store_us": round(1e6 * new_waited)}
+        # (else read from the copy just fetched, its bytes counted as it came; or never opened)
+        self.signals.add_read(self.source, **counts)

@@ -12,8 +12,8 @@ from multiprocessing.sharedctypes import Synchronized, SynchronizedArray
 
 COUNTERS = ("skipped", "read_errors", "unread", "drawn", "cropped")
 # what reading the shards cost, per source (a mixture has several): bytes from its store (a copy
-# fetched into the node's cache included), the requests made for them (a size check and a GET
-# per shard read, a GET per copy fetched), bytes served from copies the cache already held,
+# fetched into the node's cache included), the requests its store's client sent for them
+# (storage's Store.requests), bytes served from copies the cache already held,
 # bytes read again after a failure (a resumed epoch's samples trained before it, bad copies
 # fetched again), and the microseconds the workers' reads from the store took (summed over workers)
 READS = ("read_bytes", "read_requests", "cache_bytes", "reread_bytes", "store_us")

@@ -187,7 +187,7 @@ class ShardStream(IterableDataset):
         self.signals.add(self.signals.drawn, drawn)
         size, sha256 = shards.listed[piece.shard]
         self.signals.read_start(self._worker, piece.shard)
-        cost = ReadCost(self.signals, shards.source[piece.shard], functools.partial(self._sent, piece.shard))
+        cost = ReadCost(self.signals, shards.source[piece.shard], functools.partial(self._requests_sent, piece.shard))
         try:
             stream, came_from = self._open(piece.shard, size)
         except Exception as e:  # after the storage client's own retries
@@ -249,7 +249,7 @@ class ShardStream(IterableDataset):
             )
         return store.open(name), STORE
 
-    def _sent(self, shard: int) -> int:
+    def _requests_sent(self, shard: int) -> int:
         """The requests this worker's stores of ``shard``'s source have sent (its cache's too)."""
         source = self.spec.shards.source[shard]
         cache = self.spec.caches[source]
