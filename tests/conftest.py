@@ -416,6 +416,12 @@ def ais(tmp_path_factory: pytest.TempPathFactory):
     playground.down()
 
 
+def records(output: Path, kind: str) -> list[dict]:
+    """The records of ``kind`` ("train", "val", "epoch") in the metrics.jsonl of the run in ``output``."""
+    lines = (output / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
 def tiny_run_env(data: Path, output: Path) -> dict[str, str]:
     """./run settings for a few-second CPU training run of tiny shards."""
     return {

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import pytest
 from conftest import (
     ROOT,
     TINY,
+    records,
     relist,
     shards_here,
     sparse_member,
@@ -68,8 +68,7 @@ def test_two_ranks_two_workers_fetch_each_shard_once_and_a_bad_copy_again(serve,
 
 def epoch_costs(output: Path, location: str) -> list[dict[str, int]]:
     """What reading ``location`` cost in each epoch of the run in ``output`` (its metrics' epoch records)."""
-    lines = (output / "metrics.jsonl").read_text().splitlines()
-    return [r["data"][location] for r in map(json.loads, lines) if r["kind"] == "epoch"]
+    return [r["data"][location] for r in records(output, "epoch")]
 
 
 def test_the_cache_stays_within_its_size_bound(serve, tmp_path: Path) -> None:

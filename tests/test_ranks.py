@@ -6,7 +6,6 @@ others when one dies, as on NGC or Slurm across nodes)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, wait_until, write_shards
+from conftest import TINY, records, wait_until, write_shards
 from forked import Started, ranks, start_ranks
 
 from imagenet_ais.errors import EXIT_RANKS_LOST
@@ -30,11 +29,6 @@ from imagenet_ais.train.slow_rank import slowest
 
 TRAIN, VAL = [8] * 6, [4, 4]  # 48 samples: 4 steps of 3 ranks × 4
 TIMEOUT = 8  # --collective-timeout: over a loaded machine's first batch, under a test's patience
-
-
-def records(output: Path, kind: str) -> list[dict]:
-    lines = (output / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
 def test_the_rank_reading_through_a_slow_server_is_named_with_its_reads(serve, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from conftest import TINY, TINY_ARCH, train_here, write_shards
+from conftest import TINY, TINY_ARCH, records, train_here, write_shards
 from forked import ranks
 
 from imagenet_ais.cli.train import parse
@@ -84,11 +84,6 @@ def test_ema_decay_keeps_the_horizon_in_images(world: int, every: int) -> None:
 ONE_WORKER = [*TINY, "--workers", "1"]
 CLASSES = 6
 RECIPE = ["--model-ema", "--model-ema-steps", "2", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"]
-
-
-def records(output: Path, kind: str) -> list[dict]:
-    lines = (output / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
 def scores(proc: subprocess.CompletedProcess) -> tuple[float, float]:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY, TINY_ARCH, train_here, write_shards
+from conftest import TINY, TINY_ARCH, records, train_here, write_shards
 
 from imagenet_ais.errors import ConfigError
 from imagenet_ais.train.trackers import open_trackers, runnable
@@ -51,7 +51,7 @@ def test_mlflow_gets_the_settings_every_record_and_the_result_in_one_run_across_
     assert sorted({m.step for m in loss}) == [2, 3, 4, 6, 8, 10, 12], "every record, before and after the stop"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/top1")] == [6, 12]
     (final,) = client.get_metric_history(run.info.run_id, "final/top1")
-    last = [r for r in map(json.loads, (output / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "val"][-1]
+    last = records(output, "val")[-1]
     assert final.value == pytest.approx(last["top1"]) and final.step == 12
     assert list(output.glob("events.out.tfevents.*")), "TensorBoard too, beside it"
 
