@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Run train.py with a trace of where the feed's time goes, to find what stalls a step (#65, goal 4).
+
+Every process of the run (the training process and its DataLoader workers, forked from it) writes
+its events to OUT/trace-PID.jsonl, each with CLOCK_MONOTONIC times, which all processes share:
+
+- ``step``: the training loop got a batch (DeviceFeed.__next__), after waiting ``wait`` s;
+- ``recv``: the feed's host thread waited ``t1 - t0`` for the DataLoader's next batch, from ``worker``;
+- ``decode`` / ``crop``: a feed stage's call on one batch (its thread's CPU seconds, JPEGs, bytes);
+- ``fetch``: a worker made a batch (its process's CPU seconds; ``jpegs`` of ``samples``);
+- ``gc``: a collection of ``gen`` that took over 2 ms, in any process;
+- ``cpu``: every 0.25 s, the host's CPUs' busy share since the last.
+
+Changes to try on top, as options among train.py's: ``--x-unordered`` (the DataLoader hands over
+batches as they come, ``in_order=False``), ``--x-gc-freeze`` (the training process's objects so
+far moved out of the collector's reach after step 30, past torch.compile) and ``--x-nice`` (the
+DataLoader workers at nice 10, below the training process's threads).
+
+    python3 bench/stall_trace.py OUT train.py [--x-unordered] [--x-gc-freeze] [--x-nice] ARGS...
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import os
+import runpy
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import DataLoader, get_worker_info
+from torch.utils.data._utils import fetch
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+from imagenet_ais.loader import device_feed, engine
+from imagenet_ais.loader.cpu_time import cpu_jiffies
+
+GC_MS = 2.0  # shorter collections are not written
+FREEZE_AT = 30  # steps: past the compile and the graphs' capture
+
+
+class Trace:
+    """Lines of events to this process's own file (a forked worker opens its own)."""
+
+    def __init__(self, out: Path):
+        self.out, self.pid, self.file = out, -1, None
+        self.lock = threading.Lock()
+
+    def __call__(self, ev: str, **fields: Any) -> None:
+        with self.lock:
+            if self.pid != os.getpid():  # (a forked worker: the parent's file is not its own)
+                self.pid = os.getpid()
+                self.file = open(self.out / f"trace-{self.pid}.jsonl", "a", buffering=1)  # noqa: SIM115
+            self.file.write(json.dumps({"ev": ev, **fields}) + "\n")
+
+
+def watch_gc(trace: Trace) -> None:
+    began: dict[int, float] = {}
+
+    def collected(phase: str, info: dict) -> None:
+        if phase == "start":
+            began[os.getpid()] = time.monotonic()
+            return
+        t0 = began.pop(os.getpid(), None)
+        if t0 is not None and (time.monotonic() - t0) * 1000 >= GC_MS:
+            trace("gc", gen=info["generation"], t0=t0, t1=time.monotonic(), collected=info["collected"])
+
+    gc.callbacks.append(collected)
+
+
+def watch_feed(trace: Trace, freeze: bool) -> None:
+    """The loop's batches, the host thread's receipts and the device stages' calls."""
+    handed = [0]
+    original_next = device_feed.DeviceFeed.__next__
+
+    def next_batch(self: device_feed.DeviceFeed) -> tuple:
+        t0 = time.monotonic()
+        item = original_next(self)
+        trace("step", t=time.monotonic(), wait=time.monotonic() - t0)
+        handed[0] += 1
+        if freeze and handed[0] == FREEZE_AT:
+            gc.collect()
+            gc.freeze()
+            trace("freeze", t=time.monotonic(), frozen=gc.get_freeze_count())
+        return item
+
+    device_feed.DeviceFeed.__next__ = next_batch  # type: ignore[method-assign]
+
+    last_worker = threading.local()
+    original_process = _MultiProcessingDataLoaderIter._process_data
+    original_data = _MultiProcessingDataLoaderIter._next_data
+
+    def process_data(self: Any, data: Any, worker_idx: int) -> Any:
+        last_worker.id = worker_idx
+        return original_process(self, data, worker_idx)
+
+    def next_data(self: Any) -> Any:
+        t0 = time.monotonic()
+        data = original_data(self)
+        trace("recv", t0=t0, t1=time.monotonic(), worker=getattr(last_worker, "id", -1))
+        return data
+
+    _MultiProcessingDataLoaderIter._process_data = process_data  # type: ignore[method-assign]
+    _MultiProcessingDataLoaderIter._next_data = next_data  # type: ignore[method-assign]
+
+    for stage in ("decode", "crop"):
+        original = getattr(engine._OnDevice, stage)
+
+        def timed(self: Any, item: Any, _original: Any = original, _stage: str = stage) -> Any:
+            t0, cpu0 = time.monotonic(), time.thread_time()
+            out = _original(self, item)
+            encoded = item.images if _stage == "decode" else item[1].images
+            jpegs = len(getattr(encoded, "sizes", ()))
+            trace(
+                _stage,
+                t0=t0,
+                t1=time.monotonic(),
+                cpu=time.thread_time() - cpu0,
+                jpegs=jpegs,
+                bytes=int(sum(getattr(encoded, "sizes", ()))),
+            )
+            return out
+
+        setattr(engine._OnDevice, stage, timed)
+
+
+def watch_workers(trace: Trace) -> None:
+    original = fetch._IterableDatasetFetcher.fetch
+
+    def fetched(self: Any, index: Any) -> Any:
+        t0, cpu0 = time.monotonic(), time.process_time()
+        batch = original(self, index)
+        images = getattr(batch, "images", None)
+        info = get_worker_info()
+        trace(
+            "fetch",
+            worker=info.id if info else -1,
+            t0=t0,
+            t1=time.monotonic(),
+            cpu=time.process_time() - cpu0,
+            jpegs=len(getattr(images, "sizes", ())),
+            samples=len(getattr(batch, "keys", ())),
+        )
+        return batch
+
+    fetch._IterableDatasetFetcher.fetch = fetched  # type: ignore[method-assign]
+
+
+def watch_cpus(trace: Trace) -> None:
+    def sample() -> None:
+        before = cpu_jiffies()
+        while True:
+            time.sleep(0.25)
+            now = cpu_jiffies()
+            if before and now and now[1] > before[1]:
+                trace("cpu", t=time.monotonic(), busy=(now[0] - before[0]) / (now[1] - before[1]))
+            before = now
+
+    threading.Thread(target=sample, name="trace-cpus", daemon=True).start()
+
+
+def unordered() -> None:
+    original = DataLoader.__init__
+
+    @functools.wraps(original)
+    def init(self: DataLoader, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **{**kwargs, "in_order": False})
+
+    DataLoader.__init__ = init  # type: ignore[method-assign]
+
+
+def nice(increment: int) -> None:
+    """The workers at a lower CPU priority than the training process's threads."""
+    original = engine.worker_init
+
+    def init(*args: Any, **kwargs: Any) -> None:
+        original(*args, **kwargs)
+        os.nice(increment)
+
+    engine.worker_init = init
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    args = sys.argv[2:]
+    flags = {a for a in args if a.startswith("--x-")}
+    args = [a for a in args if a not in flags]
+    out.mkdir(parents=True, exist_ok=True)
+    trace = Trace(out)
+    trace("start", t=time.monotonic(), flags=sorted(flags), argv=args)
+    watch_gc(trace)
+    watch_feed(trace, freeze="--x-gc-freeze" in flags)
+    watch_workers(trace)
+    watch_cpus(trace)
+    if "--x-unordered" in flags:
+        unordered()
+    if "--x-nice" in flags:
+        nice(10)
+    sys.argv = args
+    runpy.run_path(args[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
