@@ -36,9 +36,9 @@ workers cropped 0.07 of the samples over steps 10-50 and 0.21 over 50-100; with 
 100-500 and 0.876 over 100-1,300, against 0.857 and 0.854 on the same machine (0.863 / 0.887
 against 0.849 / 0.877 on another, with a variant that also ignored STEP_WAIT for 5 s after a
 pause: dropped, as it cropped where ResNet-50 at 160 px needed none, 0.940-0.943 against
-0.945-0.948; the rule kept was not run on ResNet-50). What is still lost from step 100 on is not
-the share: single steps of 250-370 ms and stretches of 37-48 ms steps with the share where it
-settles, more of them with a fixed 0.24.
+0.945-0.948; the rule kept was not run on ResNet-50). What was still lost from step 100 on was not
+the share but garbage collections (worker.worker_init, train/collector.py); once they were gone,
+0.907 over steps 100-500 and 0.916 to 1,100 (run BE).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from imagenet_ais.loader.synthetic import SYNTHETIC_CLASSES, SYNTHETIC_STEPS, Sy
 from imagenet_ais.shards.manifest import load_manifest
 from imagenet_ais.storage import open_store
 from imagenet_ais.train import checkpoint, keys_log, model, upload
+from imagenet_ais.train.collector import Collector
 from imagenet_ais.train.config import TrainConfig
 from imagenet_ais.train.data_cost import DataCost
 from imagenet_ais.train.data_health import DataHealth
@@ -142,6 +143,7 @@ class Run(Parts):
     figures: EpochFigures  # this rank's figures over the epoch, to find the rank that held the others back
     watchdog: Watchdog | None  # ends every rank where one never reaches the others (several ranks)
     nonfinite_steps: int = 0  # the last steps in a row whose loss was NaN or infinite (on any rank)
+    collector: Collector = field(default_factory=Collector)  # frozen past each epoch's first steps
 
 
 def prepare(cfg: TrainConfig, process: distributed.Process) -> Path:
