@@ -37,8 +37,8 @@ workers cropped 0.07 of the samples over steps 10-50 and 0.21 over 50-100; with 
 against 0.849 / 0.877 on another, with a variant that also ignored STEP_WAIT for 5 s after a
 pause: dropped, as it cropped where ResNet-50 at 160 px needed none, 0.940-0.943 against
 0.945-0.948; the rule kept was not run on ResNet-50). What was still lost from step 100 on was not
-the share but garbage collections (worker.worker_init, train/collector.py); once they were gone,
-0.907 over steps 100-500 and 0.916 to 1,100 (run BE).
+the share: the workers' full garbage collections, all at about one step (worker.worker_init), and
+the decode thread, CPU-bound at 21-23 ms a batch of a 27-29 ms step (run BE).
 """
 
 from __future__ import annotations

@@ -351,7 +351,7 @@ def worker_init(_: int, parent: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     exit_with_parent(parent)  # ignoring SIGTERM, a worker must still end with a training killed outright
-    # What it inherits from the training process (torch, the model: some 430,000 objects on a GPU
-    # host) lives as long as it does; each full collection walked it all, 220-340 ms, and every
-    # worker started one at about the same step, stalling the feed (bench/RESULTS.md run BE).
+    # What it starts with (forked: the training process's torch and model, some 430,000 objects on
+    # a GPU host) lives as long as it does; each full collection walked it all, 220-340 ms, and
+    # every worker started one at about the same step, stalling the feed (bench/RESULTS.md run BE).
     gc.freeze()

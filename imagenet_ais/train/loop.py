@@ -151,8 +151,8 @@ def _resume_and_train(
     try:
         return epochs(run, sizes)
     finally:
+        run.collector.release()  # (first: it cannot fail)
         run.stop.restore()  # the caller's signal handlers back, however the run ended
-        run.collector.release()
         if run.watchdog:
             run.watchdog.close()
         if run.uploader:
@@ -285,7 +285,8 @@ def train_one_epoch(run: Run) -> Stopped | None:
             run.nonfinite_steps = run.nonfinite_steps + tail if tail == window.steps else tail
             if run.nonfinite_steps >= NONFINITE_STEPS:
                 stopped = Stopped(step_in_epoch + 1, signalled=False, diverged=True)
-            run.collector.settle(epoch)  # (before the record: a report sees the process as it goes on)
+            if not stopped:  # (a run about to save and end has no use for it)
+                run.collector.settle()  # its pause is timed in the next window, as the record's writing is
             run.log.write(**record)
             run.health.poll(totals)
             progress.show(record, step_in_epoch + 1)
