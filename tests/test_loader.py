@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import threading
 import time
 import warnings
 from collections import Counter
@@ -197,6 +198,27 @@ def _one_dropped(images: torch.Tensor) -> torch.Tensor:
 
 def _ninth(images: torch.Tensor) -> torch.Tensor:
     return images[8]
+
+
+def _hold_and_die(condition: object) -> None:
+    condition.acquire()  # type: ignore[attr-defined]
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_close_returns_where_a_process_was_killed_holding_the_workers_shutdown_lock(data: str) -> None:
+    # close() kills the workers at once; each checks torch's shutdown event in its loop, under the
+    # event's lock, and one killed holding it left close() waiting for ever (a CI run hung so)
+    loader = ShardLoader(data, "train", 8, **OPTIONS)
+    next(iter(loader))
+    event = loader._loader.loader._iterator._workers_done_event
+    holder = mp.get_context("fork").Process(target=_hold_and_die, args=(event._cond,))
+    holder.start()
+    holder.join()
+    assert holder.exitcode == -signal.SIGKILL
+    closing = threading.Thread(target=loader.close, daemon=True)
+    closing.start()
+    closing.join(timeout=20)
+    assert not closing.is_alive(), "close() waits on a lock no live process can release"
 
 
 def test_workers_keep_what_they_inherit_out_of_their_collections(data: str) -> None:

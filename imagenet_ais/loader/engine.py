@@ -30,6 +30,7 @@ import os
 import random
 import signal
 import sys
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -269,6 +270,10 @@ class _ShardLoader:
             iterator._worker_pids_set = False
         for worker in iterator._workers:
             worker.kill()
+        # each worker checks this event in its loop, under the event's lock: one killed holding it
+        # would leave torch's set() in _shutdown_workers waiting for ever (a test hung so). With
+        # the workers gone nobody waits on the event, so a fresh one does
+        iterator._workers_done_event = threading.Event()
         iterator._shutdown_workers()  # (joins them, dead already, and closes the queues)
         self.loader._iterator = None
         if self.slots:

@@ -285,11 +285,11 @@ def train_one_epoch(run: Run) -> Stopped | None:
             run.nonfinite_steps = run.nonfinite_steps + tail if tail == window.steps else tail
             if run.nonfinite_steps >= NONFINITE_STEPS:
                 stopped = Stopped(step_in_epoch + 1, signalled=False, diverged=True)
-            if not stopped:  # (a run about to save and end has no use for it)
-                run.collector.settle()  # its pause is timed in the next window, as the record's writing is
             run.log.write(**record)
             run.health.poll(totals)
             progress.show(record, step_in_epoch + 1)
+            if not stopped:  # (a run about to save and end has no use for it)
+                run.collector.settle()  # after the record: its pause is timed in the next window
             # windows tile the time and the reads: none of them goes unrecorded
             window = Window(process.device, loader, start=window.end, read=window.read_end)
         if stopped:
