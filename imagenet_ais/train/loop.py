@@ -250,7 +250,7 @@ def train_one_epoch(run: Run) -> Stopped | None:
     stopped = None
     for step_in_epoch in range(train_state.first_step, steps):
         t0 = time.perf_counter()
-        at(run, f"waiting for data for step {train_state.step + 1}", for_data=True)
+        at(run, f"waiting for data for step {train_state.step + 1}", meeting=False, for_data=True)
         try:
             x, y, keys = next(batches)
         except Interrupted:  # signalled while waiting for data (alone, or the others would not wait)

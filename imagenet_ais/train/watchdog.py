@@ -89,7 +89,7 @@ class Watchdog:
 
     def now(self, what: str, meeting: bool = True, for_data: bool = False) -> None:
         """The main thread moves on to ``what`` (a new object: the watching thread reads it whole)."""
-        self.doing = Doing(what, meeting and not for_data, for_data)
+        self.doing = Doing(what, meeting, for_data)
 
     @contextmanager
     def checkpoint_written(self) -> Iterator[None]:
