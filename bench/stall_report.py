@@ -12,6 +12,7 @@ steps are not a measure: a window of 10 handed batches is, at ``--log-every 10``
 
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 from collections import defaultdict
@@ -87,6 +88,21 @@ def collections(main: int, events: dict[int, list[dict]]) -> None:
             click.echo(f"gc {role} gen {gen}: {len(times)} over 2 ms, {sum(times):.2f} s, max {longest:.0f} ms")
 
 
+def freezing(main: int, events: dict[int, list[dict]]) -> None:
+    """What the run's Collector found and did, and the step of each full collection after."""
+    steps = [e["t"] for e in events[main] if e["ev"] == "step"]
+    for e in events[main]:
+        if e["ev"] == "collector":
+            click.echo(f"collector made: freeze count {e['freeze_count']}, collector {'on' if e['enabled'] else 'off'}")
+        elif e["ev"] == "settle":
+            click.echo(
+                f"settle at step {bisect.bisect(steps, e['t0'])}: {'idle' if e['idle'] else 'froze'} in "
+                f"{(e['t1'] - e['t0']) * 1000:.0f} ms, freeze count {e['freeze_count']}"
+            )
+    full = [e for e in events[main] if e["ev"] == "gc" and e["gen"] == 2]
+    click.echo("gc main gen 2 at steps: " + ", ".join(f"{bisect.bisect(steps, e['t0'])}" for e in full))
+
+
 def quantiles(values: list[float]) -> str:
     """p50, p90 and max of ``values`` in ms."""
     values = sorted(values)
@@ -118,6 +134,7 @@ def main(folder: Path, first: int) -> None:
         return
     windows(pid, events, first)
     collections(pid, events)
+    freezing(pid, events)
     stages(pid, events)
 
 

@@ -9,7 +9,10 @@ its events to OUT/trace-PID.jsonl, each with CLOCK_MONOTONIC times, which all pr
 - ``decode`` / ``crop``: a feed stage's call on one batch (its thread's CPU seconds, JPEGs, bytes);
 - ``fetch``: a worker made a batch (its process's CPU seconds; ``jpegs`` of ``samples``);
 - ``gc``: a collection of ``gen`` that took over 2 ms, in any process;
-- ``cpu``: every 0.25 s, the host's CPUs' busy share since the last.
+- ``cpu``: every 0.25 s, the host's CPUs' busy share since the last;
+- ``settle``: the run's Collector was asked to freeze what the process holds (train/collector.py):
+  whether it was ``idle`` (its reason: the process's freeze count and collector on/off when it
+  was made) and the freeze count after.
 
 Changes to try on top, as options among train.py's: ``--x-unordered`` (the DataLoader hands over
 batches as they come, ``in_order=False``), ``--x-gc-freeze`` (the training process's objects so
@@ -38,6 +41,7 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from imagenet_ais.loader import device_feed, engine
 from imagenet_ais.loader.cpu_time import cpu_jiffies
+from imagenet_ais.train import collector
 
 GC_MS = 2.0  # shorter collections are not written
 FREEZE_AT = 30  # steps: past the compile and the graphs' capture
@@ -128,6 +132,24 @@ def watch_feed(trace: Trace, freeze: bool) -> None:
         setattr(engine._OnDevice, stage, timed)
 
 
+def watch_collector(trace: Trace) -> None:
+    original_init, original_settle = collector.Collector.__init__, collector.Collector.settle
+
+    def init(self: collector.Collector) -> None:
+        trace("collector", t=time.monotonic(), freeze_count=gc.get_freeze_count(), enabled=gc.isenabled())
+        original_init(self)
+
+    def settle(self: collector.Collector) -> None:
+        first, t0 = not hasattr(self, "traced"), time.monotonic()
+        original_settle(self)
+        if first:  # (its later calls do nothing)
+            self.traced = True
+            trace("settle", t0=t0, t1=time.monotonic(), idle=self.idle, freeze_count=gc.get_freeze_count())
+
+    collector.Collector.__init__ = init  # type: ignore[method-assign]
+    collector.Collector.settle = settle  # type: ignore[method-assign]
+
+
 def watch_workers(trace: Trace) -> None:
     original = fetch._IterableDatasetFetcher.fetch
 
@@ -194,6 +216,7 @@ def main() -> None:
     trace("start", t=time.monotonic(), flags=sorted(flags), argv=args)
     watch_gc(trace)
     watch_feed(trace, freeze="--x-gc-freeze" in flags)
+    watch_collector(trace)
     watch_workers(trace)
     watch_cpus(trace)
     if "--x-unordered" in flags:

@@ -1430,11 +1430,12 @@ def test_a_run_freezes_what_the_process_holds_past_its_first_steps_and_gives_it_
         assert set(run(str(tmp_path / "b"))) == {0} and not gc.isenabled()
     finally:
         gc.enable()
-    gc.freeze()  # a caller that froze its own: the run neither adds to it nor undoes it
-    theirs = gc.get_freeze_count()  # (of which objects whose last reference goes are freed all the same)
+    gc.freeze()  # objects frozen before the run (a caller's; 375 at the start of the GPU host's Python)
+    theirs = gc.get_freeze_count()
     try:
-        assert max(run(str(tmp_path / "c"))) <= theirs
-        assert gc.get_freeze_count() > theirs // 2
+        windows = run(str(tmp_path / "c"))
+        assert windows[0] <= theirs and all(frozen > theirs + 1000 for frozen in windows[1:])
+        assert gc.get_freeze_count() == 0, "one set: given back with the run's"
     finally:
         gc.unfreeze()
 

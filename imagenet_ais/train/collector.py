@@ -6,8 +6,10 @@ and the step's launches all stop (bench/RESULTS.md run BE). At the run's first l
 its first steps' compiling, what the process holds is frozen out of the collector's reach
 (``gc.freeze``), once: objects made later (another image size's graphs, validation's) are
 collected as usual. Objects frozen then that later die in a reference cycle stay until the run's
-end, which gives everything back (``gc.unfreeze``). Where the caller froze objects of its own, or
-turned the collector off, the run leaves it as it found it.
+end, which gives everything back (``gc.unfreeze``). Objects frozen before the run are frozen with
+it and given back with it too: the frozen objects are one set, with no telling whose they are, and
+a Python may start with some (375 on the lent GPU host's 3.12), so a run that left a frozen set
+alone never froze its own there. Where the caller turned the collector off, the run leaves it off.
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ class Collector:
     """Freezes what the process holds once (``settle``) until ``release``."""
 
     def __init__(self) -> None:
-        # the caller's choices: a freeze not ours to add to or undo, a collector it wants off
-        self.idle = gc.get_freeze_count() > 0 or not gc.isenabled()
+        self.idle = not gc.isenabled()  # (the caller's choice: no collections, so nothing to freeze out of them)
         self.frozen = False
 
     def settle(self) -> None:
