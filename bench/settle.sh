@@ -11,8 +11,10 @@
 #   bench/settle.sh OUT resnet50-160 base@/tmp/base= head=   # NAME@TREE=: train.py of another tree (a path from
 #                                                            # the checkout's root), e.g. git archive COMMIT | tar -xC /tmp/base
 #
-# STEPS (1100) and CEILING_STEPS (400) in the environment set the runs' lengths; TRACE=1 runs each
-# under bench/stall_trace.py (its trace in OUT/trace-ROW-NAME/, its --x- options among OPTIONS). The shards (40,000
+# STEPS (1100) and CEILING_STEPS (400) in the environment set the runs' lengths, RUN_LIMIT (300 s)
+# the most a run may take (one whose feed stopped is ended and named, and the next one runs); TRACE=1
+# runs each under bench/stall_trace.py (its trace in OUT/trace-ROW-NAME/, its --x- options among
+# OPTIONS). The shards (40,000
 # generated pictures, about 100 s to make) stay in /tmp/fast-steps between calls to a machine
 # kept warm, shared with bench/fast_steps.sh. Python packages the host lacks come from .wheels/.
 set -euo pipefail
@@ -58,8 +60,14 @@ train() { # NAME TREE OPTION...: one fresh train.py run of TREE's, its records i
   echo "$(date -u +%T) $row $name: $tree/train.py $*" | tee -a "$out/runs.log"
   local python=(python3)
   if [ -n "${TRACE:-}" ]; then python+=("$here/bench/stall_trace.py" "$out/trace-$row-$name"); fi
-  (cd "$tree" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "${python[@]}" train.py "${common[@]}" "$@" --output "$work/runs/$name") \
-    >>"$out/train-$row.log" 2>&1 || echo "$row $name failed: see $out/train-$row.log" >&2
+  local rc=0
+  (cd "$tree" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout -k 30 "${RUN_LIMIT:-300}" "${python[@]}" train.py \
+    "${common[@]}" "$@" --output "$work/runs/$name") >>"$out/train-$row.log" 2>&1 || rc=$?
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    echo "$row $name took over ${RUN_LIMIT:-300} s and was ended: see $out/train-$row.log" >&2
+  elif [ "$rc" != 0 ]; then
+    echo "$row $name failed: see $out/train-$row.log" >&2
+  fi
   cp "$work/runs/$name/metrics.jsonl" "$out/$row-$name.jsonl" 2>/dev/null || true
 }
 train ceiling . --synthetic --max-steps "$ceiling_steps"

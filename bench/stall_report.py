@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """What slowed a run traced by bench/stall_trace.py: its windows of 10 batches handed to the loop
 that took longer than the median window, each with what overlapped it (full collections in any
-process, the feed's host thread waiting over 50 ms for a worker's batch, decodes over 35 ms); then
-the collections, the decodes and the workers' batches over the whole run.
+process, the feed's host thread waiting over 50 ms for a worker's batch, decodes over 35 ms, the
+host's busy and stolen CPU shares); then the collections, the Collector's freeze, a stop of the
+feed, the decodes and the workers' batches over the whole run.
 
 The loop runs ahead of the GPU and waits for it at each log window (a metrics sync), so single
 steps are not a measure: a window of 10 handed batches is, at ``--log-every 10``.
@@ -72,8 +73,13 @@ def windows(main: int, events: dict[int, list[dict]], first: int) -> None:
             for e in evs
             if span(e)[1] >= t0 and span(e)[0] <= t1 and (what := inside(pid, main, e))
         }
-        busy = [c["busy"] for c in cpus if t0 <= c["t"] <= t1]
-        host = f"host cpus {statistics.fmean(busy):.2f}" if busy else ""
+        samples = [c for c in cpus if t0 <= c["t"] <= t1]
+        host = (
+            f"host cpus {statistics.fmean(c['busy'] for c in samples):.2f}, "
+            f"stolen {statistics.fmean(c.get('steal', 0.0) for c in samples):.2f}"
+            if samples
+            else ""
+        )
         click.echo(f"  {start}: {dt * 1000:.0f} ms (+{(dt - median) * 1000:.0f}) {host}; {'; '.join(sorted(named))}")
 
 
@@ -99,6 +105,9 @@ def freezing(main: int, events: dict[int, list[dict]]) -> None:
                 f"settle at step {bisect.bisect(steps, e['t0'])}: {'idle' if e['idle'] else 'froze'} in "
                 f"{(e['t1'] - e['t0']) * 1000:.0f} ms, freeze count {e['freeze_count']}"
             )
+        elif e["ev"] == "stopped":
+            stopped_at = bisect.bisect(steps, e["since"])
+            click.echo(f"no batch came after step {stopped_at} for {e['t'] - e['since']:.0f} s: see stacks-PID.txt")
     full = [e for e in events[main] if e["ev"] == "gc" and e["gen"] == 2]
     click.echo("gc main gen 2 at steps: " + ", ".join(f"{bisect.bisect(steps, e['t0'])}" for e in full))
 

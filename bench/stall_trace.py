@@ -9,10 +9,14 @@ its events to OUT/trace-PID.jsonl, each with CLOCK_MONOTONIC times, which all pr
 - ``decode`` / ``crop``: a feed stage's call on one batch (its thread's CPU seconds, JPEGs, bytes);
 - ``fetch``: a worker made a batch (its process's CPU seconds; ``jpegs`` of ``samples``);
 - ``gc``: a collection of ``gen`` that took over 2 ms, in any process;
-- ``cpu``: every 0.25 s, the host's CPUs' busy share since the last;
+- ``cpu``: every 0.25 s, the host's CPUs' busy share since the last, and the share of it a virtual
+  machine's host took (``steal``: its CPUs ran someone else);
 - ``settle``: the run's Collector was asked to freeze what the process holds (train/collector.py):
   whether it was ``idle`` (its reason: the process's freeze count and collector on/off when it
   was made) and the freeze count after.
+
+Where no batch comes for STACKS_AFTER s, every process writes its threads' stacks to
+OUT/stacks-PID.txt (``faulthandler``), once: where a stopped feed stopped.
 
 Changes to try on top, as options among train.py's: ``--x-unordered`` (the DataLoader hands over
 batches as they come, ``in_order=False``), ``--x-gc-freeze`` (the training process's objects so
@@ -24,11 +28,14 @@ DataLoader workers at nice 10, below the training process's threads).
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import gc
 import json
+import multiprocessing
 import os
 import runpy
+import signal
 import sys
 import threading
 import time
@@ -40,10 +47,10 @@ from torch.utils.data._utils import fetch
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from imagenet_ais.loader import device_feed, engine
-from imagenet_ais.loader.cpu_time import cpu_jiffies
 from imagenet_ais.train import collector
 
 GC_MS = 2.0  # shorter collections are not written
+STACKS_AFTER = 60.0  # s without a batch: a compile takes under 10
 FREEZE_AT = 30  # steps: past the compile and the graphs' capture
 
 
@@ -52,6 +59,13 @@ class Trace:
 
     def __init__(self, out: Path):
         self.out, self.pid, self.file = out, -1, None
+        self.lock = threading.Lock()
+        self.last_step = time.monotonic()  # (or the start)
+        # A thread of the parent may hold the lock as a worker forks: the worker's copy would stay
+        # held, and its first event wait for ever (it did once, a feed stopped at its 7th batch).
+        os.register_at_fork(after_in_child=self.forked)
+
+    def forked(self) -> None:
         self.lock = threading.Lock()
 
     def __call__(self, ev: str, **fields: Any) -> None:
@@ -84,7 +98,8 @@ def watch_feed(trace: Trace, freeze: bool) -> None:
     def next_batch(self: device_feed.DeviceFeed) -> tuple:
         t0 = time.monotonic()
         item = original_next(self)
-        trace("step", t=time.monotonic(), wait=time.monotonic() - t0)
+        trace.last_step = time.monotonic()
+        trace("step", t=trace.last_step, wait=trace.last_step - t0)
         handed[0] += 1
         if freeze and handed[0] == FREEZE_AT:
             gc.collect()
@@ -172,17 +187,50 @@ def watch_workers(trace: Trace) -> None:
     fetch._IterableDatasetFetcher.fetch = fetched  # type: ignore[method-assign]
 
 
+def cpu_times() -> tuple[int, int, int]:
+    """(busy, steal, all) jiffies of every CPU since boot: /proc/stat's first line."""
+    times = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(times) - times[3] - times[4], times[7], sum(times)  # (less idle and iowait)
+
+
 def watch_cpus(trace: Trace) -> None:
     def sample() -> None:
-        before = cpu_jiffies()
+        before = cpu_times()
         while True:
             time.sleep(0.25)
-            now = cpu_jiffies()
-            if before and now and now[1] > before[1]:
-                trace("cpu", t=time.monotonic(), busy=(now[0] - before[0]) / (now[1] - before[1]))
+            now = cpu_times()
+            if now[2] > before[2]:
+                busy, steal, all_ = (a - b for a, b in zip(now, before, strict=True))
+                trace("cpu", t=time.monotonic(), busy=busy / all_, steal=steal / all_)
             before = now
 
     threading.Thread(target=sample, name="trace-cpus", daemon=True).start()
+
+
+def watch_for_a_stop(trace: Trace, out: Path) -> None:
+    """Every process's stacks where no batch has come for STACKS_AFTER s (again after each batch)."""
+    files: list = []  # (kept open: faulthandler writes to their descriptors)
+    # (SIGUSR2: the workers ignore SIGUSR1, a cluster's notice of preemption to the whole group)
+
+    def register() -> None:  # in this process, and in each worker as it forks
+        files.append(open(out / f"stacks-{os.getpid()}.txt", "a"))  # noqa: SIM115
+        faulthandler.register(signal.SIGUSR2, file=files[-1], all_threads=True)
+
+    def watch() -> None:
+        dumped = None
+        while True:
+            time.sleep(1)
+            last = trace.last_step
+            if time.monotonic() - last > STACKS_AFTER and dumped != last:
+                dumped = last
+                trace("stopped", t=time.monotonic(), since=last)
+                for worker in multiprocessing.active_children():
+                    os.kill(worker.pid, signal.SIGUSR2)
+                faulthandler.dump_traceback(file=files[0], all_threads=True)
+
+    register()
+    os.register_at_fork(after_in_child=register)
+    threading.Thread(target=watch, name="trace-stops", daemon=True).start()
 
 
 def unordered() -> None:
@@ -219,6 +267,7 @@ def main() -> None:
     watch_collector(trace)
     watch_workers(trace)
     watch_cpus(trace)
+    watch_for_a_stop(trace, out)
     if "--x-unordered" in flags:
         unordered()
     if "--x-nice" in flags:
