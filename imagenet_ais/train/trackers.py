@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 
 from imagenet_ais.errors import ConfigError, first_line, needs_extra
 
+PER_RANK_TAGS = 16  # ranks up to which each has its own tags (rank_figures)
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")  # none: metrics.jsonl alone
 PROJECT = "imagenet-ais"  # MLflow's experiment and W&B's project, unless MLFLOW_EXPERIMENT_NAME / WANDB_PROJECT
 
@@ -44,8 +46,8 @@ def runnable(command: str) -> str:
 
 
 def numbers(record: dict[str, Any]) -> dict[str, float]:
-    """A metrics record's numbers as ``<kind>/<name>`` (step and epoch are where, not what); with
-    several ranks, each rank's own as ``ranks/<name>/<rank>`` (one panel group, filtered by name)."""
+    """A metrics record's numbers as ``<kind>/<name>`` (step and epoch are where, not what), and
+    its ranks' figures (``ranks``, with several ranks)."""
     ranks = record.get("ranks", []) if record["kind"] == "train" else []
     return {
         **{
@@ -53,13 +55,35 @@ def numbers(record: dict[str, Any]) -> dict[str, float]:
             for name, value in record.items()
             if _number(value) and name not in ("step", "epoch")
         },
-        **{
-            f"ranks/{name}/{rank:0{len(str(len(ranks) - 1))}d}": float(value)
-            for rank, figures in enumerate(ranks if len(ranks) > 1 else [])
-            for name, value in figures.items()
-            if _number(value)
-        },
+        **(rank_figures(ranks) if len(ranks) > 1 else {}),
     }
+
+
+def rank_figures(ranks: list[dict[str, Any]]) -> dict[str, float]:
+    """Each rank's own figures as ``ranks/<name>/<rank>`` (one panel group, filtered by name), up
+    to PER_RANK_TAGS ranks; beyond, each figure's spread, as ``ranks/<name>/`` min, median and max
+    with the ranks that have the min and the max (``min_rank``, ``max_rank``): a tag per rank and
+    figure, at every record, would be thousands at a few hundred ranks, too many to look at and for
+    MLflow's or W&B's quotas. metrics.jsonl keeps every rank's."""
+    digits = len(str(len(ranks) - 1))
+    values: dict[str, list[tuple[float, int]]] = {}  # each figure's (value, rank), where a number
+    for rank, figures in enumerate(ranks):
+        for name, value in figures.items():
+            if _number(value):
+                values.setdefault(name, []).append((float(value), rank))
+    if len(ranks) <= PER_RANK_TAGS:
+        return {f"ranks/{name}/{rank:0{digits}d}": v for name, pairs in values.items() for v, rank in pairs}
+    spread: dict[str, float] = {}
+    for name, pairs in values.items():
+        (low, low_rank), (high, high_rank) = min(pairs), max(pairs)
+        spread |= {
+            f"ranks/{name}/min": low,
+            f"ranks/{name}/median": statistics.median(v for v, _ in pairs),
+            f"ranks/{name}/max": high,
+            f"ranks/{name}/min_rank": float(low_rank),
+            f"ranks/{name}/max_rank": float(high_rank),
+        }
+    return spread
 
 
 def _number(value: object) -> bool:
