@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,7 @@ from conftest import (
 )
 from forked import Started, ranks
 
+from imagenet_ais.loader import ShardLoader
 from imagenet_ais.shards.cache import usage
 
 
@@ -198,3 +203,52 @@ def test_a_shard_in_a_subfolder_of_its_location_is_cached_there(serve, tmp_path:
     train_here(*args, "--cache-dir", cache)
     cached = next(cache.rglob(shard.name.split("/")[1]))
     assert cached.parent.name == "sub" and cached.read_bytes() == (data / shard.name).read_bytes()
+
+
+@contextlib.contextmanager
+def cut_server(root: Path, shard: str) -> Iterator[tuple[str, list[int]]]:
+    """An HTTP server of ``root`` that sends half of ``shard`` and breaks off (``sent``: the bytes
+    of each GET of it), and answers the read resumed from there with all of it (a 200, not the
+    part asked for: a server that cannot resume)."""
+    sent: list[int] = []
+
+    class Handler(SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, directory=str(root), **kwargs)
+
+        def copyfile(self, source, outputfile) -> None:
+            if not self.path.endswith(shard):
+                return super().copyfile(source, outputfile)
+            if self.headers.get("Range"):
+                return None  # (its reader gives up at the 200, before any byte)
+            half = source.read(os.fstat(source.fileno()).st_size // 2)
+            outputfile.write(half)
+            sent.append(len(half))
+            self.close_connection = True
+            return None
+
+        def log_message(self, *args) -> None:
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            yield f"http://127.0.0.1:{server.server_port}", sent
+        finally:
+            server.shutdown()
+
+
+def test_a_fetch_into_the_cache_that_breaks_off_counts_what_it_read(tmp_path: Path) -> None:
+    data = tmp_path / "shards"
+    good, cut = (s for s in write_shards(data, {"train": [8, 8]}).splits["train"].shards)
+    with (
+        cut_server(data, cut.name) as (url, sent),
+        ShardLoader(url, "train", 4, image_size=16, workers=1, epoch_mode="exact", device="cpu",
+                    cache_dir=str(tmp_path / "cache")) as loader,
+    ):  # fmt: skip
+        with pytest.warns(UserWarning, match=f"8 of {url}/{cut.name}"):
+            assert len(list(loader)) == 4, "the epoch's steps, the cut shard's samples padded"
+        (cost,) = loader.reads().values()
+    kept = [p.name for p in (tmp_path / "cache").rglob("*.tar*") if not p.name.endswith(".lock")]
+    assert len(sent) == 1 and kept == [good.name], "nothing kept of the broken fetch"
+    assert cost["read_bytes"] == good.bytes + sent[0], "the broken fetch's bytes cost as much"

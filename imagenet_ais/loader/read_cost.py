@@ -28,26 +28,43 @@ class ReadCost:
     counted_again: int = 0
     counted_waited: float = 0.0
     counted_sent: int = field(init=False)
+    fetched: int = 0  # bytes fetched into the node's cache so far, and of them already counted
+    counted_fetched: int = 0
 
     def __post_init__(self) -> None:
         self.counted_sent = self.sent()
 
     def opened(self, came_from: str, size: int) -> None:
         """The shard of ``size`` bytes is open, from where it ``came_from``: a copy fetched into
-        the cache came over whole (and again, where the copy there was bad)."""
+        the cache came over whole (``fetching``; and again, where the copy there was bad)."""
         self.came_from, opening = came_from, round(1e6 * (time.perf_counter() - self.began))
         if came_from in (FETCHED, REFETCHED):
+            self._count_fetched()
             refetched = size if came_from == REFETCHED else 0
-            self.signals.add_read(self.source, read_bytes=size, reread_bytes=refetched, store_us=opening)
+            self.signals.add_read(self.source, reread_bytes=refetched, store_us=opening)
         elif came_from != HIT:  # (the size check, the GET's first bytes)
             self.signals.add_read(self.source, store_us=opening)
         self.update(0, 0, 0.0, last=True)  # its requests so far
+
+    def fetching(self, n: int) -> None:
+        """``n`` more bytes of the shard came into the node's cache: counted as they come, so that
+        a fetch that fails half-way counts what it cost too."""
+        self.fetched += n
+        if self.fetched - self.counted_fetched >= FLUSH_BYTES:
+            self._count_fetched()
+
+    def _count_fetched(self) -> None:
+        new, self.counted_fetched = self.fetched - self.counted_fetched, self.fetched
+        if new:
+            self.signals.add_read(self.source, read_bytes=new)
 
     def update(self, read: int, again: int, waited: float, last: bool = False) -> None:
         """``read`` bytes of the shard read so far in ``waited`` seconds of reads, ``again`` of them
         samples a resumed epoch had trained before; counted once FLUSH_BYTES more are read, and at the ``last``."""
         if not last and read - self.counted < FLUSH_BYTES:
             return
+        if last:  # (a fetch that failed: what it fetched)
+            self._count_fetched()
         new, new_again, new_waited = read - self.counted, again - self.counted_again, waited - self.counted_waited
         sent = self.sent()
         new_sent, self.counted_sent = sent - self.counted_sent, sent

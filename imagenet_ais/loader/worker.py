@@ -190,7 +190,7 @@ class ShardStream(IterableDataset):
         self.signals.read_start(self._worker, piece.shard)
         cost = ReadCost(self.signals, shards.source[piece.shard], functools.partial(self._requests_sent, piece.shard))
         try:
-            stream, came_from = self._open(piece.shard, size)
+            stream, came_from = self._open(piece.shard, size, cost.fetching)
         except Exception as e:  # after the storage client's own retries
             cost.update(0, 0, 0.0, last=True)  # (the requests it took)
             self.signals.read_start(self._worker, -1)
@@ -236,13 +236,14 @@ class ShardStream(IterableDataset):
         else:
             self._failing = 0
 
-    def _open(self, shard: int, size: int) -> tuple[BinaryIO, str]:
+    def _open(self, shard: int, size: int, fetching: Callable[[int], object]) -> tuple[BinaryIO, str]:
         """Shard ``shard``, once its size is the manifest's (a copy in the node's cache was
-        checked when it was made), and where it came from (read_cost.STORE, or cache.py's HIT...)."""
+        checked when it was made), and where it came from (read_cost.STORE, or cache.py's HIT...);
+        a fetch into the node's cache tells ``fetching`` its bytes as they come."""
         shards = self.spec.shards
         name, source = shards.names[shard], shards.source[shard]
         if cache := self.spec.caches[source]:
-            return cache.open(name)
+            return cache.open(name, fetching)
         store = process_store(shards.locations[source])
         if (stored := store.size(name)) != size:
             raise StorageError(

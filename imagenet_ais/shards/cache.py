@@ -119,9 +119,10 @@ class ShardCache:
             self._store = open_store(self.location)
         return self._store
 
-    def open(self, name: str) -> tuple[BinaryIO, str]:
+    def open(self, name: str, fetching: Callable[[int], object] | None = None) -> tuple[BinaryIO, str]:
         """Shard ``name``, and where it came from: a copy already held (HIT), one fetched now
-        (FETCHED; REFETCHED in place of a bad one), or the store's own stream (STREAMED: no room)."""
+        (FETCHED; REFETCHED in place of a bad one), or the store's own stream (STREAMED: no room).
+        A fetch tells ``fetching`` each block's bytes as they come, also of one that then fails."""
         info, path = self.shards[name], self.dir / name  # (the manifest's names stay inside: manifest.py)
         lock = _lock_of(path)  # also holds what the copy was last verified as
         path.parent.mkdir(parents=True, exist_ok=True)  # (a shard in a subfolder of its location too)
@@ -136,7 +137,7 @@ class ShardCache:
                 fetched = REFETCHED
             if not self._make_room(info.bytes, path):
                 return self.store.open(name), STREAMED
-            download(self.store, info.name, path, info.bytes, info.sha256, publish=self._publish)
+            download(self.store, info.name, path, info.bytes, info.sha256, fetching, self._publish)
             lock.write_text(_identity(path, info.sha256))  # and its mtime: when it was last used
             return path.open("rb"), fetched
 

@@ -181,7 +181,10 @@ def download(
         partial.touch()  # (not "wb": that would zero a reservation the cache made, for a moment)
         with partial.open("r+b") as out, store.open(name) as src:
             out.truncate(size)
-            for block in iter(lambda: src.read(BLOCK), b""):
+            # what has come, block by block: read() waits for a whole block, and a read that
+            # fails on the way loses what it had (progress would not see bytes that came)
+            read = getattr(src, "read1", src.read)
+            for block in iter(lambda: read(BLOCK), b""):
                 out.write(block)
                 digest.update(block)
                 got += len(block)
