@@ -15,7 +15,7 @@ import pytest
 from conftest import TINY, TINY_ARCH, records, train_here, write_shards
 
 from imagenet_ais.errors import ConfigError
-from imagenet_ais.train.trackers import PER_RANK_TAGS, numbers, open_trackers, runnable
+from imagenet_ais.train.trackers import PER_RANK_TAGS, MLflow, TensorBoard, Wandb, numbers, open_trackers, runnable
 
 # those that train twice and start their tracker (MLflow's import alone takes seconds)
 SLOW = pytest.mark.slow
@@ -56,17 +56,22 @@ def test_mlflow_gets_the_settings_every_record_and_the_result_in_one_run_across_
     assert list(output.glob("events.out.tfevents.*")), "TensorBoard too, beside it"
 
 
-def test_each_rank_has_its_own_tags_up_to_a_few_ranks_and_the_spread_beyond() -> None:
+def test_each_rank_has_its_own_tags_in_tensorboard_and_up_to_a_few_ranks_elsewhere() -> None:
     def record(world: int) -> dict:
         ranks = [{"data_wait": 0.05, "read_mb_s": 880.0, "node": "b07", "gpu_util": None} for _ in range(world)]
         ranks[5] |= {"data_wait": 0.38, "read_mb_s": 210.0}  # the slow one
         return {"kind": "train", "step": 40, "epoch": 1, "loss": 2.5, "ranks": ranks}
 
-    few = numbers(record(PER_RANK_TAGS))
-    assert few["ranks/data_wait/05"] == 0.38 and few["ranks/read_mb_s/15"] == 880.0 and few["train/loss"] == 2.5
-    assert len([t for t in few if t.startswith("ranks/")]) == 2 * PER_RANK_TAGS, "numbers only, one tag each"
-    many = {t: v for t, v in numbers(record(512)).items() if t.startswith("ranks/")}
-    assert many == {
+    for every_rank in (True, False):
+        few = numbers(record(PER_RANK_TAGS), every_rank)
+        assert few["ranks/data_wait/05"] == 0.38 and few["ranks/read_mb_s/15"] == 880.0 and few["train/loss"] == 2.5
+        assert len([t for t in few if t.startswith("ranks/")]) == 2 * PER_RANK_TAGS, "numbers only, one tag each"
+    tensorboard = numbers(record(512), every_rank=True)
+    assert (
+        tensorboard["ranks/data_wait/005"] == 0.38 and len([t for t in tensorboard if t.startswith("ranks/")]) == 1024
+    )
+    remote = {t: v for t, v in numbers(record(512), every_rank=False).items() if t.startswith("ranks/")}
+    assert remote == {
         "ranks/data_wait/min": 0.05, "ranks/data_wait/median": 0.05, "ranks/data_wait/max": 0.38,
         "ranks/data_wait/min_rank": 0.0, "ranks/data_wait/max_rank": 5.0,
         "ranks/read_mb_s/min": 210.0, "ranks/read_mb_s/median": 880.0, "ranks/read_mb_s/max": 880.0,
@@ -74,6 +79,7 @@ def test_each_rank_has_its_own_tags_up_to_a_few_ranks_and_the_spread_beyond() ->
     }  # fmt: skip
     alone = {**record(PER_RANK_TAGS), "ranks": [{"data_wait": 0.05}]}
     assert not [t for t in numbers(alone) if t.startswith("ranks/")], "one rank: train/* says it all"
+    assert [t.every_rank for t in (TensorBoard, MLflow, Wandb)] == [True, False, False]
 
 
 def wandb_records(run_file: Path) -> list:

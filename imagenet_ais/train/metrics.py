@@ -64,7 +64,7 @@ class MetricsLog:
         self.file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
         for tracker in list(self.trackers):
             try:
-                tracker.log(numbers(record), record["step"])
+                tracker.log(numbers(record, tracker.every_rank), record["step"])
             except Exception as e:  # a tracker's server gone: the run goes on, metrics.jsonl has it all
                 warn_once(tracker, e)
                 self.trackers.remove(tracker)

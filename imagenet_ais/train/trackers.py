@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from imagenet_ais.errors import ConfigError, first_line, needs_extra
 
-PER_RANK_TAGS = 16  # ranks up to which each has its own tags (rank_figures)
+PER_RANK_TAGS = 16  # ranks up to which each has its own tags in MLflow and W&B too (rank_figures)
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")  # none: metrics.jsonl alone
 PROJECT = "imagenet-ais"  # MLflow's experiment and W&B's project, unless MLFLOW_EXPERIMENT_NAME / WANDB_PROJECT
 
@@ -32,6 +32,7 @@ class Tracker(Protocol):
     name: str
     run_id: str  # what a resumed run continues ("" for TensorBoard: its files are the run's)
     where: str  # where its runs are and how to look at them, for the run's first lines
+    every_rank: bool  # each rank's figures, however many ranks (else their spread beyond PER_RANK_TAGS)
 
     def log(self, values: dict[str, float], step: int) -> None: ...
 
@@ -45,9 +46,9 @@ def runnable(command: str) -> str:
     return str(beside) if not shutil.which(command) and beside.exists() else command
 
 
-def numbers(record: dict[str, Any]) -> dict[str, float]:
+def numbers(record: dict[str, Any], every_rank: bool = True) -> dict[str, float]:
     """A metrics record's numbers as ``<kind>/<name>`` (step and epoch are where, not what), and
-    its ranks' figures (``ranks``, with several ranks)."""
+    its ranks' figures (``ranks``, with several ranks: rank_figures)."""
     ranks = record.get("ranks", []) if record["kind"] == "train" else []
     return {
         **{
@@ -55,23 +56,23 @@ def numbers(record: dict[str, Any]) -> dict[str, float]:
             for name, value in record.items()
             if _number(value) and name not in ("step", "epoch")
         },
-        **(rank_figures(ranks) if len(ranks) > 1 else {}),
+        **(rank_figures(ranks, every_rank) if len(ranks) > 1 else {}),
     }
 
 
-def rank_figures(ranks: list[dict[str, Any]]) -> dict[str, float]:
-    """Each rank's own figures as ``ranks/<name>/<rank>`` (one panel group, filtered by name), up
-    to PER_RANK_TAGS ranks; beyond, each figure's spread, as ``ranks/<name>/`` min, median and max
-    with the ranks that have the min and the max (``min_rank``, ``max_rank``): a tag per rank and
-    figure, at every record, would be thousands at a few hundred ranks, too many to look at and for
-    MLflow's or W&B's quotas. metrics.jsonl keeps every rank's."""
+def rank_figures(ranks: list[dict[str, Any]], every_rank: bool) -> dict[str, float]:
+    """Each rank's own figures as ``ranks/<name>/<rank>`` (one panel group, filtered by name);
+    unless ``every_rank``, only up to PER_RANK_TAGS ranks, and beyond, each figure's spread:
+    ``ranks/<name>/`` min, median and max, with the ranks that have the min and the max
+    (``min_rank``, ``max_rank``). A tag per rank and figure at every record is thousands at a few
+    hundred ranks: too many for MLflow's and W&B's quotas. metrics.jsonl keeps every rank's."""
     digits = len(str(len(ranks) - 1))
     values: dict[str, list[tuple[float, int]]] = {}  # each figure's (value, rank), where a number
     for rank, figures in enumerate(ranks):
         for name, value in figures.items():
             if _number(value):
                 values.setdefault(name, []).append((float(value), rank))
-    if len(ranks) <= PER_RANK_TAGS:
+    if every_rank or len(ranks) <= PER_RANK_TAGS:
         return {f"ranks/{name}/{rank:0{digits}d}": v for name, pairs in values.items() for v, rank in pairs}
     spread: dict[str, float] = {}
     for name, pairs in values.items():
@@ -92,6 +93,7 @@ def _number(value: object) -> bool:
 
 class TensorBoard:
     name, run_id = "tensorboard", ""
+    every_rank = True  # (local files: a tag per rank and figure costs only their size)
 
     def __init__(self, output: Path, step: int):
         from torch.utils.tensorboard import SummaryWriter
@@ -120,6 +122,7 @@ class MLflow:
     run is set in this process."""
 
     name = "mlflow"
+    every_rank = False
 
     def __init__(self, settings: dict[str, Any], title: str, run_id: str, output: Path):
         with needs_extra("mlflow", "--tracker mlflow"):
@@ -173,6 +176,7 @@ class Wandb:
     """A W&B run (WANDB_MODE=offline keeps it in OUTPUT/wandb for ``wandb sync``)."""
 
     name = "wandb"
+    every_rank = False
 
     def __init__(self, settings: dict[str, Any], title: str, run_id: str, output: Path):
         with needs_extra("wandb", "--tracker wandb"):
