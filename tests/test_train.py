@@ -321,6 +321,20 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path: Path) -> None:
     assert json.loads((output / "config.json").read_text())["arch"] == TINY_ARCH
 
 
+def test_a_mixture_with_one_of_its_shard_sets_swapped_is_other_data(tmp_path: Path) -> None:
+    # only the first --data was compared: the same first set, another second, went on as "changed"
+    first, second, swapped, output = (tmp_path / name for name in ("first", "second", "swapped", "run"))
+    write_shards(first, {"train": [8], "val": [4]})
+    write_shards(second, {"train": [8]}, prefix="second-")
+    write_shards(swapped, {"train": [12]}, prefix="swapped-")  # the same classes, other shards
+    loop.train(tiny_run(first, output, workers=0, mix=(str(first), f"{second}:2")))
+    loop.train(tiny_run(first, output, workers=0, mix=(str(first), f"{second}:1"), resume="auto", epochs=2))
+    refused = f"was trained on other shards ({first} {second}) than --data {first} {swapped}"
+    with pytest.raises(DataError, match=re.escape(refused)):
+        loop.train(tiny_run(first, output, workers=0, mix=(str(first), str(swapped)), resume="auto", epochs=3))
+    assert [r["epoch"] for r in metrics(output) if r["kind"] == "val"] == [1, 2], "other weights: the same data"
+
+
 def test_a_checkpoint_made_on_other_shards_goes_on_only_where_resume_names_it(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

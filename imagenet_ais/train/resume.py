@@ -17,6 +17,7 @@ from torch.optim.swa_utils import AveragedModel
 from imagenet_ais import distributed
 from imagenet_ais.errors import DataError
 from imagenet_ais.loader import ShardLoader, StateMismatch
+from imagenet_ais.loader.mixture import parse_source
 from imagenet_ais.loader.sampling import merge_positions
 from imagenet_ais.loader.synthetic import SyntheticLoader
 from imagenet_ais.train import checkpoint, keys_log
@@ -191,20 +192,30 @@ def check_same_data(
     """A checkpoint trained on other shards elsewhere (same classes) continues only where
     ``--resume`` names it; the same shards read from another location (a copy, a preload) go on
     with a note, and so do shards changed in place (a data set that grew), with a warning."""
-    theirs, where = state.get("data_identity"), state["config"].get("data")
+    theirs, where, ours = (
+        state.get("data_identity"),
+        training_data(state["config"]),
+        training_data(dataclasses.asdict(cfg)),
+    )
     if theirs is None or identity is None:  # (--synthetic, or a checkpoint older than the check)
         return
     if theirs == identity:
-        if where != cfg.data:
-            echo(f"note: {path} was trained on the same shards (names, SHA-256s) at {where}; going on from {cfg.data}")
+        if where != ours:
+            echo(f"note: {path} was trained on the same shards (names, SHA-256s) at {where}; going on from {ours}")
         return
-    if where == cfg.data:
+    if where == ours:
         echo(f"warning: the shards at {where} changed since {path} was trained on them: going on with them", err=True)
         return
-    other = f"{path} was trained on other shards ({where}) than --data {cfg.data} (their names or SHA-256s differ)"
+    other = f"{path} was trained on other shards ({where}) than --data {ours} (their names or SHA-256s differ)"
     if cfg.resume == "auto":
         raise DataError(f"{other}: use another --output, or --resume {path} to go on from it with this data")
     echo(f"warning: {other}: going on from it, as --resume names it", err=True)
+
+
+def training_data(config: dict[str, Any]) -> str:
+    """The locations a run's settings (``TrainConfig``'s, or a checkpoint's) train on, a
+    mixture's all of them (their weights aside: the same shards), as --data gives them."""
+    return " ".join(parse_source(item).location for item in config.get("mix") or ()) or str(config.get("data"))
 
 
 def continue_epoch(
