@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -15,9 +16,11 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import BinaryIO
 
@@ -434,6 +437,26 @@ def tiny_run_env(data: Path, output: Path) -> dict[str, str]:
         "WORKERS": "1",
         "OMP_NUM_THREADS": "1",
     }
+
+
+class QuietHandler(SimpleHTTPRequestHandler):
+    """Serves a folder's files, writing no line per request (a test's own server: http_server)."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def http_server(root: Path | None, handler: type[QuietHandler], address: str = "127.0.0.1") -> Iterator[str]:
+    """A threaded HTTP server of the folder ``root`` (None: none's files) that answers with
+    ``handler``, while the block lasts: its URL."""
+    folder = str(root) if root else tempfile.gettempdir()
+    with ThreadingHTTPServer((address, 0), functools.partial(handler, directory=folder)) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            yield f"http://{address}:{server.server_port}"
+        finally:
+            server.shutdown()
 
 
 def free_port() -> int:

@@ -7,16 +7,16 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from conftest import (
     ROOT,
     TINY,
+    QuietHandler,
+    http_server,
     records,
     relist,
     shards_here,
@@ -212,10 +212,7 @@ def cut_server(root: Path, shard: str) -> Iterator[tuple[str, list[int]]]:
     part asked for: a server that cannot resume)."""
     sent: list[int] = []
 
-    class Handler(SimpleHTTPRequestHandler):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, directory=str(root), **kwargs)
-
+    class Handler(QuietHandler):
         def copyfile(self, source, outputfile) -> None:
             if not self.path.endswith(shard):
                 return super().copyfile(source, outputfile)
@@ -227,15 +224,8 @@ def cut_server(root: Path, shard: str) -> Iterator[tuple[str, list[int]]]:
             self.close_connection = True
             return None
 
-        def log_message(self, *args) -> None:
-            pass
-
-    with ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        try:
-            yield f"http://127.0.0.1:{server.server_port}", sent
-        finally:
-            server.shutdown()
+    with http_server(root, Handler) as url:
+        yield url, sent
 
 
 def test_a_fetch_into_the_cache_that_breaks_off_counts_what_it_read(tmp_path: Path) -> None:

@@ -12,12 +12,23 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import requests
-from conftest import ROOT, TINY, Server, free_port, run_cli, shards_here, train_here, wait_until, write_shards
+from conftest import (
+    ROOT,
+    TINY,
+    QuietHandler,
+    Server,
+    free_port,
+    http_server,
+    run_cli,
+    shards_here,
+    train_here,
+    wait_until,
+    write_shards,
+)
 from forked import Started
 
 from imagenet_ais import ShardLoader
@@ -200,10 +211,7 @@ def recording(address: str, root: Path | None = None, to: str = "") -> Iterator[
     request to ``to``: its URL, and each request's Authorization header (what it was sent)."""
     sent: list[str | None] = []
 
-    class Handler(SimpleHTTPRequestHandler):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, directory=str(root), **kwargs)
-
+    class Handler(QuietHandler):
         def send_head(self):  # (GET's and HEAD's)
             sent.append(self.headers.get("Authorization"))
             if not to:
@@ -214,14 +222,8 @@ def recording(address: str, root: Path | None = None, to: str = "") -> Iterator[
             self.end_headers()
             return None
 
-        def log_message(self, *args) -> None:
-            pass
-
-    with ThreadingHTTPServer((address, 0), Handler) as server:
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        yield f"http://{address}:{server.server_port}", sent
-        server.shutdown()
+    with http_server(root, Handler, address) as url:
+        yield url, sent
 
 
 def test_credentials_go_to_the_host_they_are_for_alone(serve, tmp_path: Path, monkeypatch) -> None:

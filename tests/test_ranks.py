@@ -15,12 +15,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, records, wait_until, write_shards
+from conftest import TINY, QuietHandler, http_server, records, wait_until, write_shards
 from forked import Started, ranks, start_ranks
 
 from imagenet_ais.errors import EXIT_RANKS_LOST
@@ -94,10 +93,7 @@ def hanging_server(root: Path) -> Iterator[str]:
     (a read that hangs: a stalled mount, a store that stopped answering mid-object)."""
     released = threading.Event()
 
-    class Handler(SimpleHTTPRequestHandler):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, directory=str(root), **kwargs)
-
+    class Handler(QuietHandler):
         def copyfile(self, source, outputfile) -> None:
             if not self.path.endswith(".tar"):
                 return super().copyfile(source, outputfile)
@@ -106,16 +102,11 @@ def hanging_server(root: Path) -> Iterator[str]:
             released.wait(120)
             return None
 
-        def log_message(self, *args) -> None:
-            pass
-
-    with ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+    with http_server(root, Handler) as url:
         try:
-            yield f"http://127.0.0.1:{server.server_port}/"
+            yield f"{url}/"
         finally:
             released.set()
-            server.shutdown()
 
 
 @pytest.mark.parametrize("how", ["stopped", "killed", "hung read"])
