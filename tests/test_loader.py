@@ -221,6 +221,35 @@ def test_close_returns_where_a_process_was_killed_holding_the_workers_shutdown_l
     assert not closing.is_alive(), "close() waits on a lock no live process can release"
 
 
+def test_the_loader_goes_on_where_a_process_was_killed_holding_a_counters_lock(data: str) -> None:
+    # The workers are killed at once (a resumed epoch's end, close), and their counters' locks
+    # are semaphores no death releases: one killed holding one left the next workers' counts, and
+    # this process's reads of them, waiting for ever
+    with ShardLoader(data, "train", 8, **OPTIONS) as loader:
+        next(iter(loader))
+        signals = loader._loader.signals
+        for lock in (signals.drawn.get_lock(), signals.reads.get_lock()):
+            holder = mp.get_context("fork").Process(target=_hold_and_die, args=(lock,))
+            holder.start()
+            holder.join()
+            assert holder.exitcode == -signal.SIGKILL
+        loader._loader.shut_down()  # (as set_epoch does for a restored epoch's successor)
+        went_on: list[tuple[dict, int, dict]] = []  # (each call in a thread: one may wait for ever)
+        epoch = threading.Thread(
+            target=lambda: went_on.append((loader.reads(), len(list(loader)), loader.reads())), daemon=True
+        )
+        epoch.start()
+        epoch.join(timeout=60)
+        assert not epoch.is_alive(), "the counts wait on a lock no live process can release"
+    ((reads_before, steps, reads_after),) = went_on
+    (before,), (after,), listed = (
+        reads_before.values(),
+        reads_after.values(),
+        load_manifest(LocalStore(data)).splits["train"].bytes,
+    )
+    assert steps == len(loader) and after["read_bytes"] >= before["read_bytes"] + listed, "counted on from before"
+
+
 def test_workers_keep_what_they_inherit_out_of_their_collections(data: str) -> None:
     # Each full collection in a worker walked every object forked from the training process
     # (some 430,000 on a GPU host: 220-340 ms), every worker at about the same step (RESULTS run BE)

@@ -276,6 +276,7 @@ class _ShardLoader:
         iterator._workers_done_event = threading.Event()
         iterator._shutdown_workers()  # (joins them, dead already, and closes the queues)
         self.loader._iterator = None
+        self.signals.renew_locks()  # (theirs: one killed holding one)
         if self.slots:
             self.slots.reclaim()
 

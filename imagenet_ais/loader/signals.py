@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
-from ctypes import c_double
+from ctypes import c_double, c_longlong
 from dataclasses import dataclass, field
 from multiprocessing.sharedctypes import Synchronized, SynchronizedArray
 
@@ -30,12 +30,12 @@ class Signals:
 
     image_size: int
     sources: int = 1  # the split's sources, whose reads are counted apart
-    # training process → workers
-    epoch: Synchronized[int] = field(default_factory=_count)  # the epoch the workers read
-    size: Synchronized[int] = field(init=False)  # the output side; changes between epochs (--progressive)
+    # training process → workers, without locks: one writer, and a worker killed while holding
+    # a lock (engine.shut_down kills them at once) would stop the training process's next write
+    epoch: c_longlong = field(default_factory=lambda: mp.Value("q", 0, lock=False))  # the epoch the workers read
+    size: c_longlong = field(init=False)  # the output side; changes between epochs (--progressive)
     # the training step's recent share of time waiting for batches (device_feed.py), which the
-    # workers' crops follow (cpu_share.py); no lock: one writer, and a worker killed while holding
-    # one would stop the training loop's next write
+    # workers' crops follow (cpu_share.py)
     step_wait: c_double = field(default_factory=lambda: mp.Value("d", 1.0, lock=False))
     # workers → training process
     skipped: Synchronized[int] = field(default_factory=_count)  # samples that failed to decode
@@ -50,8 +50,17 @@ class Signals:
     reading_since: SynchronizedArray[float] = field(default_factory=lambda: mp.Array("d", READERS, lock=False))
 
     def __post_init__(self) -> None:
-        self.size = mp.Value("q", self.image_size)
+        self.size = mp.Value("q", self.image_size, lock=False)
         self.reads = mp.Array("q", len(READS) * self.sources)
+
+    def renew_locks(self) -> None:
+        """The workers' counters with fresh locks, their counts kept: for after the workers were
+        killed. A lock is a semaphore, which its holder's death does not release: a worker killed
+        holding one would leave the training process's next read, and the next workers' next
+        count, waiting for ever."""
+        for name in COUNTERS:
+            setattr(self, name, mp.Value("q", getattr(self, name).get_obj().value))
+        self.reads = mp.Array("q", self.reads.get_obj()[:])
 
     @staticmethod
     def add(counter: Synchronized[int], n: int = 1) -> None:
