@@ -20,10 +20,11 @@ OUT/stacks-PID.txt (``faulthandler``), once: where a stopped feed stopped.
 
 Changes to try on top, as options among train.py's: ``--x-unordered`` (the DataLoader hands over
 batches as they come, ``in_order=False``), ``--x-gc-freeze`` (the training process's objects so
-far moved out of the collector's reach after step 30, past torch.compile) and ``--x-nice`` (the
-DataLoader workers at nice 10, below the training process's threads).
+far moved out of the collector's reach after step 30, past torch.compile), ``--x-nice`` (the
+DataLoader workers at nice 10, below the training process's threads) and ``--x-pin-decode`` (the
+decode thread alone on a core: every other thread and the workers on the others).
 
-    python3 bench/stall_trace.py OUT train.py [--x-unordered] [--x-gc-freeze] [--x-nice] ARGS...
+    python3 bench/stall_trace.py OUT train.py [--x-unordered] [--x-gc-freeze] [--x-nice] [--x-pin-decode] ARGS...
 """
 
 from __future__ import annotations
@@ -254,6 +255,23 @@ def nice(increment: int) -> None:
     engine.worker_init = init
 
 
+def pin_decode() -> None:
+    """The decode thread alone on the last core this process may run on; every other thread,
+    and the workers forked later, on the rest (a thread starts with its creator's cores)."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cores[:-1])  # (this thread's: the only one yet)
+    original = engine._OnDevice.decode
+    pinned = threading.local()
+
+    def decode(self: Any, item: Any) -> Any:
+        if not getattr(pinned, "done", False):
+            os.sched_setaffinity(threading.get_native_id(), cores[-1:])  # (Linux: a thread is a task)
+            pinned.done = True
+        return original(self, item)
+
+    engine._OnDevice.decode = decode  # type: ignore[method-assign]
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     args = sys.argv[2:]
@@ -272,6 +290,8 @@ def main() -> None:
         unordered()
     if "--x-nice" in flags:
         nice(10)
+    if "--x-pin-decode" in flags:
+        pin_decode()
     sys.argv = args
     runpy.run_path(args[0], run_name="__main__")
 
