@@ -11,24 +11,24 @@ its events to OUT/trace-PID.jsonl, each with CLOCK_MONOTONIC times, which all pr
 - ``gc``: a collection of ``gen`` that took over 2 ms, in any process;
 - ``cpu``: every 0.25 s, the host's CPUs' busy share since the last, and the share of it a virtual
   machine's host took (``steal``: its CPUs ran someone else);
-- ``settle``: the run's Collector was asked to freeze what the process holds (train/collector.py):
-  whether it was ``idle`` (its reason: the process's freeze count and collector on/off when it
-  was made) and the freeze count after.
+- ``collector``, ``settle``: the run's Collector made (train/collector.py), with the process's
+  freeze count and whether its collector was on, and its first call to freeze what the process
+  holds: whether it was ``idle`` (the collector off) and the freeze count after.
 
 Where no batch comes for STACKS_AFTER s, every process writes its threads' stacks to
 OUT/stacks-PID.txt (``faulthandler``), once: where a stopped feed stopped.
 
 Changes to try on top, as options among train.py's: ``--x-unordered`` (the DataLoader hands over
-batches as they come, ``in_order=False``), ``--x-gc-freeze`` (the training process's objects so
-far moved out of the collector's reach after step 30, past torch.compile), ``--x-nice`` (the
+batches as they come, ``in_order=False``), ``--x-nice`` (the
 DataLoader workers at nice 10, below the training process's threads) and ``--x-pin-decode`` (the
 decode thread alone on a core: every other thread and the workers on the others).
 
-    python3 bench/stall_trace.py OUT train.py [--x-unordered] [--x-gc-freeze] [--x-nice] [--x-pin-decode] ARGS...
+    python3 bench/stall_trace.py OUT train.py [--x-unordered] [--x-nice] [--x-pin-decode] ARGS...
 """
 
 from __future__ import annotations
 
+import collections
 import faulthandler
 import functools
 import gc
@@ -52,7 +52,6 @@ from imagenet_ais.train import collector
 
 GC_MS = 2.0  # shorter collections are not written
 STACKS_AFTER = 60.0  # s without a batch: a compile takes under 10
-FREEZE_AT = 30  # steps: past the compile and the graphs' capture
 
 
 class Trace:
@@ -61,20 +60,28 @@ class Trace:
     def __init__(self, out: Path):
         self.out, self.pid, self.file = out, -1, None
         self.lock = threading.Lock()
+        self.collections: collections.deque[dict] = collections.deque()  # (gc's, written with the next event)
         self.last_step = time.monotonic()  # (or the start)
         # A thread of the parent may hold the lock as a worker forks: the worker's copy would stay
-        # held, and its first event wait for ever (it did once, a feed stopped at its 7th batch).
+        # held, and its first event wait for ever (a feed stopped at its 7th batch, once)
         os.register_at_fork(after_in_child=self.forked)
 
     def forked(self) -> None:
-        self.lock = threading.Lock()
+        self.lock, self.collections = threading.Lock(), collections.deque()
 
     def __call__(self, ev: str, **fields: Any) -> None:
         with self.lock:
             if self.pid != os.getpid():  # (a forked worker: the parent's file is not its own)
                 self.pid = os.getpid()
                 self.file = open(self.out / f"trace-{self.pid}.jsonl", "a", buffering=1)  # noqa: SIM115
+            while self.collections:
+                self.file.write(json.dumps(self.collections.popleft()) + "\n")
             self.file.write(json.dumps({"ev": ev, **fields}) + "\n")
+
+    def collected(self, **fields: Any) -> None:
+        """A collection's event, without the lock: a collection can start in any thread while it
+        holds it, inside ``__call__`` too."""
+        self.collections.append({"ev": "gc", **fields})
 
 
 def watch_gc(trace: Trace) -> None:
@@ -86,14 +93,13 @@ def watch_gc(trace: Trace) -> None:
             return
         t0 = began.pop(os.getpid(), None)
         if t0 is not None and (time.monotonic() - t0) * 1000 >= GC_MS:
-            trace("gc", gen=info["generation"], t0=t0, t1=time.monotonic(), collected=info["collected"])
+            trace.collected(gen=info["generation"], t0=t0, t1=time.monotonic(), collected=info["collected"])
 
     gc.callbacks.append(collected)
 
 
-def watch_feed(trace: Trace, freeze: bool) -> None:
+def watch_feed(trace: Trace) -> None:
     """The loop's batches, the host thread's receipts and the device stages' calls."""
-    handed = [0]
     original_next = device_feed.DeviceFeed.__next__
 
     def next_batch(self: device_feed.DeviceFeed) -> tuple:
@@ -101,11 +107,6 @@ def watch_feed(trace: Trace, freeze: bool) -> None:
         item = original_next(self)
         trace.last_step = time.monotonic()
         trace("step", t=trace.last_step, wait=trace.last_step - t0)
-        handed[0] += 1
-        if freeze and handed[0] == FREEZE_AT:
-            gc.collect()
-            gc.freeze()
-            trace("freeze", t=time.monotonic(), frozen=gc.get_freeze_count())
         return item
 
     device_feed.DeviceFeed.__next__ = next_batch  # type: ignore[method-assign]
@@ -224,10 +225,10 @@ def watch_for_a_stop(trace: Trace, out: Path) -> None:
             last = trace.last_step
             if time.monotonic() - last > STACKS_AFTER and dumped != last:
                 dumped = last
-                trace("stopped", t=time.monotonic(), since=last)
-                for worker in multiprocessing.active_children():
+                for worker in multiprocessing.active_children():  # (first: the trace's lock may be what stopped it)
                     os.kill(worker.pid, signal.SIGUSR2)
                 faulthandler.dump_traceback(file=files[0], all_threads=True)
+                trace("stopped", t=time.monotonic(), since=last)
 
     register()
     os.register_at_fork(after_in_child=register)
@@ -259,7 +260,10 @@ def pin_decode() -> None:
     """The decode thread alone on the last core this process may run on; every other thread,
     and the workers forked later, on the rest (a thread starts with its creator's cores)."""
     cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, cores[:-1])  # (this thread's: the only one yet)
+    if len(cores) < 2:
+        sys.exit("--x-pin-decode: this process may run on one core only")
+    # (this thread's, so every thread's it starts from here on: torch's, the feed's, the workers')
+    os.sched_setaffinity(0, cores[:-1])
     original = engine._OnDevice.decode
     pinned = threading.local()
 
@@ -280,8 +284,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     trace = Trace(out)
     trace("start", t=time.monotonic(), flags=sorted(flags), argv=args)
+    if "--x-pin-decode" in flags:
+        pin_decode()  # (before any thread starts)
     watch_gc(trace)
-    watch_feed(trace, freeze="--x-gc-freeze" in flags)
+    watch_feed(trace)
     watch_collector(trace)
     watch_workers(trace)
     watch_cpus(trace)
@@ -290,8 +296,6 @@ def main() -> None:
         unordered()
     if "--x-nice" in flags:
         nice(10)
-    if "--x-pin-decode" in flags:
-        pin_decode()
     sys.argv = args
     runpy.run_path(args[0], run_name="__main__")
 
