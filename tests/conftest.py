@@ -448,10 +448,12 @@ class QuietHandler(SimpleHTTPRequestHandler):
 
 @contextlib.contextmanager
 def http_server(root: Path | None, handler: type[QuietHandler], address: str = "127.0.0.1") -> Iterator[str]:
-    """A threaded HTTP server of the folder ``root`` (None: none's files) that answers with
+    """A threaded HTTP server of the folder ``root`` (None: an empty one) that answers with
     ``handler``, while the block lasts: its URL."""
-    folder = str(root) if root else tempfile.gettempdir()
-    with ThreadingHTTPServer((address, 0), functools.partial(handler, directory=folder)) as server:
+    with (
+        tempfile.TemporaryDirectory() as empty,
+        ThreadingHTTPServer((address, 0), functools.partial(handler, directory=str(root or empty))) as server,
+    ):
         threading.Thread(target=server.serve_forever, daemon=True).start()
         try:
             yield f"http://{address}:{server.server_port}"

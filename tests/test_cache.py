@@ -208,7 +208,7 @@ def test_a_shard_in_a_subfolder_of_its_location_is_cached_there(serve, tmp_path:
 @contextlib.contextmanager
 def cut_server(root: Path, shard: str) -> Iterator[tuple[str, list[int]]]:
     """An HTTP server of ``root`` that sends half of ``shard`` and breaks off (``sent``: the bytes
-    of each GET of it), and answers the read resumed from there with all of it (a 200, not the
+    of each GET of it), and answers the read resumed from there with a 200 and no bytes (not the
     part asked for: a server that cannot resume)."""
     sent: list[int] = []
 

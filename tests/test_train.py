@@ -1435,21 +1435,22 @@ def test_a_run_freezes_what_the_process_holds_past_its_first_steps_and_gives_it_
         loop.train(cfg, report=lambda r: seen.append((r["kind"], gc.get_freeze_count())))
         return [frozen for kind, frozen in seen if kind == "train"]
 
-    assert gc.get_freeze_count() == 0
+    gc.collect()  # (Python 3.12 puts its 375 immortal objects among the frozen at each full collection)
+    immortal = gc.get_freeze_count()
     windows = run(str(tmp_path / "a"))  # (frozen after the first window's record)
-    assert len(windows) == 4 and windows[0] == 0 and all(frozen > 1000 for frozen in windows[1:])
-    assert gc.get_freeze_count() == 0, "the run's end gives every object back to the collector"
+    assert len(windows) == 4 and windows[0] <= immortal and all(frozen > immortal + 1000 for frozen in windows[1:])
+    assert gc.get_freeze_count() <= immortal, "the run's end gives every object back to the collector"
     gc.disable()  # a caller that wants no collections: it gets none, nor a freeze
     try:
-        assert set(run(str(tmp_path / "b"))) == {0} and not gc.isenabled()
+        assert max(run(str(tmp_path / "b"))) <= immortal and not gc.isenabled()
     finally:
         gc.enable()
-    gc.freeze()  # objects frozen before the run (a caller's; 375 at the start of the GPU host's Python)
+    gc.freeze()  # objects frozen before the run: a caller's
     theirs = gc.get_freeze_count()
     try:
         windows = run(str(tmp_path / "c"))
         assert windows[0] <= theirs and all(frozen > theirs + 1000 for frozen in windows[1:])
-        assert gc.get_freeze_count() == 0, "one set: given back with the run's"
+        assert gc.get_freeze_count() <= immortal, "one set: given back with the run's"
     finally:
         gc.unfreeze()
 

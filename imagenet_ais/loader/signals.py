@@ -57,7 +57,8 @@ class Signals:
         """The workers' counters with fresh locks, their counts kept: for after the workers were
         killed. A lock is a semaphore, which its holder's death does not release: a worker killed
         holding one would leave the training process's next read, and the next workers' next
-        count, waiting for ever."""
+        count, waiting for ever. (A count the feed's decode thread adds meanwhile, where it outlived
+        its close, goes to the old counter.)"""
         for name in COUNTERS:
             setattr(self, name, mp.Value("q", getattr(self, name).get_obj().value))
         self.reads = mp.Array("q", self.reads.get_obj()[:])

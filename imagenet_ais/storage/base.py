@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -181,9 +182,9 @@ def download(
         partial.touch()  # (not "wb": that would zero a reservation the cache made, for a moment)
         with partial.open("r+b") as out, store.open(name) as src:
             out.truncate(size)
-            # what has come, block by block: read() waits for a whole block, and a read that
-            # fails on the way loses what it had (progress would not see bytes that came)
-            read = getattr(src, "read1", src.read)
+            # what has come, block by block: a buffered reader's read() waits for a whole block,
+            # and one that fails on the way loses what it had (progress would not see bytes that came)
+            read = src.read1 if isinstance(src, io.BufferedReader) else src.read
             for block in iter(lambda: read(BLOCK), b""):
                 out.write(block)
                 digest.update(block)

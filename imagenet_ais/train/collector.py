@@ -8,8 +8,9 @@ its first steps' compiling, what the process holds is frozen out of the collecto
 collected as usual. Objects frozen then that later die in a reference cycle stay until the run's
 end, which gives everything back (``gc.unfreeze``). Objects frozen before the run are frozen with
 it and given back with it too: the frozen objects are one set, with no telling whose they are, and
-a Python may start with some (375 on the lent GPU host's 3.12), so a run that left a frozen set
-alone never froze its own there. Where the caller turned the collector off, the run leaves it off.
+Python 3.12 puts its 375 immortal objects there at every full collection, so a run that left a
+frozen set alone never froze its own there. Where the caller turned the collector off, the run
+leaves it off.
 """
 
 from __future__ import annotations
