@@ -20,10 +20,13 @@ OUT/stacks-PID.txt (``faulthandler``), once: where a stopped feed stopped.
 
 Changes to try on top, as options among train.py's: ``--x-unordered`` (the DataLoader hands over
 batches as they come, ``in_order=False``), ``--x-nice`` (the
-DataLoader workers at nice 10, below the training process's threads) and ``--x-pin-decode`` (the
-decode thread alone on a core: every other thread and the workers on the others).
+DataLoader workers at nice 10, below the training process's threads), ``--x-pin-decode`` (the
+decode thread alone on a core: every other thread and the workers on the others) and
+``--x-blocking-sync`` (the CUDA context's synchronisations sleep instead of spinning, set before
+train.py makes it: bench/decode_sync.py) and ``--x-idle=SHARE`` (cpu_share.IDLE, the part of its
+time an "auto" worker keeps waiting).
 
-    python3 bench/stall_trace.py OUT train.py [--x-unordered] [--x-nice] [--x-pin-decode] ARGS...
+    python3 bench/stall_trace.py OUT train.py [--x-OPTION...] ARGS...
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from torch.utils.data import DataLoader, get_worker_info
 from torch.utils.data._utils import fetch
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-from imagenet_ais.loader import device_feed, engine
+from imagenet_ais.loader import cpu_share, device_feed, engine
 from imagenet_ais.train import collector
 
 GC_MS = 2.0  # shorter collections are not written
@@ -286,6 +289,10 @@ def main() -> None:
     trace("start", t=time.monotonic(), flags=sorted(flags), argv=args)
     if "--x-pin-decode" in flags:
         pin_decode()  # (before any thread starts)
+    if "--x-blocking-sync" in flags:
+        from decode_sync import block_on_sync  # (bench/, this script's folder)
+
+        block_on_sync()
     watch_gc(trace)
     watch_feed(trace)
     watch_collector(trace)
@@ -296,6 +303,9 @@ def main() -> None:
         unordered()
     if "--x-nice" in flags:
         nice(10)
+    for flag in flags:
+        if flag.startswith("--x-idle="):
+            cpu_share.IDLE = float(flag.split("=", 1)[1])  # (read by the workers, forked after this)
     sys.argv = args
     runpy.run_path(args[0], run_name="__main__")
 

@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""Is the decode thread's CPU time nvJPEG's work, or its wait for the GPU's JPEG engines? (#65, goal 4)
+
+torchvision's batched GPU decode (``decode_jpeg`` of a list, device "cuda") sends baseline JPEGs
+to the JPEG engines (nvJPEG's hardware backend, A100 and later) and waits for them in
+``cudaStreamSynchronize``, which under CUDA's default scheduling spins on a core. Traces had the
+feed's decode thread using CPU for 93% of its time (bench/RESULTS.md run BE): work, or spinning?
+
+This decodes batches of JPEGs taken from shards in a loop (torchvision's call, and where the
+nvidia-nvimgcodec-cu13 and nvidia-nvjpeg wheels are installed, nvImageCodec's hardware decoder on
+a stream of the highest or the lowest priority), each schedule in a process of its own: ``spin``
+(CUDA's default) and ``block`` (the primary context's blocking sync, set through the driver API
+before torch makes the context). It prints, per batch size, JPEGs a second and the thread's (and
+the process's) CPU seconds per wall second. Where ``block`` decodes as fast with far less CPU,
+the thread was waiting on the engines. ``--beside`` also runs each schedule beside a ResNet-18
+bs512 training step (forward and backward in bf16, replayed as one CUDA graph in a thread of its
+own, as train.py's compiled step keeps the GPU busy): what the step does to the decode's time
+(bench/RESULTS.md run BG: blocking sync took as much CPU, and beside the step every decoder ran
+at a fifth of its rate, its thread on a core throughout).
+
+    python3 bench/decode_sync.py SHARDS_DIR [--sizes 256,365,512] [--batches 40] [--beside] [--schedules spin,block]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+BLOCKING_SYNC = 0x04  # CU_CTX_SCHED_BLOCKING_SYNC
+WARMUP = 5  # batches before the timed ones
+
+
+def jpegs(shards: Path, count: int) -> list[bytes]:
+    """The first ``count`` JPEGs of the tar shards in ``shards``."""
+    out: list[bytes] = []
+    for path in sorted(shards.glob("*.tar")):
+        with tarfile.open(path) as tar:
+            for member in tar:
+                if member.name.endswith((".jpg", ".jpeg")):
+                    out.append(tar.extractfile(member).read())  # type: ignore[union-attr]
+                    if len(out) == count:
+                        return out
+    if not out:
+        raise click.ClickException(f"{shards}: no .jpg members in its *.tar files")
+    return out
+
+
+def block_on_sync() -> None:
+    """The device's primary context to sleep in its synchronisations (before torch makes it)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    device = ctypes.c_int()
+    for call, args in (("cuInit", (0,)), ("cuDeviceGet", (ctypes.byref(device), 0))):
+        if getattr(cuda, call)(*args):
+            sys.exit(f"{call} failed")
+    if cuda.cuDevicePrimaryCtxSetFlags(device, BLOCKING_SYNC):
+        sys.exit("cuDevicePrimaryCtxSetFlags failed")
+
+
+def training(stop: threading.Event, steps: list[int]) -> None:
+    """ResNet-18 bs512's forward and backward as one CUDA graph, replayed until ``stop``,
+    counted in ``steps[0]``."""
+    import torch
+    import torchvision
+
+    model = torchvision.models.resnet18().cuda().to(memory_format=torch.channels_last)
+    x = torch.randn(512, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (512,), device="cuda")
+
+    def step() -> None:
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    while not stop.is_set():
+        graph.replay()
+        torch.cuda.current_stream().synchronize()
+        steps[0] += 1
+
+
+def decoders(data: list[bytes]) -> dict[str, Callable[[list[int]], object]]:
+    """Each decoder that can be built here: a function decoding the JPEGs of ``data`` at the given
+    indices on the GPU, done when it returns. torchvision's decodes on a stream of its own (from
+    PyTorch's pool, at the lowest priority); nvImageCodec's (its hardware backend, where its package
+    is installed) on a stream given to it, of the highest priority or the lowest."""
+    import torch
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data]
+    out: dict[str, Callable[[list[int]], object]] = {
+        "torchvision": lambda rows: decode_jpeg([tensors[i] for i in rows], mode=ImageReadMode.RGB, device="cuda")
+    }
+    try:
+        from nvidia import nvimgcodec as nic
+    except ImportError:
+        return out
+    planar = nic.DecodeParams(sample_format=nic.SampleFormat.P_RGB)
+    for name, priority in (("high", -1), ("low", 0)):
+        stream = torch.cuda.Stream(priority=priority)
+        hardware = nic.Decoder(device_id=0, max_num_cpu_threads=4, backends=[nic.Backend(nic.BackendKind.HW_GPU_ONLY)])
+
+        def run(rows: list[int], stream: torch.cuda.Stream = stream, decoder: Any = hardware) -> object:
+            images = decoder.decode([data[i] for i in rows], params=planar, cuda_stream=stream.cuda_stream)
+            stream.synchronize()
+            return images
+
+        out[f"nvimgcodec {name} priority"] = run
+    return out
+
+
+def measure(shards: Path, schedule: str, sizes: list[int], batches: int, beside: bool) -> None:
+    """(In a child process) decode ``batches`` batches of each size; a JSON line per size."""
+    if schedule == "block":
+        block_on_sync()
+    import torch
+
+    stop, steps = threading.Event(), [0]
+    trainer = threading.Thread(target=training, args=(stop, steps), daemon=True) if beside else None
+    if trainer:
+        trainer.start()
+        time.sleep(15)  # (the model built and its graph captured)
+        before = steps[0]
+        time.sleep(3)
+        print(json.dumps({"schedule": schedule, "training_alone_steps_per_s": round((steps[0] - before) / 3, 1)}))
+    data = jpegs(shards, max(sizes) * 2)
+    torch.cuda.set_stream(torch.cuda.Stream())  # (this thread's: not the training step's to wait for)
+    for decoder, decode in decoders(data).items():
+        for size in sizes:
+            groups = [list(range(i, i + size)) for i in range(0, len(data) - size + 1, size)]
+            walls, cpus, process = [], [], []
+            trained = steps[0]
+            for k in range(WARMUP + batches):
+                wall, cpu, all_cpu = time.perf_counter(), time.thread_time(), time.process_time()
+                decode(groups[k % len(groups)])
+                torch.cuda.current_stream().synchronize()
+                if k >= WARMUP:
+                    walls.append(time.perf_counter() - wall)
+                    cpus.append(time.thread_time() - cpu)
+                    process.append(time.process_time() - all_cpu)
+            walls.sort()
+            row: dict[str, Any] = {
+                "decoder": decoder,
+                "schedule": schedule,
+                "beside": "resnet18" if beside else None,
+                "batch": size,
+                "jpegs_per_s": round(size * batches / sum(walls)),
+                "ms_per_batch_median": round(walls[len(walls) // 2] * 1e3, 2),
+                "cpu_per_wall": round(sum(cpus) / sum(walls), 3),
+                "cpu_us_per_jpeg": round(sum(cpus) / (size * batches) * 1e6, 1),
+                "process_cpu_per_wall": round(sum(process) / sum(walls), 3),  # other threads' too
+                "training_steps_per_s": round((steps[0] - trained) / sum(walls), 1) if beside else None,
+            }
+            print(json.dumps(row), flush=True)
+    stop.set()
+    if trainer:
+        trainer.join()  # (a thread inside CUDA at the interpreter's exit aborts it)
+
+
+@click.command()
+@click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--sizes", default="256,365,512", help="JPEGs a batch, comma-separated")
+@click.option("--batches", default=40, show_default=True, help="timed batches per size")
+@click.option("--beside", is_flag=True, help="also beside a ResNet-18 training step on the GPU")
+@click.option("--schedules", default="spin,block,spin,block", show_default=True, help="in turn, a process each")
+@click.option("--child", type=click.Choice(["spin", "block"]), hidden=True)
+def main(shards: Path, sizes: str, batches: int, beside: bool, schedules: str, child: str | None) -> None:
+    sizes_ = [int(s) for s in sizes.split(",")]
+    if child:
+        measure(shards, child, sizes_, batches, beside)
+        return
+    for schedule in schedules.split(","):
+        for alongside in (False, True) if beside else (False,):
+            command = [sys.executable, __file__, str(shards), "--sizes", sizes, "--batches", str(batches)]
+            subprocess.run([*command, "--child", schedule, *(["--beside"] if alongside else [])], check=True)
+
+
+if __name__ == "__main__":
+    main()
