@@ -16,7 +16,9 @@ the thread was waiting on the engines. ``--beside`` also runs each schedule besi
 bs512 training step (forward and backward in bf16, replayed as one CUDA graph in a thread of its
 own, as train.py's compiled step keeps the GPU busy): what the step does to the decode's time
 (bench/RESULTS.md run BG: blocking sync took as much CPU, and beside the step every decoder ran
-at a fifth of its rate, its thread on a core throughout).
+at a fifth of its rate, its thread on a core throughout). ``--sync-every 10`` has the step wait
+on a sleeping event once in 10 replays, as train.py's loop does (not run yet: the session's
+device time ran out).
 
     python3 bench/decode_sync.py SHARDS_DIR [--sizes 256,365,512] [--batches 40] [--beside] [--schedules spin,block]
 """
@@ -66,9 +68,11 @@ def block_on_sync() -> None:
         sys.exit("cuDevicePrimaryCtxSetFlags failed")
 
 
-def training(stop: threading.Event, steps: list[int]) -> None:
+def training(stop: threading.Event, steps: list[int], sync_every: int) -> None:
     """ResNet-18 bs512's forward and backward as one CUDA graph, replayed until ``stop``,
-    counted in ``steps[0]``."""
+    counted in ``steps[0]``: waited for after each replay (the stream's synchronize, which spins),
+    or with ``sync_every`` over 1 at every such replay on an event that sleeps (train.py's compiled
+    loop waits once a log window)."""
     import torch
     import torchvision
 
@@ -90,10 +94,15 @@ def training(stop: threading.Event, steps: list[int]) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    done = torch.cuda.Event(blocking=True)
     while not stop.is_set():
         graph.replay()
-        torch.cuda.current_stream().synchronize()
         steps[0] += 1
+        if sync_every == 1:
+            torch.cuda.current_stream().synchronize()
+        elif steps[0] % sync_every == 0:
+            done.record()
+            done.synchronize()
 
 
 def decoders(data: list[bytes]) -> dict[str, Callable[[list[int]], object]]:
@@ -126,14 +135,14 @@ def decoders(data: list[bytes]) -> dict[str, Callable[[list[int]], object]]:
     return out
 
 
-def measure(shards: Path, schedule: str, sizes: list[int], batches: int, beside: bool) -> None:
+def measure(shards: Path, schedule: str, sizes: list[int], batches: int, beside: bool, sync_every: int) -> None:
     """(In a child process) decode ``batches`` batches of each size; a JSON line per size."""
     if schedule == "block":
         block_on_sync()
     import torch
 
     stop, steps = threading.Event(), [0]
-    trainer = threading.Thread(target=training, args=(stop, steps), daemon=True) if beside else None
+    trainer = threading.Thread(target=training, args=(stop, steps, sync_every), daemon=True) if beside else None
     if trainer:
         trainer.start()
         time.sleep(15)  # (the model built and its graph captured)
@@ -159,7 +168,7 @@ def measure(shards: Path, schedule: str, sizes: list[int], batches: int, beside:
             row: dict[str, Any] = {
                 "decoder": decoder,
                 "schedule": schedule,
-                "beside": "resnet18" if beside else None,
+                "beside": f"resnet18, waited every {sync_every}" if beside else None,
                 "batch": size,
                 "jpegs_per_s": round(size * batches / sum(walls)),
                 "ms_per_batch_median": round(walls[len(walls) // 2] * 1e3, 2),
@@ -180,15 +189,19 @@ def measure(shards: Path, schedule: str, sizes: list[int], batches: int, beside:
 @click.option("--batches", default=40, show_default=True, help="timed batches per size")
 @click.option("--beside", is_flag=True, help="also beside a ResNet-18 training step on the GPU")
 @click.option("--schedules", default="spin,block,spin,block", show_default=True, help="in turn, a process each")
+@click.option("--sync-every", default=1, show_default=True, help="beside: replays between the step's waits")
 @click.option("--child", type=click.Choice(["spin", "block"]), hidden=True)
-def main(shards: Path, sizes: str, batches: int, beside: bool, schedules: str, child: str | None) -> None:
+def main(
+    shards: Path, sizes: str, batches: int, beside: bool, schedules: str, sync_every: int, child: str | None
+) -> None:
     sizes_ = [int(s) for s in sizes.split(",")]
     if child:
-        measure(shards, child, sizes_, batches, beside)
+        measure(shards, child, sizes_, batches, beside, sync_every)
         return
     for schedule in schedules.split(","):
         for alongside in (False, True) if beside else (False,):
             command = [sys.executable, __file__, str(shards), "--sizes", sizes, "--batches", str(batches)]
+            command += ["--sync-every", str(sync_every)]
             subprocess.run([*command, "--child", schedule, *(["--beside"] if alongside else [])], check=True)
 
 
