@@ -17,7 +17,8 @@ bs512 training step (forward and backward in bf16, replayed as one CUDA graph in
 own, as train.py's compiled step keeps the GPU busy): what the step does to the decode's time
 (bench/RESULTS.md run BG: blocking sync took as much CPU, and beside the step every decoder ran
 at a fifth of its rate, its thread on a core throughout). ``--sync-every 10`` has the step wait
-on a sleeping event once in 10 replays, as train.py's loop does (not run yet: the session's
+on a sleeping event once in 10 replays, as train.py's loop does, and ``--step-stream own`` runs
+it on a stream of its own instead of the legacy default stream (neither run yet: the session's
 device time ran out).
 
     python3 bench/decode_sync.py SHARDS_DIR [--sizes 256,365,512] [--batches 40] [--beside] [--schedules spin,block]
@@ -68,13 +69,17 @@ def block_on_sync() -> None:
         sys.exit("cuDevicePrimaryCtxSetFlags failed")
 
 
-def training(stop: threading.Event, steps: list[int], sync_every: int) -> None:
+def training(stop: threading.Event, steps: list[int], sync_every: int, own_stream: bool) -> None:
     """ResNet-18 bs512's forward and backward as one CUDA graph, replayed until ``stop``,
-    counted in ``steps[0]``: waited for after each replay (the stream's synchronize, which spins),
-    or with ``sync_every`` over 1 at every such replay on an event that sleeps (train.py's compiled
-    loop waits once a log window)."""
+    counted in ``steps[0]``: waited for after each replay (the stream's synchronize: it spins
+    under "spin"), or with ``sync_every`` over 1 every that many replays on an event that sleeps
+    (train.py's compiled loop waits once a log window). On the legacy default stream, as train.py's
+    step runs, which blocking streams and synchronous copies wait on; or on a stream of its own."""
     import torch
     import torchvision
+
+    if own_stream:
+        torch.cuda.set_stream(torch.cuda.Stream())
 
     model = torchvision.models.resnet18().cuda().to(memory_format=torch.channels_last)
     x = torch.randn(512, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
@@ -135,14 +140,19 @@ def decoders(data: list[bytes]) -> dict[str, Callable[[list[int]], object]]:
     return out
 
 
-def measure(shards: Path, schedule: str, sizes: list[int], batches: int, beside: bool, sync_every: int) -> None:
+def measure(
+    shards: Path, schedule: str, sizes: list[int], batches: int, beside: bool, sync_every: int, own_stream: bool
+) -> None:
     """(In a child process) decode ``batches`` batches of each size; a JSON line per size."""
     if schedule == "block":
         block_on_sync()
     import torch
 
     stop, steps = threading.Event(), [0]
-    trainer = threading.Thread(target=training, args=(stop, steps, sync_every), daemon=True) if beside else None
+    step_on = f"resnet18 on {'its own' if own_stream else 'the default'} stream, waited every {sync_every}"
+    trainer = None
+    if beside:
+        trainer = threading.Thread(target=training, args=(stop, steps, sync_every, own_stream), daemon=True)
     if trainer:
         trainer.start()
         time.sleep(15)  # (the model built and its graph captured)
@@ -155,8 +165,10 @@ def measure(shards: Path, schedule: str, sizes: list[int], batches: int, beside:
         for size in sizes:
             groups = [list(range(i, i + size)) for i in range(0, len(data) - size + 1, size)]
             walls, cpus, process = [], [], []
-            trained = steps[0]
+            trained = 0
             for k in range(WARMUP + batches):
+                if k == WARMUP:
+                    trained = steps[0]  # (the step's count over the timed batches only)
                 wall, cpu, all_cpu = time.perf_counter(), time.thread_time(), time.process_time()
                 decode(groups[k % len(groups)])
                 torch.cuda.current_stream().synchronize()
@@ -168,7 +180,7 @@ def measure(shards: Path, schedule: str, sizes: list[int], batches: int, beside:
             row: dict[str, Any] = {
                 "decoder": decoder,
                 "schedule": schedule,
-                "beside": f"resnet18, waited every {sync_every}" if beside else None,
+                "beside": step_on if beside else None,
                 "batch": size,
                 "jpegs_per_s": round(size * batches / sum(walls)),
                 "ms_per_batch_median": round(walls[len(walls) // 2] * 1e3, 2),
@@ -190,18 +202,26 @@ def measure(shards: Path, schedule: str, sizes: list[int], batches: int, beside:
 @click.option("--beside", is_flag=True, help="also beside a ResNet-18 training step on the GPU")
 @click.option("--schedules", default="spin,block,spin,block", show_default=True, help="in turn, a process each")
 @click.option("--sync-every", default=1, show_default=True, help="beside: replays between the step's waits")
+@click.option("--step-stream", type=click.Choice(["default", "own"]), default="default", show_default=True)
 @click.option("--child", type=click.Choice(["spin", "block"]), hidden=True)
 def main(
-    shards: Path, sizes: str, batches: int, beside: bool, schedules: str, sync_every: int, child: str | None
+    shards: Path,
+    sizes: str,
+    batches: int,
+    beside: bool,
+    schedules: str,
+    sync_every: int,
+    step_stream: str,
+    child: str | None,
 ) -> None:
     sizes_ = [int(s) for s in sizes.split(",")]
     if child:
-        measure(shards, child, sizes_, batches, beside, sync_every)
+        measure(shards, child, sizes_, batches, beside, sync_every, step_stream == "own")
         return
     for schedule in schedules.split(","):
         for alongside in (False, True) if beside else (False,):
             command = [sys.executable, __file__, str(shards), "--sizes", sizes, "--batches", str(batches)]
-            command += ["--sync-every", str(sync_every)]
+            command += ["--sync-every", str(sync_every), "--step-stream", step_stream]
             subprocess.run([*command, "--child", schedule, *(["--beside"] if alongside else [])], check=True)
 
 

@@ -39,7 +39,7 @@ pause: dropped, as it cropped where ResNet-50 at 160 px needed none, 0.940-0.943
 0.945-0.948; the rule kept was not run on ResNet-50). What was still lost from step 100 on was not
 the share: the workers' full garbage collections, all at about one step (worker.worker_init), and
 the decode thread, on a core for 21-23 ms a batch of a 27-29 ms step (run BE) while torchvision's
-call waits for the JPEG engines, and slower beside a busy GPU (run BG).
+call decodes on the JPEG engines, and slower beside a busy GPU (run BG).
 """
 
 from __future__ import annotations
