@@ -13,8 +13,8 @@ a stream of the highest or the lowest priority), each schedule in a process of i
 before torch makes the context). It prints, per batch size, JPEGs a second and the thread's (and
 the process's) CPU seconds per wall second. Where ``block`` decodes as fast with far less CPU,
 the thread was waiting on the engines. ``--beside`` also runs each schedule beside a ResNet-18
-bs512 training step (forward and backward in bf16, replayed as one CUDA graph in a thread of its
-own, as train.py's compiled step keeps the GPU busy): what the step does to the decode's time
+bs512 training step (replayed as one CUDA graph in a thread of its own, as train.py's compiled
+step keeps the GPU busy): what the step does to the decode's time
 (bench/RESULTS.md run BG: blocking sync took as much CPU, and beside the step every decoder ran
 at a fifth of its rate, its thread on a core throughout). ``--sync-every 10`` has the step wait
 on a sleeping event once in 10 replays, as train.py's loop does, and ``--step-stream own`` runs
@@ -30,7 +30,6 @@ import ctypes
 import json
 import subprocess
 import sys
-import tarfile
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+
+from imagenet_ais.shards.members import members
 
 BLOCKING_SYNC = 0x04  # CU_CTX_SCHED_BLOCKING_SYNC
 WARMUP = 5  # batches before the timed ones
@@ -47,12 +48,11 @@ def jpegs(shards: Path, count: int) -> list[bytes]:
     """The first ``count`` JPEGs of the tar shards in ``shards``."""
     out: list[bytes] = []
     for path in sorted(shards.glob("*.tar")):
-        with tarfile.open(path) as tar:
-            for member in tar:
-                if member.name.endswith((".jpg", ".jpeg")):
-                    out.append(tar.extractfile(member).read())  # type: ignore[union-attr]
-                    if len(out) == count:
-                        return out
+        with path.open("rb") as stream:
+            for _, data in members(stream, lambda name: name.endswith((".jpg", ".jpeg"))):
+                out.append(data)
+                if len(out) == count:
+                    return out
     if not out:
         raise click.ClickException(f"{shards}: no .jpg members in its *.tar files")
     return out
@@ -70,38 +70,22 @@ def block_on_sync() -> None:
 
 
 def training(stop: threading.Event, steps: list[int], sync_every: int, own_stream: bool) -> None:
-    """ResNet-18 bs512's forward and backward as one CUDA graph, replayed until ``stop``,
-    counted in ``steps[0]``: waited for after each replay (the stream's synchronize: it spins
-    under "spin"), or with ``sync_every`` over 1 every that many replays on an event that sleeps
-    (train.py's compiled loop waits once a log window). On the legacy default stream, as train.py's
-    step runs, which blocking streams and synchronous copies wait on; or on a stream of its own."""
+    """ResNet-18 bs512's training step as one CUDA graph (sm_split.graphed_step: forward, backward
+    and SGD in bf16), replayed until ``stop``, counted in ``steps[0]``: waited for after each
+    replay (the stream's synchronize: it spins under "spin"), or with ``sync_every`` over 1 every
+    that many replays on an event that sleeps (train.py's compiled loop waits once a log window).
+    On the legacy default stream, as train.py's step runs, which blocking streams and synchronous
+    copies wait on; or on the stream it was captured on."""
     import torch
-    import torchvision
+    from sm_split import graphed_step  # (bench/, this script's folder)
 
+    captured_on = torch.cuda.Stream()
+    replay, _ = graphed_step("resnet18", 512, captured_on)
     if own_stream:
-        torch.cuda.set_stream(torch.cuda.Stream())
-
-    model = torchvision.models.resnet18().cuda().to(memory_format=torch.channels_last)
-    x = torch.randn(512, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
-    y = torch.randint(0, 1000, (512,), device="cuda")
-
-    def step() -> None:
-        with torch.autocast("cuda", torch.bfloat16):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+        torch.cuda.set_stream(captured_on)
     done = torch.cuda.Event(blocking=True)
     while not stop.is_set():
-        graph.replay()
+        replay()
         steps[0] += 1
         if sync_every == 1:
             torch.cuda.current_stream().synchronize()
