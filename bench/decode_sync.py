@@ -8,18 +8,18 @@ feed's decode thread using CPU for 93% of its time (bench/RESULTS.md run BE): wo
 
 This decodes batches of JPEGs taken from shards in a loop (torchvision's call, and where the
 nvidia-nvimgcodec-cu13 and nvidia-nvjpeg wheels are installed, nvImageCodec's hardware decoder on
-a stream of the highest or the lowest priority), each schedule in a process of its own: ``spin``
-(CUDA's default) and ``block`` (the primary context's blocking sync, set through the driver API
-before torch makes the context). It prints, per batch size, JPEGs a second and the thread's (and
-the process's) CPU seconds per wall second. Where ``block`` decodes as fast with far less CPU,
-the thread was waiting on the engines. ``--beside`` also runs each schedule beside a ResNet-18
-bs512 training step (replayed as one CUDA graph in a thread of its own, as train.py's compiled
-step keeps the GPU busy): what the step does to the decode's time
-(bench/RESULTS.md run BG: blocking sync took as much CPU, and beside the step every decoder ran
-at a fifth of its rate, its thread on a core throughout). ``--sync-every 10`` has the step wait
-on a sleeping event once in 10 replays, as train.py's loop does, and ``--step-stream own`` runs
-it on a stream of its own instead of the legacy default stream (neither run yet: the session's
-device time ran out).
+a stream of the highest or the lowest priority, and two of them on two threads, half a batch
+each), each schedule in a process of its own: ``spin`` (CUDA's default) and ``block`` (the
+primary context's blocking sync, set through the driver API before torch makes the context). It
+prints, per batch size, JPEGs a second and the thread's (and the process's) CPU seconds per wall
+second. ``--beside`` also runs each schedule beside a ResNet-18 bs512 training step (replayed as
+one CUDA graph in a thread of its own, as train.py's compiled step keeps the GPU busy): what the
+step does to the decode's time. ``--sync-every 10`` has the step wait on a sleeping event once in
+10 replays, as train.py's loop does, and ``--step-stream own`` runs it on a stream of its own
+instead of the legacy default stream. CUDA gets train.py's 32 work queues unless
+CUDA_DEVICE_MAX_CONNECTIONS is set (before run BH it had CUDA's 8, and the step and the decode
+shared queues). Run BH: beside the step at 32 queues every decoder ran at 0.56-0.74 of its rate
+alone; two decoders on two threads were no faster alone than one, and 1.07× torchvision beside.
 
     python3 bench/decode_sync.py SHARDS_DIR [--sizes 256,365,512] [--batches 40] [--beside] [--schedules spin,block]
 """
@@ -28,16 +28,19 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import click
 
+from imagenet_ais.distributed import WORK_QUEUES
 from imagenet_ais.shards.members import members
 
 BLOCKING_SYNC = 0x04  # CU_CTX_SCHED_BLOCKING_SYNC
@@ -111,16 +114,30 @@ def decoders(data: list[bytes]) -> dict[str, Callable[[list[int]], object]]:
     except ImportError:
         return out
     planar = nic.DecodeParams(sample_format=nic.SampleFormat.P_RGB)
-    for name, priority in (("high", -1), ("low", 0)):
-        stream = torch.cuda.Stream(priority=priority)
-        hardware = nic.Decoder(device_id=0, max_num_cpu_threads=4, backends=[nic.Backend(nic.BackendKind.HW_GPU_ONLY)])
 
-        def run(rows: list[int], stream: torch.cuda.Stream = stream, decoder: Any = hardware) -> object:
+    def hardware(priority: int) -> Callable[[list[int]], object]:
+        """A decoder of nvImageCodec's hardware backend, on a stream of its own of ``priority``."""
+        stream = torch.cuda.Stream(priority=priority)
+        decoder = nic.Decoder(device_id=0, max_num_cpu_threads=4, backends=[nic.Backend(nic.BackendKind.HW_GPU_ONLY)])
+
+        def run(rows: list[int]) -> object:
             images = decoder.decode([data[i] for i in rows], params=planar, cuda_stream=stream.cuda_stream)
             stream.synchronize()
             return images
 
-        out[f"nvimgcodec {name} priority"] = run
+        return run
+
+    out["nvimgcodec high priority"], out["nvimgcodec low priority"] = hardware(-1), hardware(0)
+    # two decoders (each its own nvJPEG state) on two threads, half the batch each: nvJPEG's
+    # hardware path waits for each picture's conversion kernel (bench/RESULTS.md run BH), so one
+    # decoder's waits could overlap the other's work
+    pair, pool = (hardware(0), hardware(0)), ThreadPoolExecutor(2)
+
+    def halves(rows: list[int]) -> object:
+        middle = len(rows) // 2
+        return list(pool.map(lambda run, part: run(part), pair, (rows[:middle], rows[middle:])))
+
+    out["nvimgcodec, 2 decoders on 2 threads"] = halves
     return out
 
 
@@ -128,6 +145,7 @@ def measure(
     shards: Path, schedule: str, sizes: list[int], batches: int, beside: bool, sync_every: int, own_stream: bool
 ) -> None:
     """(In a child process) decode ``batches`` batches of each size; a JSON line per size."""
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", WORK_QUEUES)  # as train.py, before CUDA starts
     if schedule == "block":
         block_on_sync()
     import torch
@@ -140,6 +158,8 @@ def measure(
     if trainer:
         trainer.start()
         time.sleep(15)  # (the model built and its graph captured)
+        if not trainer.is_alive():
+            sys.exit("the training step's thread ended: its traceback is above")
         before = steps[0]
         time.sleep(3)
         print(json.dumps({"schedule": schedule, "training_alone_steps_per_s": round((steps[0] - before) / 3, 1)}))
@@ -160,6 +180,8 @@ def measure(
                     walls.append(time.perf_counter() - wall)
                     cpus.append(time.thread_time() - cpu)
                     process.append(time.process_time() - all_cpu)
+            if trainer and not trainer.is_alive():
+                sys.exit("the training step's thread ended: its traceback is above")
             walls.sort()
             row: dict[str, Any] = {
                 "decoder": decoder,

@@ -24,7 +24,8 @@ DataLoader workers at nice 10, below the training process's threads), ``--x-pin-
 decode thread alone on a core: every other thread and the workers on the others) and
 ``--x-blocking-sync`` (the CUDA context's synchronisations sleep instead of spinning, set before
 train.py makes it: bench/decode_sync.py) and ``--x-idle=SHARE`` (cpu_share.IDLE, the part of its
-time an "auto" worker keeps waiting).
+time an "auto" worker keeps waiting). ``--x-profile=FIRST:LAST`` writes a torch.profiler trace of
+batches FIRST to LAST to OUT/profile.json.gz.
 
     python3 bench/stall_trace.py OUT train.py [--x-OPTION...] ARGS...
 """
@@ -150,6 +151,49 @@ def watch_feed(trace: Trace) -> None:
             return out
 
         setattr(engine._OnDevice, stage, timed)
+
+
+def profile(out: Path, first: int, last: int) -> None:
+    """torch.profiler over the loop's batches ``first`` to ``last`` (CPU ops of every thread, the
+    GPU's kernels and copies of every stream, the CUDA runtime's calls) to OUT/profile.json.gz,
+    with each feed stage's call as a range ("feed-decode", "feed-crop"): where on the GPU the
+    decode's work runs, against the step's."""
+    import gzip
+    import shutil
+
+    import torch
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity
+
+    gpu = torch.cuda.is_available()
+    profiler = torch.profiler.profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else []))
+    steps = [0]
+    original_next = device_feed.DeviceFeed.__next__
+
+    def next_batch(self: device_feed.DeviceFeed) -> tuple:
+        steps[0] += 1
+        if steps[0] == first:
+            profiler.start()
+        item = original_next(self)
+        if steps[0] == last:
+            if gpu:
+                torch.cuda.synchronize()
+            profiler.stop()
+            profiler.export_chrome_trace(str(out / "profile.json"))
+            with open(out / "profile.json", "rb") as raw, gzip.open(out / "profile.json.gz", "wb") as packed:
+                shutil.copyfileobj(raw, packed)
+            (out / "profile.json").unlink()
+        return item
+
+    device_feed.DeviceFeed.__next__ = next_batch  # type: ignore[method-assign]
+    for stage in ("decode", "crop"):
+        original = getattr(engine._OnDevice, stage)
+
+        def ranged(self: Any, item: Any, _original: Any = original, _name: str = f"feed-{stage}") -> Any:
+            with record_function(_name):
+                return _original(self, item)
+
+        setattr(engine._OnDevice, stage, ranged)
 
 
 def watch_collector(trace: Trace) -> None:
@@ -306,6 +350,9 @@ def main() -> None:
     for flag in flags:
         if flag.startswith("--x-idle="):
             cpu_share.IDLE = float(flag.split("=", 1)[1])  # (read by the workers, forked after this)
+        if flag.startswith("--x-profile="):
+            first, last = flag.split("=", 1)[1].split(":")
+            profile(out, int(first), int(last))
     sys.argv = args
     runpy.run_path(args[0], run_name="__main__")
 
