@@ -38,8 +38,10 @@ against 0.849 / 0.877 on another, with a variant that also ignored STEP_WAIT for
 pause: dropped, as it cropped where ResNet-50 at 160 px needed none, 0.940-0.943 against
 0.945-0.948; the rule kept was not run on ResNet-50). What was still lost from step 100 on was not
 the share: the workers' full garbage collections, all at about one step (worker.worker_init), and
-the decode thread, on a core for 21-23 ms a batch of a 27-29 ms step (run BE) while torchvision's
-call decodes on the JPEG engines, and slower beside a busy GPU (run BG).
+the decode thread, on a core for 21-23 ms a batch of a 27-29 ms step (run BE): nvJPEG's hardware
+path copies, launches a conversion and synchronises once per picture, and the conversions wait
+behind the step's longest kernels (run BH). Each picture left to the GPU cost it ~40% more in
+windows where the workers cropped a third of the samples (run BH; which causes which, not yet known).
 """
 
 from __future__ import annotations
