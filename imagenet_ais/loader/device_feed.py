@@ -5,7 +5,7 @@ from the DataLoader workers: Python, holding the GIL), and each stage after it
 (e.g. nvJPEG decode, then crop + resize + normalise) has a thread of its own, so that the
 stages' times overlap instead of adding up. Measured on the H100 (bench/RESULTS.md), one
 thread doing the work in turn spent the sum of the stages per batch, and the sum was the
-end-to-end limit. On CUDA the device work goes on a high-priority side stream.
+end-to-end limit. On CUDA each stage's device work goes on a high-priority side stream of its own.
 
 ``busy()`` tells how long each thread spent working (the pulling thread: getting a batch,
 waiting on the workers included): the stage near 100% of the wall time is the limit.
@@ -71,8 +71,12 @@ class DeviceFeed:
         timeout: float | None = None,
     ):
         self.items, self.device, self.interrupted, self.timeout = items, device, interrupted, timeout
-        # high priority: a batch's few small kernels need not queue behind the step's
-        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        # A stream per stage, of high priority (a batch's few small kernels need not queue behind
+        # the step's): a block one stage frees while its kernels are queued goes back to its own
+        # stream's pool, never to another stage's allocation, which nvJPEG would write from a
+        # stream of its own before those kernels ran. Each stage's wait covers its own work only.
+        cuda = device.type == "cuda"
+        self.streams = [torch.cuda.Stream(device, priority=-1) if cuda else None for _ in stages]
         self.queues: list[queue.Queue] = [queue.Queue(maxsize=2) for _ in stages] + [queue.Queue(maxsize=ahead)]
         self.stopping = threading.Event()
         self.seconds = {"host": 0.0, **{name: 0.0 for name, _ in stages}}
@@ -126,14 +130,14 @@ class DeviceFeed:
             self._put(self.queues[0], e)
 
     def _stage(self, index: int, name: str, fn: Callable[[Any], Any]) -> None:
-        source, sink = self.queues[index], self.queues[index + 1]
+        source, sink, stream = self.queues[index], self.queues[index + 1], self.streams[index]
         # A blocking event: the thread sleeps until the GPU is done. Beside a thread spinning in
         # the stream's synchronize, a step launched kernel by kernel from Python (torch.compile's
         # default mode) was fed at 0.74-0.82 of its ceiling in three runs, beside a sleeping one
         # at 0.83-0.95 in eight (bench/RESULTS.md runs AR-AU).
-        done = torch.cuda.Event(blocking=True) if self.stream else None
+        done = torch.cuda.Event(blocking=True) if stream else None
         try:
-            with torch.cuda.stream(self.stream) if self.stream else nullcontext():
+            with torch.cuda.stream(stream) if stream else nullcontext():
                 while True:
                     item = self._get(source)
                     if item is _END or isinstance(item, BaseException):
@@ -145,7 +149,7 @@ class DeviceFeed:
                         # Done on the device before the input is dropped: its memory would
                         # otherwise go to the next allocation at once (nvJPEG writes from a
                         # stream of its own) while this stage's kernels may still read it.
-                        done.record(self.stream)
+                        done.record(stream)
                         done.synchronize()
                     self.seconds[name] += time.perf_counter() - start
                     del item
@@ -177,10 +181,10 @@ class DeviceFeed:
         if isinstance(item, BaseException):
             self.close()
             raise item
-        if self.stream:
+        if self.device.type == "cuda":
             current = torch.cuda.current_stream(self.device)
             for t in (t for t in tensors_in(item) if t.is_cuda):
-                # made on the side stream: without this, their memory would go back to that
+                # made on a stage's stream: without this, their memory would go back to that
                 # stream's pool as soon as the step drops them, and the next batch would be
                 # written into it while the step's kernels may still read it
                 t.record_stream(current)
