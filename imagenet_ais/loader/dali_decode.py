@@ -72,7 +72,7 @@ class DaliCrops:
         jpegs = np.split(batch.blob.numpy(), np.cumsum(batch.sizes)[:-1])
         boxes = batch.boxes[:n].numpy().astype(np.int32)  # (the rows after are cropped already)
         out = torch.empty(n, size, size, 3, dtype=torch.uint8, device=self.device)
-        # the calling thread's stream (the feed's side stream), which other threads do not have
+        # the calling thread's stream (the feed's decode stage's side stream), which other threads do not have
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         starts = range(0, n, piece)
         runs = [
@@ -87,6 +87,8 @@ class DaliCrops:
             thread.join()
         if failures := [(run.error, run.reason()) for run in runs if run.error is not None]:
             self.pipes = []
+            if stream is not None:  # the parts that did decode may still be copying into ``out``,
+                stream.synchronize()  # which the caller drops, its memory going to nvJPEG's outputs next
             error, reason = failures[0]
             if isinstance(error, RuntimeError):  # DALI's errors: a sample it cannot decode
                 raise DaliFailed(reason) from error

@@ -73,7 +73,7 @@ class DeviceFeed:
         self.items, self.device, self.interrupted, self.timeout = items, device, interrupted, timeout
         # A stream per stage, of high priority (a batch's few small kernels need not queue behind
         # the step's): a block one stage frees while its kernels are queued goes back to its own
-        # stream's pool, never to another stage's allocation, which nvJPEG would write from a
+        # stream's pool, never to another stage's allocation, which nvJPEG could write from a
         # stream of its own before those kernels ran. Each stage's wait covers its own work only.
         cuda = device.type == "cuda"
         self.streams = [torch.cuda.Stream(device, priority=-1) if cuda else None for _ in stages]
