@@ -141,6 +141,12 @@ def decoders(data: list[bytes]) -> dict[str, Callable[[list[int]], object]]:
     return out
 
 
+def still_training(trainer: threading.Thread) -> None:
+    """Exit where the step's thread has ended: rows measured beside no step would read as beside one."""
+    if not trainer.is_alive():
+        sys.exit("the training step's thread ended: its traceback is above")
+
+
 def measure(
     shards: Path, schedule: str, sizes: list[int], batches: int, beside: bool, sync_every: int, own_stream: bool
 ) -> None:
@@ -155,11 +161,9 @@ def measure(
     trainer = None
     if beside:
         trainer = threading.Thread(target=training, args=(stop, steps, sync_every, own_stream), daemon=True)
-    if trainer:
         trainer.start()
         time.sleep(15)  # (the model built and its graph captured)
-        if not trainer.is_alive():
-            sys.exit("the training step's thread ended: its traceback is above")
+        still_training(trainer)
         before = steps[0]
         time.sleep(3)
         print(json.dumps({"schedule": schedule, "training_alone_steps_per_s": round((steps[0] - before) / 3, 1)}))
@@ -180,8 +184,8 @@ def measure(
                     walls.append(time.perf_counter() - wall)
                     cpus.append(time.thread_time() - cpu)
                     process.append(time.process_time() - all_cpu)
-            if trainer and not trainer.is_alive():
-                sys.exit("the training step's thread ended: its traceback is above")
+            if trainer:
+                still_training(trainer)
             walls.sort()
             row: dict[str, Any] = {
                 "decoder": decoder,

@@ -154,15 +154,10 @@ def watch_feed(trace: Trace) -> None:
 
 
 def profile(out: Path, first: int, last: int) -> None:
-    """torch.profiler over the loop's batches ``first`` to ``last`` (CPU ops of every thread, the
-    GPU's kernels and copies of every stream, the CUDA runtime's calls) to OUT/profile.json.gz,
-    with each feed stage's call as a range ("feed-decode", "feed-crop"): where on the GPU the
-    decode's work runs, against the step's."""
-    import gzip
-    import shutil
-
+    """torch.profiler over the loop's batches ``first`` to ``last`` to OUT/profile.json.gz: the
+    GPU's kernels and copies on every stream, every thread's CUDA runtime calls, and the CPU ops
+    of the training loop's threads (bench/profile_report.py reads it)."""
     import torch
-    from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity
 
     gpu = torch.cuda.is_available()
@@ -179,21 +174,10 @@ def profile(out: Path, first: int, last: int) -> None:
             if gpu:
                 torch.cuda.synchronize()
             profiler.stop()
-            profiler.export_chrome_trace(str(out / "profile.json"))
-            with open(out / "profile.json", "rb") as raw, gzip.open(out / "profile.json.gz", "wb") as packed:
-                shutil.copyfileobj(raw, packed)
-            (out / "profile.json").unlink()
+            profiler.export_chrome_trace(str(out / "profile.json.gz"))  # (torch gzips a .gz path)
         return item
 
     device_feed.DeviceFeed.__next__ = next_batch  # type: ignore[method-assign]
-    for stage in ("decode", "crop"):
-        original = getattr(engine._OnDevice, stage)
-
-        def ranged(self: Any, item: Any, _original: Any = original, _name: str = f"feed-{stage}") -> Any:
-            with record_function(_name):
-                return _original(self, item)
-
-        setattr(engine._OnDevice, stage, ranged)
 
 
 def watch_collector(trace: Trace) -> None:
