@@ -19,7 +19,7 @@ from PIL import Image
 from torchvision.transforms import RandomResizedCrop
 
 from imagenet_ais.errors import ConfigError
-from imagenet_ais.loader.device_decode import _resize_crops, decode_on_device
+from imagenet_ais.loader.device_decode import Decoded, _resize_crops, crop_decoded, decode_on_device
 from imagenet_ais.loader.transforms import MEAN, RATIO, SCALE, STD, Box, _crop_resize, decode_on_cpu, encode_for_device
 from imagenet_ais.loader.wire import encode_batch
 
@@ -134,10 +134,11 @@ def test_odd_inputs_are_reencoded_for_the_device(device: str) -> None:
     assert (pixels(got) - expected).abs().mean() < 4.0
 
 
-def test_the_cuda_crop_kernel_resizes_as_roi_align_does(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cuda_crop_kernel_resizes_flips_and_normalises_as_the_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
     # The Triton kernel CUDA crops with, run here by Triton's interpreter, against the image-by-image
-    # roi_align of the CPU path: images of other shapes in one batch, boxes down- and upscaled,
-    # whole pictures, one pixel at the bottom right corner.
+    # roi_align of the CPU path, then torch's flip and normalisation: images of other shapes in one
+    # batch, boxes down- and upscaled, whole pictures, one pixel at the bottom right corner, flipped
+    # or not, written into a slice of a channels-last batch or a plain one.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     spec = importlib.util.find_spec("imagenet_ais.loader.crop_kernel")
     assert spec and spec.loader
@@ -145,29 +146,37 @@ def test_the_cuda_crop_kernel_resizes_as_roi_align_does(monkeypatch: pytest.Monk
     spec.loader.exec_module(kernel)
     rng, g = random.Random(0), torch.Generator().manual_seed(0)
     images, boxes = [], []
-    for _ in range(6):
+    for i in range(6):
         h, w = rng.randint(20, 90), rng.randint(20, 90)
         images.append(torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g))
         bw, bh = rng.randint(1, w), rng.randint(1, h)
-        boxes.append([rng.randint(0, w - bw), rng.randint(0, h - bh), bw, bh, 0])
+        boxes.append([rng.randint(0, w - bw), rng.randint(0, h - bh), bw, bh, i % 2])
     images += [images[0], images[1], images[2][:, 5:, :]]  # the last one not contiguous
-    boxes += [[0, 0, 90, 90, 0], [0, 0, 1, 1, 0], [0, 0, 4, 4, 0]]
+    boxes += [[0, 0, 90, 90, 1], [0, 0, 1, 1, 0], [0, 0, 4, 4, 1]]
     boxes[6][2:4] = images[0].shape[2], images[0].shape[1]
     boxes[7][:2] = images[1].shape[2] - 1, images[1].shape[1] - 1
-    for size in (16, 37):
-        got = kernel.resized_crops(images, torch.tensor(boxes), size, torch.device("cpu"))
-        expected = _resize_crops(images, torch.tensor(boxes), size, torch.device("cpu"))
-        assert got.dtype == torch.float16 and got.shape == (9, 3, size, size)
-        assert (got.float() - expected).abs().max() <= 0.0625  # float16's rounding of 128-255
-    assert kernel.resized_crops([], torch.zeros(0, 5), 16, torch.device("cpu")).shape == (0, 3, 16, 16)
+    box = torch.tensor(boxes)
+    mean, std = torch.tensor(MEAN).view(1, 3, 1, 1) * 255, torch.tensor(STD).view(1, 3, 1, 1) * 255
+    for size, layout in ((16, torch.channels_last), (37, torch.contiguous_format)):
+        resized = _resize_crops(images, box, size)
+        flipped = torch.where(box[:, 4].bool().view(-1, 1, 1, 1), resized.flip(-1), resized)
+        batch = torch.full((11, 3, size, size), -1000.0).contiguous(memory_format=layout)
+        kernel.resized_crops(images, box, batch[1:10], [m * 255 for m in MEAN], [s * 255 for s in STD])
+        assert (batch[1:10] - (flipped - mean) / std).abs().max() < 1e-4
+        assert (batch[0] == -1000).all() and (batch[10] == -1000).all()  # the rest of the batch untouched
+        kernel.resized_crops(images, box, batch[:9])  # 0-255, as when augmentation ops follow
+        assert (batch[:9] - flipped).abs().max() < 1e-3
+    assert (flipped[1] - resized[1].flip(-1)).abs().max() == 0 and (flipped[1] - resized[1]).abs().max() > 10
+    kernel.resized_crops([], torch.zeros(0, 5), batch[:0])
 
 
 def test_cuda_crops_without_triton_stop_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "triton", None)  # what an install without Triton imports
     monkeypatch.delitem(sys.modules, "imagenet_ais.loader.crop_kernel", raising=False)
-    images = [torch.zeros(3, 8, 8, dtype=torch.uint8)]
+    image, box = torch.zeros(3, 8, 8, dtype=torch.uint8), torch.tensor([[0, 0, 8, 8, 0]])
+    decoded = Decoded([image], box, torch.zeros(1, 4), None)
     with pytest.raises(ConfigError, match=r"decode 'gpu' crops with Triton, .*--decode cpu$"):
-        _resize_crops(images, torch.tensor([[0, 0, 8, 8, 0]]), 4, torch.device("cuda"))
+        crop_decoded(decoded, 4, torch.device("cuda"), False)
 
 
 def test_an_undecodable_sample_is_replaced_by_another_of_the_batch() -> None:

@@ -1,4 +1,5 @@
-"""A decoded batch's crops resized in one Triton kernel, read where nvJPEG left each image (CUDA).
+"""A decoded batch's crops resized, flipped and normalised in one Triton kernel, read where
+nvJPEG left each image and written where the batch goes (CUDA).
 
 Each output pixel is the mean of ceil(box / size)² bilinear samples of its bin, as torchvision's
 ``roi_align`` (``aligned=True``, ``sampling_ratio=-1``) takes them: a box filter that antialiases
@@ -7,12 +8,15 @@ row or column. ``device_decode._resize_crops`` does the same with ``roi_align`` 
 time, on the CPU. With the batch copied into one zero-padded tensor for a single ``roi_align``
 instead, the crop stage took 1.3 ms of the GPU per batch of 256 pictures of 500×375 at 160 px;
 with this kernel 0.4 ms. Beside a fast step the feed's GPU time is the step's loss (bench/RESULTS.md
-run AS).
+run AS). The flip, the normalisation and the batch's memory layout are done as each pixel is
+stored: done after it, by torch, they took 1.8 ms of a ResNet-18 bs512 step's 29 at 224 px,
+six passes over the batch where this is one (run BI).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -22,18 +26,21 @@ BLOCK = 512  # output pixels per program
 
 
 @triton.jit
-def _resize(meta, bins, out, size, BLOCK: tl.constexpr):
-    # meta: (image address, height, width, samples down, samples across) per image;
-    # bins: (top, left, bin height, bin width), in the image's pixels, half a pixel shifted (aligned)
+def _resize(meta, bins, out, size, stride_n, stride_c, stride_h, stride_w, m0, m1, m2, s0, s1, s2, BLOCK: tl.constexpr):
+    # meta: (image address, height, width, samples down, samples across, flipped) per image;
+    # bins: (top, left, bin height, bin width), in the image's pixels, half a pixel shifted (aligned);
+    # out: float32, N×3×size×size with these strides; m0-m2 and s0-s2: each channel's mean and std, 0-255
     n = tl.program_id(0)
     pixel = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = pixel < size * size
     row, col = pixel // size, pixel % size
-    image = tl.load(meta + 5 * n).to(tl.pointer_type(tl.uint8))
-    height = tl.load(meta + 5 * n + 1).to(tl.int32)
-    width = tl.load(meta + 5 * n + 2).to(tl.int32)
-    down = tl.load(meta + 5 * n + 3).to(tl.int32)
-    across = tl.load(meta + 5 * n + 4).to(tl.int32)
+    image = tl.load(meta + 6 * n).to(tl.pointer_type(tl.uint8))
+    height = tl.load(meta + 6 * n + 1).to(tl.int32)
+    width = tl.load(meta + 6 * n + 2).to(tl.int32)
+    down = tl.load(meta + 6 * n + 3).to(tl.int32)
+    across = tl.load(meta + 6 * n + 4).to(tl.int32)
+    flipped = tl.load(meta + 6 * n + 5) != 0
+    source = tl.where(flipped, size - 1 - col, col)  # the column of the unflipped crop this one shows
     top, left = tl.load(bins + 4 * n), tl.load(bins + 4 * n + 1)
     bin_h, bin_w = tl.load(bins + 4 * n + 2), tl.load(bins + 4 * n + 3)
     plane = height.to(tl.int64) * width  # (3 planes of a large picture pass int32)
@@ -48,7 +55,7 @@ def _resize(meta, bins, out, size, BLOCK: tl.constexpr):
         ly = tl.where(y0 == height - 1, 0.0, y - y0)
         ix = 0
         while ix < across:
-            x = tl.maximum(left + col * bin_w + (ix + 0.5) * bin_w / across, 0.0)
+            x = tl.maximum(left + source * bin_w + (ix + 0.5) * bin_w / across, 0.0)
             x0 = tl.minimum(x.to(tl.int32), width - 1)
             x1 = tl.minimum(x0 + 1, width - 1)
             lx = tl.where(x0 == width - 1, 0.0, x - x0)
@@ -61,10 +68,11 @@ def _resize(meta, bins, out, size, BLOCK: tl.constexpr):
             ix += 1
         iy += 1
     count = (down * across).to(tl.float32)
-    first = out + n.to(tl.int64) * 3 * size * size + pixel  # (a batch of thousands at 512 px passes int32)
-    tl.store(first, red / count, mask=inside)
-    tl.store(first + size * size, green / count, mask=inside)
-    tl.store(first + 2 * size * size, blue / count, mask=inside)
+    # (a batch of thousands at 512 px passes int32)
+    first = out + n.to(tl.int64) * stride_n + row * stride_h + col * stride_w
+    tl.store(first, (red / count - m0) / s0, mask=inside)
+    tl.store(first + stride_c, (green / count - m1) / s1, mask=inside)
+    tl.store(first + 2 * stride_c, (blue / count - m2) / s2, mask=inside)
 
 
 @triton.jit
@@ -76,23 +84,29 @@ def _sample(channel, i00, i01, i10, i11, w00, w01, w10, w11, inside):
     return w00 * v00 + w01 * v01 + w10 * v10 + w11 * v11
 
 
-def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: int, device: torch.device) -> torch.Tensor:
-    """Each uint8 3×H×W image's box (``boxes``' rows: left, top, width, height, ...) resized to
-    size × size: float16 0-255, N×3×size×size on ``device``, where the images are (one launch)."""
-    out = torch.empty(len(images), 3, size, size, dtype=torch.float16, device=device)
+def resized_crops(
+    images: list[torch.Tensor],
+    boxes: torch.Tensor,
+    out: torch.Tensor,
+    mean: Sequence[float] = (0.0, 0.0, 0.0),
+    std: Sequence[float] = (1.0, 1.0, 1.0),
+) -> None:
+    """Each uint8 3×H×W image's box (``boxes``' rows: left, top, width, height, flip) resized to
+    the size × size of ``out`` (float32, N×3×size×size, any strides, where the images are) and
+    flipped where ``boxes`` says, as (value - mean) / std of each channel's 0-255 values: one launch."""
     if not images:
-        return out
+        return
+    size, device = out.shape[-1], out.device
     images = [img if img.is_contiguous() else img.contiguous() for img in images]  # (nvJPEG's are)
     shapes = torch.tensor([img.shape[1:] for img in images], dtype=torch.int64)  # (read once: the GIL is shared)
     addresses = torch.tensor([img.data_ptr() for img in images], dtype=torch.int64)
     box = boxes[:, :4].to(torch.float32)
     extent = box[:, [3, 2]]  # height, width
     samples = torch.ceil(extent / size).clamp(min=1).to(torch.int64)
-    meta = torch.cat([addresses[:, None], shapes, samples], 1)
+    meta = torch.cat([addresses[:, None], shapes, samples, boxes[:, 4:5].to(torch.int64)], 1)
     bins = torch.cat([box[:, [1, 0]] - 0.5, extent / size], 1)
     grid = (len(images), triton.cdiv(size * size, BLOCK))
     # Triton launches on the calling thread's current device (CUDA keeps one per thread, the
     # first GPU until set): the batch's, named. (On the CPU only its interpreter runs: the tests.)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        _resize[grid](meta.to(device), bins.to(device), out, size, BLOCK=BLOCK)
-    return out
+        _resize[grid](meta.to(device), bins.to(device), out, size, *out.stride(), *mean, *std, BLOCK=BLOCK)

@@ -6,6 +6,7 @@ is replaced by another of its batch and reported."""
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -14,7 +15,7 @@ from torchvision.ops import roi_align
 
 from imagenet_ais.errors import ConfigError
 from imagenet_ais.loader.augment import NO_AUGMENT, Augment
-from imagenet_ais.loader.transforms import mean_std, memory_format
+from imagenet_ais.loader.transforms import MEAN, STD, mean_std, memory_format
 from imagenet_ais.loader.wire import NO_PIXELS, Encoded
 
 
@@ -26,6 +27,9 @@ class Decoded(NamedTuple):
     plans: torch.Tensor  # its augmentation (augment.py)
     rows: list[int] | None  # None, or which sample each row is (failures replaced by others)
     pixels: torch.Tensor = NO_PIXELS  # the samples after ``images``: cropped in the workers, still on the host
+
+
+MEAN_255, STD_255 = tuple(m * 255 for m in MEAN), tuple(s * 255 for s in STD)
 
 
 def decode_on_device(
@@ -52,35 +56,53 @@ def crop_decoded(
     decoded: Decoded, size: int, device: torch.device, channels_last: bool, augment: Augment = NO_AUGMENT
 ) -> torch.Tensor:
     """Crop, resize, flip, augment (``augment``'s ops, normalisation, erasing): float N×3×size×size on ``device``."""
-    boxes, images = decoded.boxes, decoded.images
-    out = images if isinstance(images, torch.Tensor) else _resize_crops(images, boxes[: len(images)], size, device)
+    images, boxes, n = decoded.images, decoded.boxes, len(decoded.images)
+    kernel = _crop_kernel() if device.type == "cuda" and isinstance(images, list) else None
+    out = torch.empty(n + len(decoded.pixels), 3, size, size, device=device, memory_format=memory_format(channels_last))
+    # With no augmentation op between the flip and the normalisation, the kernel does both as it
+    # stores each pixel where the batch goes: one pass over the batch instead of six
+    normalised = augment.policy is None
+    if kernel is not None:
+        kernel.resized_crops(images, boxes[:n], out[:n], *((MEAN_255, STD_255) if normalised else ()))
+    elif n:  # the CPU's (the tests'), or DALI's, cropped already
+        crops = images if isinstance(images, torch.Tensor) else _resize_crops(images, boxes[:n], size)
+        out[:n] = _flipped(crops, boxes[:n, 4])
     if len(decoded.pixels):
         pixels = decoded.pixels.to(device, non_blocking=True).permute(0, 3, 1, 2)
-        out = torch.cat([out, pixels.to(out.dtype)])
-    flip = boxes[:, 4].bool().to(device, non_blocking=True).view(-1, 1, 1, 1)
-    out = augment.apply(torch.where(flip, out.flip(-1), out).float(), decoded.plans)
+        out[n:] = _flipped(pixels, boxes[n:, 4])
     mean, std = mean_std(device)
-    out = augment.erase_boxes((out - mean) / std, decoded.plans, 0.0)
+    if normalised:
+        out[0 if kernel is None else n :].sub_(mean).div_(std)
+    else:
+        out = (augment.apply(out, decoded.plans) - mean) / std
+    out = augment.erase_boxes(out, decoded.plans, 0.0)
     return out.contiguous(memory_format=memory_format(channels_last))
 
 
-def _resize_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: int, device: torch.device) -> torch.Tensor:
-    """Each image's box resized to size × size, as 0-255 floats (N×3×size×size).
+def _flipped(x: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
+    """``x`` (N×C×H×W) mirrored left to right where ``flips`` (N, on the host) is set."""
+    return torch.where(flips.bool().to(x.device, non_blocking=True).view(-1, 1, 1, 1), x.flip(-1), x)
+
+
+def _crop_kernel() -> ModuleType:
+    """crop_kernel.py, or a one-line ConfigError where Triton does not import."""
+    try:
+        from imagenet_ais.loader import crop_kernel  # (Triton: only where it runs)
+    except ImportError as e:
+        raise ConfigError(
+            f"decode 'gpu' crops with Triton, which did not import ({e}): it comes with PyTorch's CUDA wheels "
+            "on Linux (pip install triton), or train with --decode cpu"
+        ) from None
+    return crop_kernel
+
+
+def _resize_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: int) -> torch.Tensor:
+    """Each image's box resized to size × size, as 0-255 floats (N×3×size×size), on the CPU.
 
     Each output pixel averages ceil(box / size)² bilinear samples of its bin (roi_align's rule):
     a box filter that antialiases like PIL's bilinear does when shrinking. On CUDA one Triton
-    kernel resizes the whole batch where the decoder left it (crop_kernel.py); elsewhere (the
-    tests' device) roi_align does the same image by image.
+    kernel does the same for the whole batch where the decoder left it (crop_kernel.py).
     """
-    if device.type == "cuda":
-        try:
-            from imagenet_ais.loader.crop_kernel import resized_crops  # (Triton: only where it runs)
-        except ImportError as e:
-            raise ConfigError(
-                f"decode 'gpu' crops with Triton, which did not import ({e}): it comes with PyTorch's CUDA wheels "
-                "on Linux (pip install triton), or train with --decode cpu"
-            ) from None
-        return resized_crops(images, boxes, size, device)
     out = torch.empty(len(images), 3, size, size)
     for i, (img, box) in enumerate(zip(images, boxes.tolist(), strict=True)):
         left, top, width, height = box[:4]
