@@ -9,8 +9,8 @@ time, on the CPU. With the batch copied into one zero-padded tensor for a single
 instead, the crop stage took 1.3 ms of the GPU per batch of 256 pictures of 500×375 at 160 px;
 with this kernel 0.4 ms. Beside a fast step the feed's GPU time is the step's loss (bench/RESULTS.md
 run AS). The flip, the normalisation and the batch's memory layout are done as each pixel is
-stored: done after it, by torch, they took 1.8 ms of a ResNet-18 bs512 step's 29 at 224 px,
-six passes over the batch where this is one (run BI).
+stored: done after it by torch, in seven more passes over the batch, they took 1.8 ms of a
+ResNet-18 bs512 step's 29 at 224 px (bench/RESULTS.md run BI).
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def crop_decoded(
     kernel = _crop_kernel() if device.type == "cuda" and isinstance(images, list) else None
     out = torch.empty(n + len(decoded.pixels), 3, size, size, device=device, memory_format=memory_format(channels_last))
     # With no augmentation op between the flip and the normalisation, the kernel does both as it
-    # stores each pixel where the batch goes: one pass over the batch instead of six
+    # stores each pixel where the batch goes: one pass over the batch instead of eight
     normalised = augment.policy is None
     if kernel is not None:
         kernel.resized_crops(images, boxes[:n], out[:n], *((MEAN_255, STD_255) if normalised else ()))
