@@ -11,6 +11,7 @@ import io
 import math
 import random
 import sys
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -19,6 +20,8 @@ from PIL import Image
 from torchvision.transforms import RandomResizedCrop
 
 from imagenet_ais.errors import ConfigError
+from imagenet_ais.loader import device_decode
+from imagenet_ais.loader.augment import NO_AUGMENT, Augment
 from imagenet_ais.loader.device_decode import Decoded, _resize_crops, crop_decoded, decode_on_device
 from imagenet_ais.loader.transforms import MEAN, RATIO, SCALE, STD, Box, _crop_resize, decode_on_cpu, encode_for_device
 from imagenet_ais.loader.wire import encode_batch
@@ -134,16 +137,22 @@ def test_odd_inputs_are_reencoded_for_the_device(device: str) -> None:
     assert (pixels(got) - expected).abs().mean() < 4.0
 
 
-def test_the_cuda_crop_kernel_resizes_flips_and_normalises_as_the_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def kernel(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """crop_kernel.py as Triton's interpreter runs it, on the CPU."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = importlib.util.find_spec("imagenet_ais.loader.crop_kernel")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)  # (its own copy: a CUDA run's stays compiled)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_cuda_crop_kernel_resizes_flips_and_normalises_as_the_cpu_path(kernel: ModuleType) -> None:
     # The Triton kernel CUDA crops with, run here by Triton's interpreter, against the image-by-image
     # roi_align of the CPU path, then torch's flip and normalisation: images of other shapes in one
     # batch, boxes down- and upscaled, whole pictures, one pixel at the bottom right corner, flipped
     # or not, written into a slice of a channels-last batch or a plain one.
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    spec = importlib.util.find_spec("imagenet_ais.loader.crop_kernel")
-    assert spec and spec.loader
-    kernel = importlib.util.module_from_spec(spec)  # (its own copy: a CUDA run's stays compiled)
-    spec.loader.exec_module(kernel)
     rng, g = random.Random(0), torch.Generator().manual_seed(0)
     images, boxes = [], []
     for i in range(6):
@@ -168,6 +177,32 @@ def test_the_cuda_crop_kernel_resizes_flips_and_normalises_as_the_cpu_path(monke
         assert (batch[:9] - flipped).abs().max() < 1e-3
     assert (flipped[1] - resized[1].flip(-1)).abs().max() == 0 and (flipped[1] - resized[1]).abs().max() > 10
     kernel.resized_crops([], torch.zeros(0, 5), batch[:0])
+
+
+@pytest.mark.parametrize("augment", [NO_AUGMENT, Augment("ra"), Augment(None, 0.5)], ids=str)
+def test_the_crop_stage_with_the_kernel_matches_it_without(
+    kernel: ModuleType, augment: Augment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # crop_decoded as on CUDA (the kernel, here interpreted) against its CPU branch: the same
+    # batch, whatever follows the crop, with two rows the workers cropped after the decoded ones
+    rng, g = random.Random(1), torch.Generator().manual_seed(1)
+    images, boxes = [], []
+    for i in range(5):
+        h, w = rng.randint(30, 80), rng.randint(30, 80)
+        images.append(torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g))
+        bw, bh = rng.randint(5, w), rng.randint(5, h)
+        boxes.append([rng.randint(0, w - bw), rng.randint(0, h - bh), bw, bh, i % 2])
+    boxes += [[0, 0, 0, 0, 1], [0, 0, 0, 0, 0]]
+    pixels = torch.randint(0, 256, (2, 24, 24, 3), dtype=torch.uint8, generator=g)
+    plans = torch.tensor([augment.draw(random.Random(i), 24) for i in range(7)], dtype=torch.float32)
+    decoded = Decoded(images, torch.tensor(boxes), plans, None, pixels)
+    for channels_last in (True, False):
+        expected = crop_decoded(decoded, 24, torch.device("cpu"), channels_last, augment)
+        with monkeypatch.context() as patch:
+            patch.setattr(device_decode, "_crop_kernel", lambda device: kernel)
+            got = crop_decoded(decoded, 24, torch.device("cpu"), channels_last, augment)
+        assert got.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        assert (got - expected).abs().max() < 1e-5
 
 
 def test_cuda_crops_without_triton_stop_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -57,7 +57,7 @@ def crop_decoded(
 ) -> torch.Tensor:
     """Crop, resize, flip, augment (``augment``'s ops, normalisation, erasing): float N×3×size×size on ``device``."""
     images, boxes, n = decoded.images, decoded.boxes, len(decoded.images)
-    kernel = _crop_kernel() if device.type == "cuda" and isinstance(images, list) else None
+    kernel = _crop_kernel(device) if isinstance(images, list) else None
     out = torch.empty(n + len(decoded.pixels), 3, size, size, device=device, memory_format=memory_format(channels_last))
     # With no augmentation op between the flip and the normalisation, the kernel does both as it
     # stores each pixel where the batch goes: one pass over the batch instead of eight
@@ -84,8 +84,11 @@ def _flipped(x: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
     return torch.where(flips.bool().to(x.device, non_blocking=True).view(-1, 1, 1, 1), x.flip(-1), x)
 
 
-def _crop_kernel() -> ModuleType:
-    """crop_kernel.py, or a one-line ConfigError where Triton does not import."""
+def _crop_kernel(device: torch.device) -> ModuleType | None:
+    """crop_kernel.py where ``device`` is CUDA (elsewhere None: roi_align crops), or a one-line
+    ConfigError where Triton does not import."""
+    if device.type != "cuda":
+        return None
     try:
         from imagenet_ais.loader import crop_kernel  # (Triton: only where it runs)
     except ImportError as e:
