@@ -137,6 +137,21 @@ def test_odd_inputs_are_reencoded_for_the_device(device: str) -> None:
     assert (pixels(got) - expected).abs().mean() < 4.0
 
 
+def random_crops(
+    count: int, seed: int, sides: tuple[int, int], least: int
+) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """``count`` uint8 3×H×W noise images with sides in ``sides``, and a box in each of at least
+    ``least`` pixels a side, every other one flipped."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    images, boxes = [], []
+    for i in range(count):
+        h, w = rng.randint(*sides), rng.randint(*sides)
+        images.append(torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g))
+        bw, bh = rng.randint(least, w), rng.randint(least, h)
+        boxes.append([rng.randint(0, w - bw), rng.randint(0, h - bh), bw, bh, i % 2])
+    return images, boxes
+
+
 @pytest.fixture
 def kernel(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """crop_kernel.py as Triton's interpreter runs it, on the CPU."""
@@ -153,13 +168,7 @@ def test_the_cuda_crop_kernel_resizes_flips_and_normalises_as_the_cpu_path(kerne
     # roi_align of the CPU path, then torch's flip and normalisation: images of other shapes in one
     # batch, boxes down- and upscaled, whole pictures, one pixel at the bottom right corner, flipped
     # or not, written into a slice of a channels-last batch or a plain one.
-    rng, g = random.Random(0), torch.Generator().manual_seed(0)
-    images, boxes = [], []
-    for i in range(6):
-        h, w = rng.randint(20, 90), rng.randint(20, 90)
-        images.append(torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g))
-        bw, bh = rng.randint(1, w), rng.randint(1, h)
-        boxes.append([rng.randint(0, w - bw), rng.randint(0, h - bh), bw, bh, i % 2])
+    images, boxes = random_crops(6, seed=0, sides=(20, 90), least=1)
     images += [images[0], images[1], images[2][:, 5:, :]]  # the last one not contiguous
     boxes += [[0, 0, 90, 90, 1], [0, 0, 1, 1, 0], [0, 0, 4, 4, 1]]
     boxes[6][2:4] = images[0].shape[2], images[0].shape[1]
@@ -185,15 +194,9 @@ def test_the_crop_stage_with_the_kernel_matches_it_without(
 ) -> None:
     # crop_decoded as on CUDA (the kernel, here interpreted) against its CPU branch: the same
     # batch, whatever follows the crop, with two rows the workers cropped after the decoded ones
-    rng, g = random.Random(1), torch.Generator().manual_seed(1)
-    images, boxes = [], []
-    for i in range(5):
-        h, w = rng.randint(30, 80), rng.randint(30, 80)
-        images.append(torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g))
-        bw, bh = rng.randint(5, w), rng.randint(5, h)
-        boxes.append([rng.randint(0, w - bw), rng.randint(0, h - bh), bw, bh, i % 2])
+    images, boxes = random_crops(5, seed=1, sides=(30, 80), least=5)
     boxes += [[0, 0, 0, 0, 1], [0, 0, 0, 0, 0]]
-    pixels = torch.randint(0, 256, (2, 24, 24, 3), dtype=torch.uint8, generator=g)
+    pixels = torch.randint(0, 256, (2, 24, 24, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     plans = torch.tensor([augment.draw(random.Random(i), 24) for i in range(7)], dtype=torch.float32)
     decoded = Decoded(images, torch.tensor(boxes), plans, None, pixels)
     for channels_last in (True, False):
