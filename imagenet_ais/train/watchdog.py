@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -114,6 +114,7 @@ class Watchdog:
             verdict = self.verdict or self._store_gone()
         if verdict:
             self._say(json.loads(verdict))
+            self._linger(json.loads(verdict))
         return verdict is not None
 
     def _watch(self) -> None:
@@ -146,6 +147,7 @@ class Watchdog:
     def _seen(self) -> str | None:
         if self.verdict is None and self.store.check([VERDICT]):
             self.verdict = self.store.get(VERDICT).decode()
+            self.store.set(f"seen/{self.process.rank}", "")  # (the store's holder waits for these)
         return self.verdict
 
     def _judge(self, doing: Doing, failed: str = "", silent_only: bool = False) -> str | None:
@@ -156,6 +158,8 @@ class Watchdog:
         for _ in range(round(self.stale / self.beat)):  # (a count that stands still over this: a silent rank)
             time.sleep(self.beat)
             self._beat()  # (this rank's own goes on: another rank may be judging too)
+            if self._seen():  # another rank's verdict came first
+                return self.verdict
         after = self._beats()
         missing, silent = [], set()
         for rank in range(self.process.world):
@@ -175,8 +179,10 @@ class Watchdog:
             f"ERROR: ranks did not meet at {doing.what}{how}: {'; '.join(missing)}. The run ends on every rank "
             f"(exit {EXIT_RANKS_LOST}); its last checkpoint stands: continue with --resume auto once every rank can run"
         )
-        verdict = json.dumps({"line": line, "speaker": min(set(range(self.process.world)) - silent)})
+        speaker = min(set(range(self.process.world)) - silent)
+        verdict = json.dumps({"line": line, "speaker": speaker, "silent": sorted(silent)})
         self.verdict = self.store.compare_set(VERDICT, "", verdict).decode()
+        self.store.set(f"seen/{self.process.rank}", "")
         return self.verdict
 
     def _store_gone(self) -> str:
@@ -197,11 +203,22 @@ class Watchdog:
         deadline = time.monotonic() + self.timeout
         if self.writing.acquire(timeout=self.timeout):  # a checkpoint being written is finished first
             self.before_exit(max(0.0, deadline - time.monotonic()))
-        if _holds_store(self.process):  # the others read the verdict from it first
-            time.sleep(2 * self.beat)
+        self._linger(verdict)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_RANKS_LOST)
+
+    def _linger(self, verdict: dict) -> None:
+        """Where this process serves the store, which goes with it: until every rank the verdict
+        does not name silent has read it (else that rank finds the store gone and says so too), or
+        for as long as a beat may stand still."""
+        if not _holds_store(self.process):
+            return
+        readers = [f"seen/{rank}" for rank in range(self.process.world) if rank not in verdict.get("silent", ())]
+        deadline = time.monotonic() + self.stale
+        with suppress(*UNANSWERED):
+            while not self.store.check(readers) and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 def _node(beat: dict | None) -> str:
