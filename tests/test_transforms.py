@@ -23,7 +23,18 @@ from imagenet_ais.errors import ConfigError
 from imagenet_ais.loader import device_decode
 from imagenet_ais.loader.augment import NO_AUGMENT, Augment
 from imagenet_ais.loader.device_decode import Decoded, _resize_crops, crop_decoded, decode_on_device
-from imagenet_ais.loader.transforms import MEAN, RATIO, SCALE, STD, Box, _crop_resize, decode_on_cpu, encode_for_device
+from imagenet_ais.loader.transforms import (
+    MEAN,
+    MEAN_255,
+    RATIO,
+    SCALE,
+    STD,
+    STD_255,
+    Box,
+    _crop_resize,
+    decode_on_cpu,
+    encode_for_device,
+)
 from imagenet_ais.loader.wire import encode_batch
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
@@ -179,7 +190,7 @@ def test_the_cuda_crop_kernel_resizes_flips_and_normalises_as_the_cpu_path(kerne
         resized = _resize_crops(images, box, size)
         flipped = torch.where(box[:, 4].bool().view(-1, 1, 1, 1), resized.flip(-1), resized)
         batch = torch.full((11, 3, size, size), -1000.0).contiguous(memory_format=layout)
-        kernel.resized_crops(images, box, batch[1:10], [m * 255 for m in MEAN], [s * 255 for s in STD])
+        kernel.resized_crops(images, box, batch[1:10], MEAN_255, STD_255)
         assert (batch[1:10] - (flipped - mean) / std).abs().max() < 1e-4
         assert (batch[0] == -1000).all() and (batch[10] == -1000).all()  # the rest of the batch untouched
         kernel.resized_crops(images, box, batch[:9])  # 0-255, as when augmentation ops follow

@@ -15,7 +15,7 @@ from torchvision.ops import roi_align
 
 from imagenet_ais.errors import ConfigError
 from imagenet_ais.loader.augment import NO_AUGMENT, Augment
-from imagenet_ais.loader.transforms import MEAN, STD, mean_std, memory_format
+from imagenet_ais.loader.transforms import MEAN_255, STD_255, mean_std, memory_format
 from imagenet_ais.loader.wire import NO_PIXELS, Encoded
 
 
@@ -27,9 +27,6 @@ class Decoded(NamedTuple):
     plans: torch.Tensor  # its augmentation (augment.py)
     rows: list[int] | None  # None, or which sample each row is (failures replaced by others)
     pixels: torch.Tensor = NO_PIXELS  # the samples after ``images``: cropped in the workers, still on the host
-
-
-MEAN_255, STD_255 = tuple(m * 255 for m in MEAN), tuple(s * 255 for s in STD)
 
 
 def decode_on_device(

@@ -34,6 +34,7 @@ RATIO = (3 / 4, 4 / 3)
 VAL_CROP = 0.875  # validation: the centre square's side, of the short side (224 of 256)
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
+MEAN_255, STD_255 = tuple(m * 255 for m in MEAN), tuple(s * 255 for s in STD)  # of 0-255 pixels
 
 
 class Box(NamedTuple):
@@ -141,8 +142,8 @@ def memory_format(channels_last: bool) -> torch.memory_format:
 
 @functools.cache
 def mean_std(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1) * 255
-    std = torch.tensor(STD, device=device).view(1, 3, 1, 1) * 255
+    mean = torch.tensor(MEAN_255, device=device).view(1, 3, 1, 1)
+    std = torch.tensor(STD_255, device=device).view(1, 3, 1, 1)
     return mean, std
 
 

@@ -113,8 +113,9 @@ class Watchdog:
         except UNANSWERED:  # the store went with the rank that held it
             verdict = self.verdict or self._store_gone()
         if verdict:
-            self._say(json.loads(verdict))
-            self._linger(json.loads(verdict))
+            said = json.loads(verdict)
+            self._say(said)
+            self._linger(said)
         return verdict is not None
 
     def _watch(self) -> None:
