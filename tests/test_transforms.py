@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 from torchvision.transforms import RandomResizedCrop
 
+import imagenet_ais.loader
 from imagenet_ais.errors import ConfigError
 from imagenet_ais.loader import device_decode
 from imagenet_ais.loader.augment import NO_AUGMENT, Augment
@@ -221,7 +222,9 @@ def test_the_crop_stage_with_the_kernel_matches_it_without(
 
 def test_cuda_crops_without_triton_stop_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "triton", None)  # what an install without Triton imports
+    # as if never imported: an earlier CUDA test may have left it in sys.modules and on its package
     monkeypatch.delitem(sys.modules, "imagenet_ais.loader.crop_kernel", raising=False)
+    monkeypatch.delattr(imagenet_ais.loader, "crop_kernel", raising=False)
     image, box = torch.zeros(3, 8, 8, dtype=torch.uint8), torch.tensor([[0, 0, 8, 8, 0]])
     decoded = Decoded([image], box, torch.zeros(1, 4), None)
     with pytest.raises(ConfigError, match=r"decode 'gpu' crops with Triton, .*--decode cpu$"):
