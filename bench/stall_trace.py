@@ -138,15 +138,17 @@ def watch_feed(trace: Trace) -> None:
         def timed(self: Any, item: Any, _original: Any = original, _stage: str = stage) -> Any:
             t0, cpu0 = time.monotonic(), time.thread_time()
             out = _original(self, item)
-            encoded = item.images if _stage == "decode" else item[1].images
-            jpegs = len(getattr(encoded, "sizes", ()))
+            # decode takes the batches waiting for it together (device_feed.Merged), crop one
+            encoded = [batch.images for batch in item] if _stage == "decode" else [item[1].images]
+            sizes = [size for one in encoded for size in getattr(one, "sizes", ())]
             trace(
                 _stage,
                 t0=t0,
                 t1=time.monotonic(),
                 cpu=time.thread_time() - cpu0,
-                jpegs=jpegs,
-                bytes=int(sum(getattr(encoded, "sizes", ()))),
+                batches=len(encoded),
+                jpegs=len(sizes),
+                bytes=int(sum(sizes)),
             )
             return out
 

@@ -23,7 +23,14 @@ import imagenet_ais.loader
 from imagenet_ais.errors import ConfigError
 from imagenet_ais.loader import device_decode
 from imagenet_ais.loader.augment import NO_AUGMENT, Augment
-from imagenet_ais.loader.device_decode import Decoded, _resize_crops, crop_decoded, decode_on_device
+from imagenet_ais.loader.device_decode import (
+    Decoded,
+    _resize_crops,
+    crop_decoded,
+    decode_encoded,
+    decode_on_device,
+    decode_together,
+)
 from imagenet_ais.loader.transforms import (
     MEAN,
     MEAN_255,
@@ -240,6 +247,24 @@ def test_an_undecodable_sample_is_replaced_by_another_of_the_batch() -> None:
     assert torch.equal(got[1], got[rows[1]])
     with pytest.raises(RuntimeError, match="none of the 1 JPEGs"):
         decode_on_device(encode_batch([broken]), 16, torch.device("cpu"), False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batches_decoded_together_are_as_each_decoded_alone(device: str) -> None:
+    # (the decode stage takes the batches waiting for it in one nvJPEG call: device_feed.Merged)
+    broken = (b"\xff\xd8\xff not really a jpeg", encode_for_device(jpeg(photo(90, 80)), None)[1])
+    first = [encode_for_device(jpeg(photo(120, 100, seed=i)), None) for i in range(3)]
+    second = [encode_for_device(jpeg(photo(80, 90, seed=10 + i)), None) for i in range(2)]
+    with_broken = [encode_batch(first), encode_batch([broken, *second])]
+    for batches in ([encode_batch(first), encode_batch(second)], with_broken):
+        together = decode_together(batches, torch.device(device))
+        for batch, got in zip(batches, together, strict=True):
+            alone = decode_encoded(batch, torch.device(device))
+            assert got.rows == alone.rows and torch.equal(got.boxes, alone.boxes)
+            assert [tuple(i.shape) for i in got.images] == [tuple(i.shape) for i in alone.images]
+            assert all(torch.equal(a, b) for a, b in zip(got.images, alone.images, strict=True))
+    assert together[0].rows is None and together[1].rows is not None  # replaced within its own batch
+    assert together[1].rows[0] in (1, 2)
 
 
 def test_crops_at_the_picture_edge_are_not_darkened() -> None:

@@ -6,6 +6,8 @@ is replaced by another of its batch and reported."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from types import ModuleType
 from typing import NamedTuple
 
@@ -47,6 +49,25 @@ def decode_encoded(batch: Encoded, device: torch.device) -> Decoded:
         rows += range(len(images), len(batch.boxes))  # (the pixels' rows stay theirs)
         return Decoded(images, batch.boxes[rows], batch.plans[rows], rows, batch.pixels)
     return Decoded(images, batch.boxes, batch.plans, None, batch.pixels)
+
+
+def decode_together(batches: Sequence[Encoded], device: torch.device) -> list[Decoded]:
+    """Several batches' JPEGs in one decoder call, then a Decoded each. nvJPEG's call returns only
+    once its conversions, queued behind the training step's kernels, are done (bench/RESULTS.md
+    runs BH-BI): two batches a call wait once. Where that call fails, each batch on its own
+    (``decode_encoded``: its failures replaced by others of the same batch)."""
+    if len(batches) == 1:
+        return [decode_encoded(batches[0], device)]
+    data = [one for batch in batches if batch.sizes for one in batch.blob.split(batch.sizes)]
+    try:
+        images = decode_jpeg(data, mode=ImageReadMode.RGB, device=device) if data else []
+    except RuntimeError:
+        return [decode_encoded(batch, device) for batch in batches]
+    ends = list(itertools.accumulate(len(batch.sizes) for batch in batches))
+    return [
+        Decoded(images[end - len(batch.sizes) : end], batch.boxes, batch.plans, None, batch.pixels)
+        for batch, end in zip(batches, ends, strict=True)
+    ]
 
 
 def crop_decoded(

@@ -7,6 +7,10 @@ stages' times overlap instead of adding up. Measured on the H100 (bench/RESULTS.
 thread doing the work in turn spent the sum of the stages per batch, and the sum was the
 end-to-end limit. On CUDA each stage's device work goes on a high-priority side stream of its own.
 
+A stage given as ``Merged`` takes the items already waiting for it together, up to its
+``most``, in one call: where each call costs a fixed wait (nvJPEG's decode call returns only once
+its conversions, queued behind the step's kernels, are done), two batches cost one wait.
+
 ``busy()`` tells how long each thread spent working (the pulling thread: getting a batch,
 waiting on the workers included): the stage near 100% of the wall time is the limit.
 ``step_wait`` is the share of its time the consumer recently spent blocked waiting for items (for
@@ -21,6 +25,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +36,20 @@ _END = object()
 STEP_WAIT_SECONDS = 5.0  # what ``step_wait`` averages over
 _live: weakref.WeakSet[DeviceFeed] = weakref.WeakSet()
 
-Stage = tuple[str, Callable[[Any], Any]]
+
+@dataclass(frozen=True)
+class Merged:
+    """A stage's function over the items waiting for it, up to ``most`` (at least one): an output for each, in order."""
+
+    many: Callable[[list[Any]], list[Any]]
+    most: int = 2
+
+
+Stage = tuple[str, Callable[[Any], Any] | Merged]
+
+
+def _ends(item: object) -> bool:
+    return item is _END or isinstance(item, BaseException)
 
 
 def tensors_in(obj: object) -> Iterator[torch.Tensor]:
@@ -129,8 +147,19 @@ class DeviceFeed:
         except BaseException as e:  # passed on by the stages, raised by the consumer
             self._put(self.queues[0], e)
 
-    def _stage(self, index: int, name: str, fn: Callable[[Any], Any]) -> None:
+    def _take(self, source: queue.Queue, most: int) -> list[Any]:
+        """The next item, then those already waiting, up to ``most`` or the end (_END or an error) if it comes."""
+        items = [self._get(source)]
+        while len(items) < most and not _ends(items[-1]):
+            try:
+                items.append(source.get_nowait())
+            except queue.Empty:
+                break
+        return items
+
+    def _stage(self, index: int, name: str, fn: Callable[[Any], Any] | Merged) -> None:
         source, sink, stream = self.queues[index], self.queues[index + 1], self.streams[index]
+        many, most = (fn.many, fn.most) if isinstance(fn, Merged) else (lambda items: [fn(items[0])], 1)
         # A blocking event: the thread sleeps until the GPU is done. Beside a thread spinning in
         # the stream's synchronize, a step launched kernel by kernel from Python (torch.compile's
         # default mode) was fed at 0.74-0.82 of its ceiling in three runs, beside a sleeping one
@@ -139,21 +168,23 @@ class DeviceFeed:
         try:
             with torch.cuda.stream(stream) if stream else nullcontext():
                 while True:
-                    item = self._get(source)
-                    if item is _END or isinstance(item, BaseException):
-                        self._put(sink, item)
-                        return
-                    start = time.perf_counter()
-                    out = fn(item)
-                    if done:
-                        # Done on the device before the input is dropped: its memory would
-                        # otherwise go to the next allocation at once (nvJPEG writes from a
-                        # stream of its own) while this stage's kernels may still read it.
-                        done.record(stream)
-                        done.synchronize()
-                    self.seconds[name] += time.perf_counter() - start
-                    del item
-                    if not self._put(sink, out):
+                    items = self._take(source, most)
+                    end = items.pop() if _ends(items[-1]) else None
+                    if items:
+                        start = time.perf_counter()
+                        outs = many(items)
+                        if done:
+                            # Done on the device before the inputs are dropped: their memory would
+                            # otherwise go to the next allocation at once (nvJPEG writes from a
+                            # stream of its own) while this stage's kernels may still read it.
+                            done.record(stream)
+                            done.synchronize()
+                        self.seconds[name] += time.perf_counter() - start
+                        del items
+                        if not all(self._put(sink, out) for out in outs):
+                            return
+                    if end is not None:
+                        self._put(sink, end)
                         return
         except BaseException as e:
             self._put(sink, e)

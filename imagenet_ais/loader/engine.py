@@ -45,8 +45,8 @@ from imagenet_ais.errors import DataError
 from imagenet_ais.loader import wire
 from imagenet_ais.loader.cpu_share import AUTO, LIMIT
 from imagenet_ais.loader.dali_decode import DaliCrops, DaliFailed
-from imagenet_ais.loader.device_decode import Decoded, crop_decoded, decode_encoded
-from imagenet_ais.loader.device_feed import DeviceFeed, Stage, close_all
+from imagenet_ais.loader.device_decode import Decoded, crop_decoded, decode_encoded, decode_together
+from imagenet_ais.loader.device_feed import DeviceFeed, Merged, Stage, close_all
 from imagenet_ais.loader.failures import Stalled, TransformFailed, UnreadableData, WorkerDied
 from imagenet_ais.loader.mixture import Shards
 from imagenet_ais.loader.sampling import Done, exact_assignment, trained
@@ -120,7 +120,7 @@ class _OnDevice:
     def stages(self) -> list[Stage]:
         if self.dataset.spec.decode == "cpu":
             return [("copy", self.copy)]
-        return [("decode", self.decode), ("crop", self.crop)]
+        return [("decode", Merged(self.decode)), ("crop", self.crop)]
 
     def copy(self, batch: HostBatch) -> tuple[Batch, torch.Tensor]:
         images: torch.Tensor = batch.images  # type: ignore[assignment]
@@ -130,7 +130,15 @@ class _OnDevice:
             x = normalize(images, self.device, self.channels_last)
         return Batch(x, batch.labels.to(self.device, non_blocking=True), batch.keys), batch.ids
 
-    def decode(self, batch: HostBatch) -> tuple[Decoded, HostBatch]:
+    def decode(self, batches: list[HostBatch]) -> list[tuple[Decoded, HostBatch]]:
+        """The batches waiting for the decoder: with nvJPEG in one call (device_feed.Merged), with DALI one by one."""
+        if self.dali:
+            return [self._dali(batch) for batch in batches]
+        encoded: list[Encoded] = [batch.images for batch in batches]  # type: ignore[misc]
+        decoded = decode_together(encoded, self.device)
+        return [self._replaced(one, batch) for one, batch in zip(decoded, batches, strict=True)]
+
+    def _dali(self, batch: HostBatch) -> tuple[Decoded, HostBatch]:
         encoded: Encoded = batch.images  # type: ignore[assignment]
         if self.dali and encoded.sizes:
             try:
@@ -138,8 +146,11 @@ class _OnDevice:
                 return Decoded(crops, encoded.boxes, encoded.plans, None, encoded.pixels), batch
             except DaliFailed as e:  # nvJPEG's path finds and replaces the samples that failed
                 self.dataset.report("DALI", f"could not decode a batch ({e}): nvJPEG decodes such batches", None)
-        decoded = decode_encoded(encoded, self.device)
-        if rows := decoded.rows:  # samples that failed to decode, replaced by others of the batch
+        return self._replaced(decode_encoded(encoded, self.device), batch)
+
+    def _replaced(self, decoded: Decoded, batch: HostBatch) -> tuple[Decoded, HostBatch]:
+        """``batch`` with the samples that failed to decode replaced by others of it, as ``decoded`` has them."""
+        if rows := decoded.rows:
             for i in (i for i, r in enumerate(rows) if r != i):
                 problem = f"could not be decoded on {self.device}, replaced by another of its batch"
                 self.dataset.report(f"sample {batch.keys[i]!r}", problem, self.signals.skipped)
