@@ -6,7 +6,8 @@ its events to OUT/trace-PID.jsonl, each with CLOCK_MONOTONIC times, which all pr
 
 - ``step``: the training loop got a batch (DeviceFeed.__next__), after waiting ``wait`` s;
 - ``recv``: the feed's host thread waited ``t1 - t0`` for the DataLoader's next batch, from ``worker``;
-- ``decode`` / ``crop``: a feed stage's call on one batch (its thread's CPU seconds, JPEGs, bytes);
+- ``decode`` / ``crop``: a feed stage's call (its thread's CPU seconds, JPEGs, bytes; nvJPEG's
+  decode takes the ``batches`` waiting for it together, the crop one);
 - ``fetch``: a worker made a batch (its process's CPU seconds; ``jpegs`` of ``samples``);
 - ``gc``: a collection of ``gen`` that took over 2 ms, in any process;
 - ``cpu``: every 0.25 s, the host's CPUs' busy share since the last, and the share of it a virtual
@@ -132,17 +133,18 @@ def watch_feed(trace: Trace) -> None:
     _MultiProcessingDataLoaderIter._process_data = process_data  # type: ignore[method-assign]
     _MultiProcessingDataLoaderIter._next_data = next_data  # type: ignore[method-assign]
 
-    for stage in ("decode", "crop"):
+    for stage in ("decode", "dali_decode", "crop"):
         original = getattr(engine._OnDevice, stage)
 
         def timed(self: Any, item: Any, _original: Any = original, _stage: str = stage) -> Any:
             t0, cpu0 = time.monotonic(), time.thread_time()
             out = _original(self, item)
             # decode takes the batches waiting for it together (device_feed.Merged), crop one
-            encoded = [batch.images for batch in item] if _stage == "decode" else [item[1].images]
+            batches = item if _stage == "decode" else [item if _stage == "dali_decode" else item[1]]
+            encoded = [batch.images for batch in batches]
             sizes = [size for one in encoded for size in getattr(one, "sizes", ())]
             trace(
-                _stage,
+                "decode" if _stage == "dali_decode" else _stage,
                 t0=t0,
                 t1=time.monotonic(),
                 cpu=time.thread_time() - cpu0,

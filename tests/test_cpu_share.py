@@ -60,7 +60,8 @@ def epoch(split: SplitInfo, root: str, feeding: Feeding, decode: str = "gpu") ->
         encoded: Encoded = batch.images  # type: ignore[assignment]
         cropped.append(len(encoded.pixels))
         assert len(encoded.sizes) + len(encoded.pixels) == len(batch.keys) == 5
-        [(decoded, batch)] = loader.to_device.decode([batch])
+        on = loader.to_device
+        decoded, batch = on.dali_decode(batch) if decode == "dali" else on.decode([batch])[0]
         out, _ = loader.to_device.crop((decoded, batch))
         images.update(zip(out.keys, pixels(out.images), strict=True))
     loader.shut_down()

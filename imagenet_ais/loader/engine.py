@@ -120,7 +120,8 @@ class _OnDevice:
     def stages(self) -> list[Stage]:
         if self.dataset.spec.decode == "cpu":
             return [("copy", self.copy)]
-        return [("decode", Merged(self.decode)), ("crop", self.crop)]
+        # DALI one batch a call, each one's copy out of its pipelines synchronised before the next runs
+        return [("decode", self.dali_decode if self.dali else Merged(self.decode)), ("crop", self.crop)]
 
     def copy(self, batch: HostBatch) -> tuple[Batch, torch.Tensor]:
         images: torch.Tensor = batch.images  # type: ignore[assignment]
@@ -131,14 +132,12 @@ class _OnDevice:
         return Batch(x, batch.labels.to(self.device, non_blocking=True), batch.keys), batch.ids
 
     def decode(self, batches: list[HostBatch]) -> list[tuple[Decoded, HostBatch]]:
-        """The batches waiting for the decoder: with nvJPEG in one call (device_feed.Merged), with DALI one by one."""
-        if self.dali:
-            return [self._dali(batch) for batch in batches]
+        """The batches waiting for the decoder, in one nvJPEG call (device_feed.Merged)."""
         encoded: list[Encoded] = [batch.images for batch in batches]  # type: ignore[misc]
         decoded = decode_together(encoded, self.device)
         return [self._replaced(one, batch) for one, batch in zip(decoded, batches, strict=True)]
 
-    def _dali(self, batch: HostBatch) -> tuple[Decoded, HostBatch]:
+    def dali_decode(self, batch: HostBatch) -> tuple[Decoded, HostBatch]:
         encoded: Encoded = batch.images  # type: ignore[assignment]
         if self.dali and encoded.sizes:
             try:
