@@ -181,7 +181,9 @@ class DeviceFeed:
                             done.synchronize()
                         self.seconds[name] += time.perf_counter() - start
                         del items
-                        if not all(self._put(sink, out) for out in outs):
+                        delivered = all(self._put(sink, out) for out in outs)
+                        del outs  # (else held here, on the device, until the next call returns)
+                        if not delivered:
                             return
                     if end is not None:
                         self._put(sink, end)
