@@ -6,6 +6,7 @@ others when one dies, as on NGC or Slurm across nodes)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -19,12 +20,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import TINY, QuietHandler, http_server, records, wait_until, write_shards
 from forked import Started, ranks, start_ranks
 
+from imagenet_ais.distributed import Process
 from imagenet_ais.errors import EXIT_RANKS_LOST
 from imagenet_ais.train.data_cost import described
 from imagenet_ais.train.slow_rank import slowest
+from imagenet_ais.train.watchdog import Watchdog
 
 TRAIN, VAL = [8] * 6, [4, 4]  # 48 samples: 4 steps of 3 ranks × 4
 TIMEOUT = 8  # --collective-timeout: over a loaded machine's first batch, under a test's patience
@@ -182,6 +186,51 @@ def figures(wait: float, forward: float = 10.0) -> dict:
 )
 def test_the_line_names_the_rank_that_held_the_others_back(ranks: list[dict], said: str) -> None:
     assert said in slowest(3, ranks)
+
+
+@pytest.mark.parametrize(
+    ("others", "named", "not_named"),
+    [
+        # rank 0 met step 6's all-reduce before rank 1 stopped, and waits at step 7's (a CI run named it)
+        ({0: ("training step 7", True, True), 1: ("training step 6", True, False)}, "rank 1 ", "rank 0 "),
+        ({0: ("waiting for data for step 6", False, True), 1: ("training step 7", True, True)}, "rank 0 ", "rank 1 "),
+        ({0: ("validation after epoch 1", True, True), 1: ("training step 6", True, True)}, "rank 0 ", "rank 1 "),
+    ],
+    ids=["one ahead, one silent", "one at its own work", "collectives that do not match"],
+)
+def test_the_verdict_names_the_ranks_that_hold_the_meeting_up(
+    others: dict, named: str, not_named: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 2, stuck at step 6's all-reduce, judges: a rank silent or at work of its own is named;
+    one waiting at another collective only where none is (each tuple: what, meeting, beating)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    dog = Watchdog(Process(2, 3, 0, torch.device("cpu")), 1.0, "t", print, lambda s: None, lambda: [])
+    dog.close()  # (judged here, not by its thread)
+    beats, stop = dist.PrefixStore("imagenet_ais/watchdog/t", server), threading.Event()
+
+    def beat() -> None:
+        for n in range(10_000):
+            for rank, (what, meeting, beating) in others.items():
+                if beating or n == 0:
+                    record = {"n": n, "what": what, "for": 9.0, "host": "h", "meeting": meeting}
+                    beats.set(f"beat/{rank}", json.dumps(record))
+            if stop.wait(0.05):
+                return
+
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    try:
+        dog.now("training step 6")
+        verdict = dog._judge(dog.doing)
+    finally:
+        stop.set()
+        beating.join()
+    assert verdict is not None
+    line = json.loads(verdict)["line"]
+    assert line.startswith("ERROR: ranks did not meet at training step 6 within --collective-timeout 1 s: ")
+    assert named in line and not_named not in line, line
 
 
 def test_the_data_line_says_each_stores_bytes_requests_and_cache() -> None:

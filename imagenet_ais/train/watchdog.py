@@ -6,9 +6,12 @@ trace. Here each rank's main thread says where it is (``Watchdog.now``), and a t
 beats that into the job's rendezvous store (torchrun's, or rank 0's) every few seconds, with a
 count. A rank that has been at one place longer than ``--collective-timeout`` reads every rank's
 beat twice, a few beats apart (a count that did not move: a silent rank; clocks across nodes
-are not compared), and where some rank is silent or elsewhere, writes the verdict once: those
-ranks and what each was last doing. Where every rank is at the same place (a long first-step
-compile, a long validation) nothing is judged: the collective library's timeout stays the bound.
+are not compared), and where some rank is silent or at work of its own (waiting for its data,
+writing a checkpoint), writes the verdict once: those ranks and what each was last doing. A
+rank waiting at another meeting is named only where no rank is either (collectives that do not
+match): one a step ahead met this one already, and waits for the same missing rank. Where every
+rank is at the same place (a long first-step compile, a long validation) nothing is judged: the
+collective library's timeout stays the bound.
 
 Each rank's thread, seeing the verdict, ends its process with EXIT_RANKS_LOST (its main thread
 is blocked in the collective library, where nothing wakes it), after a checkpoint being written
@@ -136,6 +139,7 @@ class Watchdog:
         if d.for_data and (reads := sorted(self.reading(), key=lambda r: -r[1])):
             what += f" (its workers reading {', '.join(f'{shard} for {s:.0f} s' for shard, s in reads[:3])})"
         beat = {"n": self.count, "what": what, "for": time.monotonic() - d.since, "host": self.host}
+        beat["meeting"] = d.meeting
         self.store.set(f"beat/{self.process.rank}", json.dumps(beat))
 
     def _beats(self) -> dict[int, dict | None]:
@@ -162,7 +166,9 @@ class Watchdog:
             if self._seen():  # another rank's verdict came first
                 return self.verdict
         after = self._beats()
-        missing, silent = [], set()
+        missing: list[str] = []
+        meeting: list[str] = []  # ranks waiting at another collective
+        silent: set[int] = set()
         for rank in range(self.process.world):
             was, beat = before[rank], after[rank]
             if rank == self.process.rank:
@@ -172,7 +178,9 @@ class Watchdog:
                 missing.append(f"rank {rank}{_node(beat)} silent (killed, stopped, or its node lost){last}")
                 silent.add(rank)
             elif beat["what"] != doing.what and not silent_only:
-                missing.append(f"rank {rank}{_node(beat)} {beat['what']} for {beat['for']:.0f} s")
+                named = f"rank {rank}{_node(beat)} {beat['what']} for {beat['for']:.0f} s"
+                (meeting if beat["meeting"] else missing).append(named)
+        missing = missing or meeting  # (one that met this collective and waits at the next is not the cause)
         if not missing or (self.doing is not doing and not failed):
             return None
         how = f" ({failed})" if failed else f" within --collective-timeout {self.timeout:g} s"
