@@ -62,7 +62,7 @@ def epoch(split: SplitInfo, root: str, feeding: Feeding, decode: str = "gpu") ->
         assert len(encoded.sizes) + len(encoded.pixels) == len(batch.keys) == 5
         on = loader.to_device
         decoded, batch = on.dali_decode(batch) if decode == "dali" else on.decode([batch])[0]
-        out, _ = loader.to_device.crop((decoded, batch))
+        out, _ = on.crop((decoded, batch))
         images.update(zip(out.keys, pixels(out.images), strict=True))
     loader.shut_down()
     assert loader.counters()["cropped"] == sum(cropped)

@@ -44,7 +44,7 @@ def decode_on_device(
 
 
 def decode_encoded(batch: Encoded, device: torch.device) -> Decoded:
-    images, rows = _decode(list(batch.blob.split(batch.sizes)), device) if batch.sizes else ([], None)
+    images, rows = _decode(_jpegs(batch), device) if batch.sizes else ([], None)
     if rows:
         rows += range(len(images), len(batch.boxes))  # (the pixels' rows stay theirs)
         return Decoded(images, batch.boxes[rows], batch.plans[rows], rows, batch.pixels)
@@ -58,7 +58,7 @@ def decode_together(batches: Sequence[Encoded], device: torch.device) -> list[De
     (``decode_encoded``: its failures replaced by others of the same batch)."""
     if len(batches) == 1:
         return [decode_encoded(batches[0], device)]
-    data = [one for batch in batches if batch.sizes for one in batch.blob.split(batch.sizes)]
+    data = [one for batch in batches for one in _jpegs(batch)]
     try:
         images = decode_jpeg(data, mode=ImageReadMode.RGB, device=device) if data else []
     except RuntimeError:
@@ -68,6 +68,11 @@ def decode_together(batches: Sequence[Encoded], device: torch.device) -> list[De
         Decoded(images[end - len(batch.sizes) : end], batch.boxes, batch.plans, None, batch.pixels)
         for batch, end in zip(batches, ends, strict=True)
     ]
+
+
+def _jpegs(batch: Encoded) -> list[torch.Tensor]:
+    """The batch's JPEGs, each a view of its bytes."""
+    return list(batch.blob.split(batch.sizes)) if batch.sizes else []
 
 
 def crop_decoded(

@@ -138,8 +138,9 @@ class Watchdog:
         what = d.what
         if d.for_data and (reads := sorted(self.reading(), key=lambda r: -r[1])):
             what += f" (its workers reading {', '.join(f'{shard} for {s:.0f} s' for shard, s in reads[:3])})"
-        beat = {"n": self.count, "what": what, "for": time.monotonic() - d.since, "host": self.host}
-        beat["meeting"] = d.meeting
+        beat = {
+            "n": self.count, "what": what, "for": time.monotonic() - d.since, "host": self.host, "meeting": d.meeting
+        }  # fmt: skip
         self.store.set(f"beat/{self.process.rank}", json.dumps(beat))
 
     def _beats(self) -> dict[int, dict | None]:
