@@ -208,7 +208,7 @@ def test_the_verdict_names_the_ranks_that_hold_the_meeting_up(
     monkeypatch.setenv("MASTER_PORT", str(server.port))
     dog = Watchdog(Process(2, 3, 0, torch.device("cpu")), 1.0, "t", print, lambda s: None, lambda: [])
     dog.close()  # (judged here, not by its thread)
-    beats, stop = dist.PrefixStore("imagenet_ais/watchdog/t", server), threading.Event()
+    beats, stop, beaten = dist.PrefixStore("imagenet_ais/watchdog/t", server), threading.Event(), threading.Event()
 
     def beat() -> None:
         for n in range(10_000):
@@ -216,12 +216,16 @@ def test_the_verdict_names_the_ranks_that_hold_the_meeting_up(
                 if beating or n == 0:
                     record = {"n": n, "what": what, "for": 9.0, "host": "h", "meeting": meeting}
                     beats.set(f"beat/{rank}", json.dumps(record))
+            beaten.set()
             if stop.wait(0.05):
                 return
 
     beating = threading.Thread(target=beat, daemon=True)
     beating.start()
     try:
+        # every rank has beaten before the judge looks (a silent rank is one whose count stood still:
+        # its first beat within the judge's window was read as life, once in a CI run under load)
+        assert beaten.wait(30)
         dog.now("training step 6")
         verdict = dog._judge(dog.doing)
     finally:
