@@ -121,11 +121,11 @@ def test_device_decode_matches_pil_within_jpeg_tolerance(device: str) -> None:
     for i, box in enumerate(boxes):
         out = _crop_resize(Image.open(io.BytesIO(datas[i])), box, 48)
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if box.flip else out
-        expected.append(torch.from_numpy(np.asarray(out)).float())
+        expected.append(torch.from_numpy(np.array(out)).float())
     diff = (pixels(got) - torch.stack(expected)).abs()
     assert diff.mean() < 3.0, diff.mean(dim=(1, 2, 3))
     # the flip is there: comparing against the unflipped crop is far off
-    unflipped = torch.from_numpy(np.asarray(_crop_resize(Image.open(io.BytesIO(datas[1])), boxes[1], 48))).float()
+    unflipped = torch.from_numpy(np.array(_crop_resize(Image.open(io.BytesIO(datas[1])), boxes[1], 48))).float()
     assert (pixels(got)[1] - unflipped).abs().mean() > 10
 
 
@@ -135,7 +135,7 @@ def test_shrinking_fine_detail_averages_it_like_pil(device: str) -> None:
     # PIL's filter averages it towards grey (std ≈ 16), so must ours
     noise = np.random.default_rng(0).integers(0, 2, (256, 256, 1), dtype=np.uint8).repeat(3, axis=2) * 255
     data, box = jpeg(Image.fromarray(noise), subsampling=0), Box(0, 0, 256, 256)
-    pil = torch.from_numpy(np.asarray(_crop_resize(Image.open(io.BytesIO(data)), box, 32))).float()
+    pil = torch.from_numpy(np.array(_crop_resize(Image.open(io.BytesIO(data)), box, 32))).float()
     got, _ = decode_on_device(encode_batch([(data, box)]), 32, torch.device(device), channels_last=False)
     assert pil.std() < 25 and pixels(got).std() < 25, (pil.std(), pixels(got).std())
 
