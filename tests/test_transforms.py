@@ -11,6 +11,7 @@ import io
 import math
 import random
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -140,20 +141,39 @@ def test_shrinking_fine_detail_averages_it_like_pil(device: str) -> None:
     assert pil.std() < 25 and pixels(got).std() < 25, (pil.std(), pixels(got).std())
 
 
+# photo(200, 150) coded with arithmetic instead of Huffman tables (libjpeg-turbo's `cjpeg -arithmetic`),
+# which libjpeg decodes and nvJPEG does not: shards made elsewhere may hold such JPEGs
+ARITHMETIC = Path(__file__).parent / "jpegs" / "arithmetic.jpg"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_odd_inputs_are_reencoded_for_the_device(device: str) -> None:
     img = photo(200, 150)
     gray, cmyk = jpeg(img.convert("L")), jpeg(img.convert("CMYK"))
     png = io.BytesIO()
     img.save(png, format="PNG")
-    samples = [encode_for_device(d, None) for d in (gray, cmyk, png.getvalue())]
-    for raw, box in samples:
+    odd = (gray, cmyk, png.getvalue(), ARITHMETIC.read_bytes())
+    samples = [encode_for_device(d, None) for d in odd]
+    for (raw, box), data in zip(samples, odd, strict=True):
         reread = Image.open(io.BytesIO(raw))
-        assert (reread.format, reread.mode, reread.size) == ("JPEG", "RGB", (200, 150))
+        assert raw != data and (reread.format, reread.mode, reread.size) == ("JPEG", "RGB", (200, 150))
         assert box == Box(34, 9, 131, 131)  # the centre 131 × 131 (0.875 × 150)
+    progressive = jpeg(img, progressive=True)  # (nvJPEG's own)
+    assert encode_for_device(progressive, None)[0] == progressive
     got, _ = decode_on_device(encode_batch(samples), 32, torch.device(device), channels_last=False)
-    expected = torch.stack([decode_on_cpu(d, 32, None) for d in (gray, cmyk, png.getvalue())]).float()
+    expected = torch.stack([decode_on_cpu(d, 32, None) for d in odd]).float()
     assert (pixels(got) - expected).abs().mean() < 4.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_jpeg_the_devices_decoder_fails_is_decoded_by_libjpeg_not_replaced(device: str) -> None:
+    # (the workers re-encode these; a JPEG that reaches the device anyway loses nothing)
+    good = [encode_for_device(jpeg(photo(120, 100, seed=i)), None) for i in range(2)]
+    data = ARITHMETIC.read_bytes()
+    batch = encode_batch([good[0], (data, Box(34, 9, 131, 131)), good[1]])  # validation's box
+    got, rows = decode_on_device(batch, 32, torch.device(device), channels_last=False)
+    assert rows is None
+    assert (pixels(got)[1] - decode_on_cpu(data, 32, None).float()).abs().mean() < 4.0
 
 
 def random_crops(

@@ -2,7 +2,7 @@
 device crops, resizes, flips, augments and normalises every sample at once, with the boxes and
 plans the workers drew (transforms.py: the same geometry as on the CPU). The samples the workers
 cropped themselves (cpu_share.py) join the batch after the crop. A sample nvJPEG cannot decode
-is replaced by another of its batch and reported."""
+is decoded by libjpeg on the CPU; one neither can is replaced by another of its batch and reported."""
 
 from __future__ import annotations
 
@@ -143,14 +143,25 @@ def _decode(data: list[torch.Tensor], device: torch.device) -> tuple[list[torch.
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device), None
     except RuntimeError:
         pass
-    images: dict[int, torch.Tensor] = {}
-    for i, one in enumerate(data):
-        try:
-            images[i] = decode_jpeg(one, mode=ImageReadMode.RGB, device=device)
-        except RuntimeError:
-            continue
+    images = {i: image for i, one in enumerate(data) if (image := _decode_one(one, device)) is not None}
     if not images:
         raise RuntimeError(f"none of the {len(data)} JPEGs of a batch could be decoded on {device}")
     good = list(images)
     rows = [i if i in images else good[i % len(good)] for i in range(len(data))]
     return [images[r] for r in rows], rows
+
+
+def _decode_one(data: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """One JPEG on ``device``; where the device's decoder fails it, libjpeg's pixels copied there;
+    None where libjpeg fails it too. nvJPEG's failures are not all the picture's: torchvision
+    reports a device out of memory as it does a broken JPEG, and neither loses the sample."""
+    try:
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError:
+        if device.type == "cpu":
+            return None
+    try:
+        image = decode_jpeg(data, mode=ImageReadMode.RGB)
+    except RuntimeError:
+        return None
+    return image.to(device)  # (a device that cannot take it fails the run here)

@@ -10,7 +10,8 @@ trains it. Val: the centre square of side
   larger than the output) and hand over uint8 HWC pixels; the device only normalises.
 - decode "gpu": workers only read the JPEG header to pick the crop, and hand over the encoded
   bytes; nvJPEG decodes the whole batch on the GPU, which then crops, resizes, flips and
-  normalises. The odd non-RGB or non-JPEG sample is re-encoded as an RGB JPEG in the worker.
+  normalises. The odd sample nvJPEG does not take (not RGB, not JPEG, or a JPEG coded other than
+  with Huffman tables) is re-encoded as an RGB baseline JPEG in the worker.
   Workers with time to spare crop some samples themselves (cpu_share.py): those cross as
   pixels, after the batch's JPEGs, and the device flips, augments and normalises them with the rest.
 """
@@ -155,13 +156,34 @@ def encode_for_device(data: bytes, augment: random.Random | None, val_crop: floa
     ``decode_on_cpu`` chooses it)."""
     img = Image.open(io.BytesIO(data))
     box = train_box(img, augment) if augment else val_box(img, val_crop)
-    if img.format != "JPEG" or img.mode != "RGB":
-        # nvJPEG gets plain RGB JPEGs only: CMYK, grayscale and PNG are rare enough in
-        # ImageNet (well under 2%) to re-encode here rather than branch on the GPU.
+    if img.format != "JPEG" or img.mode != "RGB" or _frame(data) not in NVJPEG_FRAMES:
+        # nvJPEG gets plain RGB JPEGs only: CMYK, grayscale and PNG are rare enough in ImageNet
+        # (well under 2%), arithmetic coding in shards made elsewhere rarer still, to re-encode
+        # here rather than branch on the GPU.
         buf = io.BytesIO()
         img.convert("RGB").save(buf, format="JPEG", quality=95)
         data = buf.getvalue()
     return data, box
+
+
+# The start-of-frame markers of the JPEGs nvJPEG decodes: Huffman-coded baseline, extended
+# sequential and progressive. Arithmetic-coded (0xC9-0xCB), lossless and hierarchical ones it does not.
+NVJPEG_FRAMES = frozenset((0xC0, 0xC1, 0xC2))
+_NOT_FRAMES = frozenset((0xC4, 0xC8, 0xCC))  # DHT, JPG and DAC, numbered among the frames
+
+
+def _frame(data: bytes) -> int | None:
+    """The JPEG's start-of-frame marker (0xC0-0xCF), or None where the scan or the end comes first."""
+    at = 2  # past the start of image
+    while at + 4 <= len(data) and data[at] == 0xFF:
+        marker = data[at + 1]
+        if 0xC0 <= marker <= 0xCF and marker not in _NOT_FRAMES:
+            return marker
+        if marker == 0xDA:  # start of scan
+            return None
+        # a fill byte, or past the segment (its length counts its own two bytes)
+        at += 1 if marker == 0xFF else 2 + int.from_bytes(data[at + 2 : at + 4], "big")
+    return None
 
 
 def crop_on_cpu(raw: bytes, box: Box, size: int) -> np.ndarray:
