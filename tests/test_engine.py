@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import math
+import multiprocessing.heap
 import os
 import pickle
 import random
@@ -12,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -374,3 +377,23 @@ def test_a_killed_worker_ends_the_epoch_in_one_line(tmp_path: Path) -> None:
         r"says so in dmesg\): lower --workers or --batch-size and continue with --resume auto",
         str(e.value),
     )
+
+
+def test_a_loader_collected_where_multiprocessings_heap_is_locked_ends_its_workers(tmp_path: Path) -> None:
+    # A collection runs a dropped loader's __del__ in whichever thread allocates at the time,
+    # inside multiprocessing's heap lock too (in mp.Value's malloc; the lock is not re-entrant):
+    # a __del__ that made a new shared counter there waited for ever (a suite's test hung 600 s)
+    manifest = write_shards(tmp_path, {"train": [40] * 4})
+    dropped = loaders(tmp_path, manifest, "resampled", world=1, batch=2, workers=2)
+    dropped[0].set_epoch(0)
+    before = child_pids(os.getpid())
+    next(iter(dropped[0]))  # (the iterator goes; the workers stay, for the next epoch)
+    workers = child_pids(os.getpid()) - before
+    assert len(workers) == 2
+    # its last reference; it is in a cycle (its feed holds its generator), so a collection ends it
+    drop = threading.Thread(target=lambda: (dropped.clear(), gc.collect()), daemon=True)
+    with multiprocessing.heap.BufferWrapper._heap._lock:  # type: ignore[attr-defined]
+        drop.start()
+        drop.join(30)
+        assert not drop.is_alive(), "the loader's __del__ waits on multiprocessing's heap lock"
+    assert not workers & child_pids(os.getpid())

@@ -267,14 +267,22 @@ class _ShardLoader:
         return dict(zip(self.spec.shards.locations, self.signals.read_counts(), strict=True))
 
     def shut_down(self) -> None:
-        """Stop the feed's threads and end this loader's DataLoader workers at once: they hold
-        nothing that must outlive them (worker.worker_init), and torch's own shutdown waits 5 s
-        for each that is busy (a read in progress, batches prefetched), wherever it is collected."""
+        """Stop the feed's threads and end this loader's DataLoader workers at once, ready for
+        the next epoch's: the counters' locks renewed, the buffers the workers held reclaimed."""
+        if self._end_workers():
+            self.signals.renew_locks()  # (theirs: one killed holding one)
+            if self.slots:
+                self.slots.reclaim()
+
+    def _end_workers(self) -> bool:
+        """Stop the feed's threads and kill the DataLoader's workers, if it has any (whether it had):
+        they hold nothing that must outlive them (worker.worker_init), and torch's own shutdown waits
+        5 s for each that is busy (a read in progress, batches prefetched), wherever it is collected."""
         if self.feed:
             self.feed.close(timeout=5)
         iterator = getattr(self.loader, "_iterator", None)  # torch keeps no public handle on its workers
         if iterator is None:
-            return
+            return False
         if iterator._worker_pids_set:  # else its SIGCHLD handler reports the kills as workers that crashed
             remove_worker_pids(id(iterator))
             iterator._worker_pids_set = False
@@ -286,15 +294,16 @@ class _ShardLoader:
         iterator._workers_done_event = threading.Event()
         iterator._shutdown_workers()  # (joins them, dead already, and closes the queues)
         self.loader._iterator = None
-        self.signals.renew_locks()  # (theirs: one killed holding one)
-        if self.slots:
-            self.slots.reclaim()
+        return True
 
     def __del__(self) -> None:
         # a loader dropped unclosed (a framework's, a test's): its workers ended as by close, not
-        # by torch's wait of 5 s a busy worker; at interpreter exit, _stop_at_exit has done it
+        # by torch's wait of 5 s a busy worker; at interpreter exit, _stop_at_exit has done it.
+        # Nothing more: no epoch follows, and a collection can run this where its thread holds
+        # multiprocessing's heap lock (allocating an mp.Value), which a fresh counter would wait
+        # on for ever (a test hung so for 600 s)
         if not sys.is_finalizing() and hasattr(self, "to_device"):  # (not when __init__ failed)
-            self.shut_down()
+            self._end_workers()
 
     def host_batches(self) -> Iterator[HostBatch]:
         raise NotImplementedError
