@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import click
-from shard_reads import aistore
+from servers import aistore
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,8 +43,8 @@ def main(images: int, workers: int, targets: int) -> None:
         synth = [sys.executable, str(ROOT / "imagenet_shards.py"), "synth", str(tree), "--classes", "100"]
         synth += ["--train-per-class", str(images // 100), "--val-per-class", "0", "--size", "500", "375"]
         subprocess.run([*synth, "--quality", "95", "--workers", str(workers)], check=True, stdout=subprocess.DEVNULL)
-        with aistore(work / "ais", targets) as endpoint:
-            env = {**os.environ, "AIS_ENDPOINT": endpoint}
+        with aistore(work / "ais", targets) as playground:
+            env = {**os.environ, "AIS_ENDPOINT": playground.endpoint}
             local = convert(tree, str(work / "shards"), workers, env)
             ais = convert(tree, "ais://bench-convert", workers, env)
             read_back = convert(tree, "ais://bench-convert-read-back", workers, env, "--read-back")

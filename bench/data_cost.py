@@ -32,7 +32,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,9 +47,11 @@ from typing import cast
 import boto3
 import click
 import requests
+import servers
 import webdataset as wds
 from google.cloud import storage
 from google.cloud.storage.fileio import DEFAULT_CHUNK_SIZE
+from servers import free_port
 
 from imagenet_ais.loader.mixture import one_source
 from imagenet_ais.loader.sampling import Piece, contiguous_assignment, exact_assignment, resampled_pieces
@@ -59,7 +60,6 @@ from imagenet_ais.shards.cache import ShardCache
 from imagenet_ais.shards.convert import file_sha256
 from imagenet_ais.shards.manifest import ShardInfo, SplitInfo
 from imagenet_ais.storage import open_store, process_store
-from imagenet_ais.storage.ais_playground import Playground
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = ROOT / ".cache" / "bin"
@@ -84,12 +84,6 @@ S3_GET_PER_1000 = 0.0004
 GCS_CHUNK = DEFAULT_CHUNK_SIZE
 
 LOG_LINE = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+\\?" (\d{3}) (\S+)')  # combined/common log format
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ------------------------------------------------------------------------------------------
@@ -205,25 +199,14 @@ class AISSeen(Seen):
 @contextmanager
 def nginx(shards: Path, work: Path) -> Iterator[tuple[str, Seen]]:
     port = free_port()
-    env = {**os.environ, "SERVE_ROOT": str(work / "serve")}
-    serve = [str(ROOT / "run"), "serve", str(shards), "--port", str(port), "--addr", "127.0.0.1"]
-    try:
-        subprocess.run(serve, check=True, env=env, stdout=subprocess.DEVNULL)
-        yield f"http://127.0.0.1:{port}", LogSeen(work / "serve" / str(port) / "access.log")
-    finally:
-        stop = [str(ROOT / "run"), "serve", "--stop", "--port", str(port)]
-        subprocess.run(stop, check=False, env=env, stdout=subprocess.DEVNULL)
+    with servers.nginx(shards, work, port) as url:
+        yield url, LogSeen(work / "serve" / str(port) / "access.log")
 
 
 @contextmanager
 def aistore(work: Path) -> Iterator[tuple[str, Seen]]:
-    playground = Playground(work / "ais", BIN / "aisnode")
-    try:
-        endpoint = playground.up(targets=1)
-        nodes = [(n.role, f"http://127.0.0.1:{n.port}") for n in playground.nodes()]
-        yield endpoint, AISSeen(nodes)
-    finally:
-        playground.down()
+    with servers.aistore(work / "ais") as playground:
+        yield playground.endpoint, AISSeen([(n.role, f"http://127.0.0.1:{n.port}") for n in playground.nodes()])
 
 
 @contextmanager

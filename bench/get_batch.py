@@ -30,7 +30,8 @@ from pathlib import Path
 import click
 from aistore.sdk import Client
 from aistore.sdk.archive_config import ArchiveConfig
-from shard_reads import aistore, make_shards
+from servers import aistore
+from shard_reads import make_shards
 
 from imagenet_ais.storage import open_store
 
@@ -127,8 +128,8 @@ def main(shards: int, per_shard: int, readers: str, batches: str, each: int, tar
         samples = [
             (name, member[: -len(".jpg")]) for name in names for member in reference[name] if member.endswith(".jpg")
         ]
-        with aistore(work / "ais", targets) as endpoint:
-            os.environ["AIS_ENDPOINT"] = endpoint
+        with aistore(work / "ais", targets) as playground:
+            endpoint = os.environ["AIS_ENDPOINT"] = playground.endpoint
             store = open_store(f"ais://{BUCKET}")
             for name in names:
                 store.put_file(work / "shards" / name, name, keep=True)

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import click
 import requests
-from shard_reads import BUCKET, aistore, make_shards, plain_get, read_all
+from servers import aistore
+from shard_reads import BUCKET, make_shards, plain_get, read_all
 
 from imagenet_ais.shards.index import index
 from imagenet_ais.shards.reshard import reshard
@@ -80,8 +81,8 @@ def main(shards: int, per_shard: int, workers: int, ais: bool) -> None:
         cold()
         row("index, local directory", nbytes, timed(lambda: index(str(data), workers=workers)), ceiling)
         if ais:
-            with aistore(work / "ais", 1) as endpoint:
-                os.environ["AIS_ENDPOINT"] = endpoint
+            with aistore(work / "ais") as playground:
+                endpoint = os.environ["AIS_ENDPOINT"] = playground.endpoint
                 store = open_store(f"ais://{BUCKET}")  # (its SDK imported only here)
                 for name in names:
                     store.put_file(data / name, name, keep=True)

@@ -20,19 +20,17 @@ from __future__ import annotations
 import io
 import os
 import random
-import re
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import nullcontext
 from pathlib import Path
 
 import click
 import requests
 import webdataset as wds
+from servers import aistore, nginx
 from throughput import loader_rate
 
 from imagenet_ais.shards.cache import ShardCache
@@ -79,30 +77,6 @@ def read_all(open_: Callable[[str], io.RawIOBase], names: list[str], readers: in
     return time.perf_counter() - start, time.process_time() - cpu
 
 
-@contextmanager
-def nginx(shards: Path, work: Path, port: int) -> Iterator[str]:
-    env = {**os.environ, "SERVE_ROOT": str(work / "serve")}
-    serve = [str(ROOT / "run"), "serve", str(shards), "--port", str(port), "--addr", "127.0.0.1"]
-    subprocess.run(serve, check=True, env=env, stdout=subprocess.DEVNULL)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        subprocess.run([str(ROOT / "run"), "serve", "--stop"], check=True, env=env, stdout=subprocess.DEVNULL)
-
-
-@contextmanager
-def aistore(root: Path, targets: int) -> Iterator[str]:
-    playground = [sys.executable, str(ROOT / "tools" / "ais_local.py"), "--root", str(root)]
-    out = subprocess.run([*playground, "up", "--targets", str(targets)], check=True, capture_output=True, text=True)
-    endpoint = re.search(r"AIS_ENDPOINT=(\S+)", out.stdout)
-    try:
-        if not endpoint:
-            raise click.ClickException(f"no endpoint in: {out.stdout}")
-        yield endpoint.group(1)
-    finally:
-        subprocess.run([*playground, "down", "--wipe"], check=True, capture_output=True)
-
-
 def plain_get(endpoint: str, session: requests.Session) -> Callable[[str], io.RawIOBase]:
     """An object as a plain HTTP GET from the proxy (following its redirect to the target)."""
 
@@ -139,13 +113,16 @@ def main(
     counts = [int(n) for n in readers.split(",")]
     with tempfile.TemporaryDirectory(prefix="shard-reads-") as tmp:
         work = Path(tmp)
+        work.chmod(0o755)  # run as root, ./run serve's nginx workers read as nobody
         (work / "shards").mkdir()
         manifest = make_shards(work / "shards", shards, per_shard)
         names = [s.name for s in manifest.splits["train"].shards]
         total = manifest.splits["train"].bytes
         local = open_store(str(work / "shards"))
         sources: list[tuple[str, Callable[[str], io.RawIOBase]]] = []
-        with nginx(work / "shards", work, port) as url, aistore(work / "ais", targets) if ais else _none() as endpoint:
+        ais_up = aistore(work / "ais", targets) if ais else nullcontext()
+        with nginx(work / "shards", work, port) as url, ais_up as playground:
+            endpoint = playground.endpoint if playground else None
             sources.append(("local disk (page cache): the ceiling", local.open))
             sources.append(("HTTP, nginx on loopback, no cache", open_store(url).open))
             if endpoint:
@@ -164,7 +141,8 @@ def main(
                 rows = [(label, *_median([p[i] for p in passes])) for i, (label, _) in enumerate(sources)]
                 for epoch, state in ((1, "cold"), (2, "warm")):  # a fresh cache per reader count
                     cache = ShardCache(work / f"cache{n}", url, None, shard_infos)
-                    rows.append((f"HTTP + cache, epoch {epoch} ({state})", *read_all(cache.open, names, n)))
+                    read = read_all(lambda name, c=cache: c.open(name)[0], names, n)  # (open: the file, where from)
+                    rows.append((f"HTTP + cache, epoch {epoch} ({state})", *read))
                 ceiling = total / rows[0][1]
                 click.echo(f"\n{n} reader(s)\n| | MiB/s | of ceiling | CPU s/GiB |\n|---|---|---|---|")
                 for label, seconds, cpu in rows:
@@ -182,11 +160,6 @@ def main(
 def _median(runs: list[tuple[float, float]]) -> tuple[float, float]:
     """The run of median wall time (with its CPU time)."""
     return sorted(runs)[len(runs) // 2]
-
-
-@contextmanager
-def _none() -> Iterator[None]:
-    yield None
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from typing import Any
 import click
 import torch
 from records import HostCpu, describe_ranks, epoch_starts, invalid_because, rank_figures, steady_windows
+from servers import aistore
 
 from imagenet_ais.loader import dali_decode
 from imagenet_ais.loader.augment import NO_AUGMENT, POLICIES, Augment
@@ -316,7 +317,9 @@ def loader_rate(data: str, decode: str, workers: int, batch: int, size: int, on_
     shards = one_source(load_manifest(open_store(data)).split("train"), data)
     spec = LoaderSpec(world=1, rank=0, batch=batch, seed=0, image_size=size, decode=decode)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # pinned batches, as in training
-    loader = TrainLoader(shards, "resampled", spec, Feeding(workers, device, channels_last=True), 2000)
+    feeding = Feeding(workers, device, channels_last=True)
+    loader = TrainLoader(shards, "resampled", spec, feeding, 2000, epoch_size=70 * batch)  # (resampled: any shards)
+    loader.set_epoch(0)
     stream = iter(loader) if on_device else loader.host_batches()
     for _ in range(10):  # workers start, buffer fills
         next(stream)
@@ -393,18 +396,16 @@ def main(
     stage_workers = int(workers) if workers.isdigit() else min(16, os.cpu_count() or 1)
     if data and ais_targets:
         raise click.UsageError("--ais-targets converts the shards it generates: leave out --data")
-    from shard_reads import aistore  # here: shard_reads imports this module
-
     with (
         tempfile.TemporaryDirectory() as tmp,
-        aistore(Path(tmp) / "ais", ais_targets) if ais_targets else nullcontext() as endpoint,
+        aistore(Path(tmp) / "ais", ais_targets) if ais_targets else nullcontext() as playground,
     ):
         root = work or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         data = data or make_shards(root, p, os.cpu_count() or 1)
         ais = None
-        if endpoint:
-            os.environ["AIS_ENDPOINT"] = endpoint  # for the converter and train.py
+        if playground:
+            os.environ["AIS_ENDPOINT"] = playground.endpoint  # for the converter and train.py
             ais = to_ais(root / "tree", root, stage_workers)
         log = root / "train-runs.log"
         results: dict[str, Any] = {"preset": preset, "device": _device(), "workers": workers, "models": []}
