@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gc
 import io
+import itertools
 import math
 import multiprocessing.heap
 import os
 import pickle
+import queue
 import random
 import re
 import signal
@@ -377,6 +379,29 @@ def test_a_killed_worker_ends_the_epoch_in_one_line(tmp_path: Path) -> None:
         r"says so in dmesg\): lower --workers or --batch-size and continue with --resume auto",
         str(e.value),
     )
+
+
+def test_a_sample_the_devices_decoder_failed_and_libjpeg_decoded_is_named_once_and_trained(tmp_path: Path) -> None:
+    # (on CUDA, device_decode._decode_one: torchvision's nvJPEG reports a device out of memory as
+    # it does a broken JPEG; libjpeg decodes the sample instead, and the run is told, once)
+    manifest = write_shards(tmp_path, {"train": [20]})
+    (loader,) = loaders(tmp_path, manifest, "exact", world=1, batch=4, workers=0, decode="gpu")
+    loader.set_epoch(0)
+    error = "Error while decoding JPEG images: CUDA out of memory. Tried to allocate 20.00 MiB"
+    named = []
+    for batch in itertools.islice(loader.host_batches(), 2):
+        decoded, _ = loader.to_device.decode([batch])[0]
+        got, kept = loader.to_device._replaced(decoded._replace(rescued=(1, error)), batch)
+        assert got.rows is None and kept.keys == batch.keys  # trained, not replaced
+        named.append(batch.keys[1])
+    problem = loader.signals.problems.get(timeout=5)
+    assert problem == (
+        f"nvJPEG: could not decode sample {named[0]!r} ({error}); libjpeg decoded it on the CPU, as it will any "
+        "more nvJPEG fails (slower; not named again)"
+    )
+    with pytest.raises(queue.Empty):
+        loader.signals.problems.get(timeout=0.5)
+    assert loader.counters()["skipped"] == 0
 
 
 def test_a_loader_collected_where_multiprocessings_heap_is_locked_ends_its_workers(tmp_path: Path) -> None:

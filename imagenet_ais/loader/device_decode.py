@@ -29,6 +29,8 @@ class Decoded(NamedTuple):
     plans: torch.Tensor  # its augmentation (augment.py)
     rows: list[int] | None  # None, or which sample each row is (failures replaced by others)
     pixels: torch.Tensor = NO_PIXELS  # the samples after ``images``: cropped in the workers, still on the host
+    # the first sample the device's decoder failed and libjpeg decoded (copied over), and the error
+    rescued: tuple[int, str] | None = None
 
 
 def decode_on_device(
@@ -44,11 +46,11 @@ def decode_on_device(
 
 
 def decode_encoded(batch: Encoded, device: torch.device) -> Decoded:
-    images, rows = _decode(_jpegs(batch), device) if batch.sizes else ([], None)
+    images, rows, rescued = _decode(_jpegs(batch), device) if batch.sizes else ([], None, None)
     if rows:
         rows += range(len(images), len(batch.boxes))  # (the pixels' rows stay theirs)
-        return Decoded(images, batch.boxes[rows], batch.plans[rows], rows, batch.pixels)
-    return Decoded(images, batch.boxes, batch.plans, None, batch.pixels)
+        return Decoded(images, batch.boxes[rows], batch.plans[rows], rows, batch.pixels, rescued)
+    return Decoded(images, batch.boxes, batch.plans, None, batch.pixels, rescued)
 
 
 def decode_together(batches: Sequence[Encoded], device: torch.device) -> list[Decoded]:
@@ -137,31 +139,43 @@ def _resize_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: int) ->
     return out
 
 
-def _decode(data: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor], list[int] | None]:
-    """Batched decode; if the batch fails, one by one, with failures replaced by good ones."""
+def _decode(
+    data: list[torch.Tensor], device: torch.device
+) -> tuple[list[torch.Tensor], list[int] | None, tuple[int, str] | None]:
+    """Batched decode; if the batch fails, one by one (``_decode_one``): the images, which
+    sample each row is where some failed (replaced by good ones), and the first rescued one."""
     try:
-        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device), None
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device), None, None
     except RuntimeError:
         pass
-    images = {i: image for i, one in enumerate(data) if (image := _decode_one(one, device)) is not None}
+    images: dict[int, torch.Tensor] = {}
+    rescued = None
+    for i, one in enumerate(data):
+        image, error = _decode_one(one, device)
+        if image is not None:
+            images[i] = image
+            rescued = rescued or ((i, error) if error else None)
     if not images:
         raise RuntimeError(f"none of the {len(data)} JPEGs of a batch could be decoded on {device}")
+    if len(images) == len(data):
+        return list(images.values()), None, rescued
     good = list(images)
     rows = [i if i in images else good[i % len(good)] for i in range(len(data))]
-    return [images[r] for r in rows], rows
+    return [images[r] for r in rows], rows, rescued
 
 
-def _decode_one(data: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """One JPEG on ``device``; where the device's decoder fails it, libjpeg's pixels copied there;
-    None where libjpeg fails it too. nvJPEG's failures are not all the picture's: torchvision
-    reports a device out of memory as it does a broken JPEG, and neither loses the sample."""
+def _decode_one(data: torch.Tensor, device: torch.device) -> tuple[torch.Tensor | None, str]:
+    """One JPEG on ``device`` (None where it cannot be decoded), and the device decoder's error
+    where libjpeg decoded it instead, its pixels copied over. nvJPEG's failures are not all the
+    picture's: torchvision reports a device out of memory as it does a broken JPEG."""
     try:
-        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
-    except RuntimeError:
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device), ""
+    except RuntimeError as e:
         if device.type == "cpu":
-            return None
+            return None, ""
+        error = str(e).splitlines()[0] if str(e) else type(e).__name__
     try:
         image = decode_jpeg(data, mode=ImageReadMode.RGB)
     except RuntimeError:
-        return None
-    return image.to(device)  # (a device that cannot take it fails the run here)
+        return None, ""
+    return image.to(device), error  # (a device that cannot take it fails the run here)
