@@ -151,8 +151,8 @@ class _OnDevice:
         """``batch`` with the samples that failed to decode replaced by others of it, as ``decoded`` has them."""
         if decoded.rescued:  # once a run: a device short of memory would take this path every batch
             i, error = decoded.rescued
-            problem = f"could not decode sample {batch.keys[i]!r} ({error}); libjpeg decoded it on the CPU"
-            self.dataset.report("nvJPEG", f"{problem}, as it will any more nvJPEG fails (slower; not named again)", None)
+            problem = f"could not decode sample {batch.keys[i]!r} ({error}); libjpeg decoded it on the CPU, as it "
+            self.dataset.report("nvJPEG", f"{problem}will any more nvJPEG fails (slower; not named again)", None)
         if rows := decoded.rows:
             for i in (i for i, r in enumerate(rows) if r != i):
                 problem = f"could not be decoded on {self.device}, replaced by another of its batch"

@@ -175,7 +175,10 @@ _NOT_FRAMES = frozenset((0xC4, 0xC8, 0xCC))  # DHT, JPG and DAC, numbered among 
 def _frame(data: bytes) -> int | None:
     """The JPEG's start-of-frame marker (0xC0-0xCF), or None where the scan or the end comes first."""
     at = 2  # past the start of image
-    while at + 4 <= len(data) and data[at] == 0xFF:
+    while at >= 0 and at + 4 <= len(data):
+        if data[at] != 0xFF:  # stray bytes between segments, which libjpeg skips too
+            at = data.find(b"\xff", at)
+            continue
         marker = data[at + 1]
         if 0xC0 <= marker <= 0xCF and marker not in _NOT_FRAMES:
             return marker
