@@ -137,6 +137,31 @@ def test_close_stops_a_feed_that_is_ahead_of_its_consumer() -> None:
     assert not set(feed.threads) & set(threading.enumerate())  # (another test's feed may still be ending)
 
 
+def test_a_feed_closed_from_one_of_its_own_threads_stops_the_others() -> None:
+    # (a collection that ends a dropped loader closes its feed in whichever thread it runs: one of
+    # the feed's own, say, which cannot join itself)
+    closing: list[BaseException | None] = []
+
+    def prepare(i: int) -> tuple:
+        if i == 3:
+            try:
+                feed.close(timeout=5)
+                closing.append(None)
+            except RuntimeError as e:  # "cannot join current thread"
+                closing.append(e)
+        return as_tensor(i)
+
+    feed = DeviceFeed(itertools.count(), [("add", lambda i: i + 1), ("prepare", prepare)], CPU, ahead=2)
+    next(feed)
+    deadline = time.monotonic() + 10
+    while not closing and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert closing == [None]
+    for thread in feed.threads:
+        thread.join(10)
+    assert not any(t.is_alive() for t in feed.threads)
+
+
 def test_tensors_nested_in_the_prepared_tuple_are_all_found() -> None:
     # On CUDA each of them is marked as used by the training stream; one missed would have
     # its memory reused for the next batch while the step still reads it.

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tarfile
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from conftest import ROOT, child_pids, relist, sparse_member, tiny_jpeg, write_shards
+from conftest import ROOT, child_pids, outliving, relist, sparse_member, tiny_jpeg, write_shards
 from PIL import Image
 
 from imagenet_ais.loader.engine import Feeding, TrainLoader, ValLoader
@@ -379,6 +380,47 @@ def test_a_killed_worker_ends_the_epoch_in_one_line(tmp_path: Path) -> None:
         r"says so in dmesg\): lower --workers or --batch-size and continue with --resume auto",
         str(e.value),
     )
+
+
+def test_a_process_that_never_reads_its_loaders_problems_still_exits() -> None:
+    # more lines than the queue's pipe holds (64 KiB), put by the training process itself (the
+    # decode stage names samples so) into a queue only it reads, and never drained (a library
+    # user's loop): its sending thread waits on the full pipe, and the exit waited on it for ever
+    code = (
+        "from imagenet_ais.loader.signals import Signals\n"
+        "signals = Signals(32)\n"
+        "for i in range(1000):\n"
+        "    signals.problems.put(f'sample {i}: ' + 'x' * 300)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_forked_child_that_collects_a_loader_leaves_its_workers_alone(tmp_path: Path) -> None:
+    # a child forked from the training process (a library user's own, one of torch's) inherits
+    # the loader but not its workers: collecting it there must not kill them
+    manifest = write_shards(tmp_path, {"train": [40] * 4})
+    dropped = loaders(tmp_path, manifest, "resampled", world=1, batch=2, workers=2)
+    dropped[0].set_epoch(0)
+    before = child_pids(os.getpid())
+    next(iter(dropped[0]))
+    workers = child_pids(os.getpid()) - before
+    assert len(workers) == 2
+    child = os.fork()
+    if child == 0:  # its last reference goes, and a collection ends it (it is in a cycle)
+        dropped.clear()
+        gc.collect()
+        os._exit(0)
+    deadline = time.monotonic() + 30
+    while os.waitpid(child, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if outliving({child}, 0):
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the child's collection did not end in 30 s")
+    time.sleep(0.5)  # (a kill would have made zombies of them by now)
+    assert outliving(workers, 0) == workers
+    dropped[0].shut_down()
+    assert not workers & child_pids(os.getpid())
 
 
 def test_a_sample_the_devices_decoder_failed_and_libjpeg_decoded_is_named_once_and_trained(tmp_path: Path) -> None:

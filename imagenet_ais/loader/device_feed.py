@@ -237,5 +237,6 @@ class DeviceFeed:
         self.stopping.set()
         deadline = None if timeout is None else time.monotonic() + timeout
         for thread in self.threads:
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if thread is not threading.current_thread():  # (closed from its own: a collection ran there)
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         _live.discard(self)

@@ -80,13 +80,16 @@ def _stop_at_exit() -> None:
     referenced by a crashed run), feed threads first, as a thread still inside torch at
     interpreter shutdown aborts the process; then our DataLoader workers (only ours), which ignore
     SIGTERM (worker.worker_init), so multiprocessing's own exit hook, which terminates daemonic
-    children and joins them, would wait forever. Runs before it (atexit is LIFO)."""
-    close_all()
-    ours = [child for child in _workers if child.is_alive()]
-    if ours:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the DataLoader's handler would report the kills
-    for child in ours:
-        child.kill()
+    children and joins them, would wait forever. Runs before it (atexit is LIFO); the workers end
+    even where a signal cuts the threads' wait short."""
+    try:
+        close_all()
+    finally:
+        ours = [child for child in _workers if child.is_alive()]
+        if ours:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the DataLoader's handler would report the kills
+        for child in ours:
+            child.kill()
 
 
 _workers: set[mp.process.BaseProcess] = set()  # our loaders' DataLoader workers (theirs outlive them)
@@ -205,6 +208,7 @@ class _ShardLoader:
         )
         self.dataset = ShardStream(self.spec, mode)
         self.mode, self.signals = mode, self.dataset.signals  # (what the workers and this process share)
+        self.owner = os.getpid()  # (a forked child inherits the loader, not its workers)
         _exit_hook()
         self.device, self.pin = feeding.device, feeding.device.type == "cuda"
         self.slots = None  # training's JPEG bytes cross in place (validation's the usual way: it is rare)
@@ -306,8 +310,8 @@ class _ShardLoader:
         # Nothing more: no epoch follows, and a collection can run this where its thread holds
         # multiprocessing's heap lock (allocating an mp.Value), which a fresh counter would wait
         # on for ever (a test hung so for 600 s)
-        if not sys.is_finalizing() and hasattr(self, "to_device"):  # (not when __init__ failed)
-            self._end_workers()
+        if not sys.is_finalizing() and hasattr(self, "to_device") and os.getpid() == self.owner:
+            self._end_workers()  # (not where __init__ failed)
 
     def host_batches(self) -> Iterator[HostBatch]:
         raise NotImplementedError

@@ -52,6 +52,10 @@ class Signals:
     def __post_init__(self) -> None:
         self.size = mp.Value("q", self.image_size, lock=False)
         self.reads = mp.Array("q", len(READS) * self.sources)
+        # Only this process reads the lines: at its exit, one it has not sent is nobody's, and its
+        # sending thread, stuck on a full pipe (lines nobody drained) or on the lock of a worker
+        # killed mid-line, would hold the exit for ever. (Forked workers send theirs before exiting.)
+        self.problems.cancel_join_thread()
 
     def renew_locks(self) -> None:
         """The workers' counters with fresh locks, their counts kept: for after the workers were
