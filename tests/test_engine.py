@@ -18,6 +18,7 @@ import sys
 import tarfile
 import threading
 import time
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -407,7 +408,7 @@ def test_a_forked_child_that_collects_a_loader_leaves_its_workers_alone(tmp_path
     workers = child_pids(os.getpid()) - before
     assert len(workers) == 2
     child = os.fork()
-    if child == 0:  # its last reference goes, and a collection ends it (it is in a cycle)
+    if child == 0:  # its last reference goes (and a collection, for a cycle that would hold it)
         dropped.clear()
         gc.collect()
         os._exit(0)
@@ -446,6 +447,26 @@ def test_a_sample_the_devices_decoder_failed_and_libjpeg_decoded_is_named_once_a
     assert loader.counters()["skipped"] == 0
 
 
+def test_a_loader_dropped_between_epochs_ends_its_workers_at_once(tmp_path: Path) -> None:
+    # not at some later collection, in whatever thread, lock or signal handler that runs in: a
+    # closed feed lets go of the loader's batch generator, which held the loader in a cycle
+    manifest = write_shards(tmp_path, {"train": [40] * 4})
+    (loader,) = loaders(tmp_path, manifest, "resampled", world=1, batch=2, workers=2)
+    loader.set_epoch(0)
+    before = child_pids(os.getpid())
+    next(iter(loader))
+    workers = child_pids(os.getpid()) - before
+    assert len(workers) == 2
+    gone = weakref.ref(loader)
+    gc.disable()
+    try:
+        del loader
+        assert gone() is None
+    finally:
+        gc.enable()
+    assert not outliving(workers, 5)
+
+
 def test_a_loader_collected_where_multiprocessings_heap_is_locked_ends_its_workers(tmp_path: Path) -> None:
     # A collection runs a dropped loader's __del__ in whichever thread allocates at the time,
     # inside multiprocessing's heap lock too (in mp.Value's malloc; the lock is not re-entrant):
@@ -457,7 +478,7 @@ def test_a_loader_collected_where_multiprocessings_heap_is_locked_ends_its_worke
     next(iter(dropped[0]))  # (the iterator goes; the workers stay, for the next epoch)
     workers = child_pids(os.getpid()) - before
     assert len(workers) == 2
-    # its last reference; it is in a cycle (its feed holds its generator), so a collection ends it
+    # its last reference goes (and a collection, for a cycle that would hold it): __del__ runs there
     drop = threading.Thread(target=lambda: (dropped.clear(), gc.collect()), daemon=True)
     with multiprocessing.heap.BufferWrapper._heap._lock:  # type: ignore[attr-defined]
         drop.start()

@@ -239,4 +239,7 @@ class DeviceFeed:
         for thread in self.threads:
             if thread is not threading.current_thread():  # (closed from its own: a collection ran there)
                 thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        # the items let go (a thread still pulling keeps its own hold): their producer is often a
+        # generator of this feed's owner, which holds this feed, a cycle only a collection would end
+        self.items = iter(())
         _live.discard(self)
