@@ -24,6 +24,7 @@ import inspect
 import multiprocessing as mp
 import os
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Generator, Iterator, Sequence
 from multiprocessing.reduction import ForkingPickler
@@ -200,7 +201,9 @@ class ShardLoader:
         self.epoch = 0  # the epoch the next (or current) pass trains
         self._pending = True  # the next pass trains ``epoch`` (set, restored or first): not the one after
         self._step = 0  # steps of ``epoch`` handed out (with those before a restore)
-        self._active: _Pass | None = None
+        # the pass in progress, held weakly: a pass its loop dropped (a break) ends then, where a
+        # strong hold would keep it, and this loader with it, alive until a collection
+        self._active: weakref.ref[_Pass] | None = None
         self.continued: Continued | None = None  # what the last ``load_state_dict`` went on from
         self._warns = True  # of an epoch padded with repeats: until the caller takes ``problems``
 
@@ -243,13 +246,21 @@ class ShardLoader:
         self.epoch, self._pending = epoch, True
 
     def __iter__(self) -> Iterator[Batch]:
-        if self._active is not None:  # a pass left partway: its feed threads stop before the next's start
-            self._active.end(
-                f"{self.location}: this pass over the loader ended when another began (a pass is an epoch, and two "
-                "cannot run at once, as in zip(loader, loader)): finish or drop one pass before starting the next"
-            )
-        self._active = _Pass(self._pass())
-        return self._active
+        # a pass left partway, still held: its feed threads stop before the next's start
+        self._end_active(
+            f"{self.location}: this pass over the loader ended when another began (a pass is an epoch, and two "
+            "cannot run at once, as in zip(loader, loader)): finish or drop one pass before starting the next"
+        )
+        active = _Pass(self._pass())
+        self._active = weakref.ref(active)
+        return active
+
+    def _end_active(self, why: str) -> None:
+        """End the pass in progress, if one is held: ``why`` is what it says if asked for more."""
+        active = self._active() if self._active else None
+        if active is not None:
+            active.end(why)
+        self._active = None
 
     def _pass(self) -> Generator[Batch]:
         if not self._pending:
@@ -329,12 +340,10 @@ class ShardLoader:
         self.continued = None
         if not isinstance(loader, TrainLoader) or not state:
             return
-        if self._active is not None:  # a pass in progress ends: the next one goes on from the state
-            self._active.end(
-                f"{self.location}: this pass over the loader ended at load_state_dict(): start a new pass "
-                "(for ... in loader) to continue from the state loaded"
-            )
-            self._active = None
+        self._end_active(  # the next pass goes on from the state
+            f"{self.location}: this pass over the loader ended at load_state_dict(): start a new pass "
+            "(for ... in loader) to continue from the state loaded"
+        )
         state = _checked_state(state)
         epoch, step, position = state["epoch"], state["step"], state["position"]
         self._pending = False  # (the epoch is set afresh, whatever was restored before)
@@ -396,9 +405,7 @@ class ShardLoader:
 
     def close(self) -> None:
         """Stop the feed's threads and the DataLoader workers (they also end with the process)."""
-        if self._active is not None:
-            self._active.end(f"{self.location}: the loader was closed during this pass")
-            self._active = None
+        self._end_active(f"{self.location}: the loader was closed during this pass")
         self._loader.shut_down()
 
     def __enter__(self) -> ShardLoader:
