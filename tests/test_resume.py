@@ -5,14 +5,13 @@ logs back to its checkpoint, so across both runs they hold exactly what was trai
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -198,41 +197,45 @@ def test_an_epoch_stopped_over_other_shards_starts_over_and_says_so(tmp_path: Pa
     assert len(set(logged[40:])) == 42 * 8, "the epoch over the new shards, each key once"
 
 
-def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_keeps_the_epoch_exact(tmp_path: Path) -> None:
-    """Two torchrun agents (``--nnodes 1:2``, c10d rendezvous on loopback), one process each; one
-    agent is killed outright mid-epoch. The survivor's worker fails, its agent restarts it with
-    world size 1, and the run continues from the last checkpoint."""
+def test_an_elastic_job_that_loses_its_rank_0_node_goes_on_alone_and_keeps_the_epoch_exact(tmp_path: Path) -> None:
+    """Two agents of our torchrun (``--nnodes 1:2``, c10d rendezvous on loopback), one process
+    each; the agent that is rank 0 is killed outright mid-epoch. The survivor's worker fails, its
+    agent restarts it with world size 1, and the run continues from the last checkpoint. (With
+    torchrun's own defaults the survivor, made rank 0, failed an assertion: seen where pids had
+    wrapped, so that the second agent started was rank 0.)"""
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": TRAIN, "val": [4]})
+    # the rendezvous store is this process's, as a job's store is a head node's or etcd's: either agent can go
     port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
     rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic"]
     # a node is declared dead after 10 s without a heartbeat: with 2 s (1 × 2), a live agent whose
     # heartbeat ran late on a loaded 2-core machine was dropped too, and the run failed. The first
     # agent waits 15 s for the second to join: with 5 s, a second agent slow to import torch joined
     # a round already closed, and the restart that let it in failed
-    timing = "last_call_timeout=15,keep_alive_interval=1,keep_alive_max_attempt=10"
-    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1", *rendezvous]
-    agent += ["--rdzv-conf", timing, "--max-restarts", "2", "--monitor-interval", "0.5", str(ROOT / "train.py")]
-    agent += [*args(data, output, 4, 1), "--checkpoint-every", "1"]
+    timing = "is_host=false,last_call_timeout=15,keep_alive_interval=1,keep_alive_max_attempt=10"
+    agent = [sys.executable, "-m", "imagenet_ais.cli.torchrun", "--nnodes", "1:2", "--nproc-per-node", "1"]
+    agent += [*rendezvous, "--rdzv-conf", timing, "--max-restarts", "2", "--monitor-interval", "0.5"]
+    agent += [str(ROOT / "train.py"), *args(data, output, 4, 1), "--checkpoint-every", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    logs = tmp_path / "survivor.log", tmp_path / "lost.log"
-    with logs[0].open("w") as first, logs[1].open("w") as second:
-        # the first agent hosts the rendezvous store
-        survivor = subprocess.Popen(agent, cwd=ROOT, env=env, stdout=first, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while not _listening(port) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        lost = subprocess.Popen(agent, cwd=ROOT, env=env, stdout=second, stderr=subprocess.STDOUT)
+    logs = [tmp_path / "agent-a.log", tmp_path / "agent-b.log"]
+    agents = []
+    for log in logs:
+        with log.open("w") as out:
+            agents.append(subprocess.Popen(agent, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
     done = output / "metrics.jsonl"
     wait_until(
-        survivor, lambda: done.exists() and any(r["step"] >= 12 for r in metrics(output)), "step 12", log=logs[0]
+        agents[0], lambda: done.exists() and any(r["step"] >= 12 for r in metrics(output)), "step 12", log=logs[0]
     )
     state = torch.load(output / "last.pt", weights_only=True)
     assert len(state["rng"]) == 2, "both agents trained together"
-    for pid in {lost.pid, *descendants(lost.pid)}:  # its worker is in a session of its own
+    lost = next(i for i, a in enumerate(agents) if _group_rank(a) == 0)
+    survivor, log = agents[1 - lost], logs[1 - lost]
+    for pid in {agents[lost].pid, *descendants(agents[lost].pid)}:  # its worker is in a session of its own
         os.kill(pid, signal.SIGKILL)
-    lost.wait()
-    assert survivor.wait(timeout=300) == 0, logs[0].read_text()[-20000:]
+    agents[lost].wait()
+    assert survivor.wait(timeout=300) == 0, log.read_text()[-20000:]
+    del store
     end = torch.load(output / "last.pt", weights_only=True)
     assert (end["epoch"], len(end["rng"])) == (2, 1), "finished alone"
     assert "of 40 on 2 × 4: its" in (output / "train.log").read_text(), "the survivor said what it did"
@@ -242,9 +245,14 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_keeps_the_epoch_exac
         assert len(ALL_KEYS - set(seen)) < 8, f"epoch {epoch}: at most one global batch sits out"
 
 
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+def _group_rank(agent: subprocess.Popen) -> int | None:
+    """The rank of ``agent`` among the agents, from its worker's environment."""
+    for pid in descendants(agent.pid):
+        with contextlib.suppress(OSError):
+            for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                if entry.startswith(b"GROUP_RANK="):
+                    return int(entry.partition(b"=")[2])
+    return None
 
 
 def test_a_run_stopped_on_an_epochs_last_step_resumes_at_the_next_epoch(tmp_path: Path) -> None:

@@ -6,11 +6,17 @@ torchrun adds a SignalException traceback and its warnings and exits 1, whatever
 Ranks that all end as stopped after saving (75: Slurm's SIGUSR1 warning, which they take
 themselves) end it with 75, and ranks that all end because some rank never met them (6, told in
 one line by a rank: train/watchdog.py) end it with 6, where torchrun told a ChildFailedError. A
-rank that fails otherwise is told as torchrun tells it."""
+rank that fails otherwise is told as torchrun tells it.
+
+An elastic job (``--nnodes MIN:MAX``) goes on after losing the node whose agent was rank 0:
+torchrun (2.4 to 2.11) hands its ranks a store that only the first round's rank-0 agent makes, and
+an agent that becomes rank 0 later fails an assertion instead (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+makes each round's rank 0 host its own; a value of yours stands)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from torch.distributed import run
@@ -34,6 +40,7 @@ def _not_narration(record: logging.LogRecord) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     for module in (agent, processes):
         logging.getLogger(module.__name__).addFilter(_not_narration)
     try:
