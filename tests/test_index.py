@@ -94,11 +94,9 @@ def test_class_sorted_shards_are_told_and_a_reshard_mixes_them_moving_bytes_as_t
     assert "webdataset's ImageNet example" in out
     figure = re.search(r"train: shuffle quality (\d\.\d\d) ", out)
     assert figure and float(figure[1]) < 0.2 and f"imagenet_shards.py reshard {src} DEST" in out
-    with (
-        pytest.warns(ShuffleWarning, match=rf"shuffle quality {figure[1]} .* reshard"),
-        ShardLoader(str(src), "train", 8),
-    ):
-        pass
+    with pytest.warns(ShuffleWarning, match=rf"shuffle quality {figure[1]} .* reshard") as warned:
+        ShardLoader(str(src), "train", 8).close()
+    assert warned[0].filename == __file__, "the warning names the caller's line, not the loader's"
     run = train_here("--data", src, "--output", tmp_path / "run", *TINY, "--max-steps", "1", "--workers", "1")
     assert f"note: shuffle quality {figure[1]}" in run.stderr, "the run says so too"
 

@@ -169,14 +169,7 @@ class ShardLoader:
             raise ConfigError("--cache-size bounds --cache-dir: give --cache-dir too")
         manifests = [manifest] if manifest else [load_manifest(open_store(s.location)) for s in sources]
         data, self.classes = shards_of(sources, manifests, split, epoch_mode, _checked_classes(classes))
-        # what a caller should know of its data: shards sorted by class, say (also a warning)
-        self.notes = [
-            line
-            for source, made in zip(sources, manifests, strict=True)
-            if split == "train" and (line := low_quality_line(source.location, made.class_counts.get(split, [])))
-        ]
-        for line in self.notes:
-            warnings.warn(line, ShuffleWarning, stacklevel=2)
+        self.notes = _shuffle_notes(sources, manifests, split)
         self.sources, self.split = sources, split
         self.location = " + ".join(s.location for s in sources)  # (what its messages name)
         self.rank, self.world_size, self.batch_size, self.device = rank, world_size, batch_size, device
@@ -487,6 +480,19 @@ def _absolute(source: Source) -> Source:
     if not is_local(source.location):
         return source
     return dataclasses.replace(source, location=open_store(source.location).url)
+
+
+def _shuffle_notes(sources: Sequence[Source], manifests: Sequence[Manifest], split: str) -> list[str]:
+    """What a caller should know of its training data (shards sorted by class, say), each line also
+    warned of (a ShuffleWarning, at the caller's line)."""
+    notes = [
+        line
+        for source, made in zip(sources, manifests, strict=True)
+        if split == "train" and (line := low_quality_line(source.location, made.class_counts.get(split, [])))
+    ]
+    for line in notes:
+        warnings.warn(line, ShuffleWarning, stacklevel=3)
+    return notes
 
 
 def _checked_classes(classes: Sequence[str] | None) -> list[str] | None:
