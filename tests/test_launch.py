@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -317,6 +318,47 @@ def test_sigterm_to_run_saves_exits_75_and_leaves_no_process(verb: list[str], tm
         assert [sum(map(len, rank)) for rank in epochs] == [state["step"] * 4] * 2
         assert not any(set(mine) & set(theirs) for mine, theirs in zip(*epochs, strict=True))
     assert not outliving(started, 10), "no process of the run left behind"
+
+
+# In a PID namespace of its own, where the next PID can be set: a stand-in ssh whose agent on host
+# a ends at once; a stranger then takes its PID, and ./run gets SIGTERM.
+STALE_PID = r"""
+cd "$ROOT"
+SSH="$T/ssh" OUTPUT="$T/run" ./run nodes a,b --data "$T/none" &
+run=$!
+until [ -s "$T/a.pid" ] && [ -s "$T/b.pid" ]; do sleep 0.02; done
+a=$(cat "$T/a.pid")
+while [ -e "/proc/$a" ]; do sleep 0.02; done  # ended, and reaped by ./run
+echo $((a - 1)) >/proc/sys/kernel/ns_last_pid
+(trap ': >"$T/stranger.got"' TERM; echo "$BASHPID" >"$T/stranger.pid"; sleep 30 & wait; sleep 30 & wait) &
+until [ -s "$T/stranger.pid" ]; do sleep 0.02; done
+kill -TERM "$run"
+wait "$run"
+echo "run: $?, the stranger: $(cat "$T/stranger.pid"), host a's agent: $a"
+sleep 1  # (for a signal on its way to the stranger)
+"""
+AGENT = """#!/bin/bash
+echo $$ >"$T/$1.pid"
+[ "$1" = a ] && exit 0
+trap ': >"$T/b.got"; exit 143' TERM
+sleep 30 & wait
+"""
+
+
+def test_a_signal_to_run_never_reaches_a_process_that_took_the_pid_of_an_agent_that_ended(tmp_path: Path) -> None:
+    # ./run passed SIGTERM on to every agent it had started, one that had ended too (as a node's
+    # agent does that an elastic job lost): bash had reaped it, and its PID was anyone's by then
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        (pytest.fail if os.environ.get("CI") == "true" else pytest.skip)("root and unshare needed: a PID namespace")
+    (tmp_path / "ssh").write_text(AGENT)
+    (tmp_path / "ssh").chmod(0o755)
+    env = {**os.environ, "ROOT": str(ROOT), "T": str(tmp_path)}
+    cmd = ["unshare", "--pid", "--fork", "--mount-proc", "bash", "-c", STALE_PID]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120).stdout
+    said = re.fullmatch(r"run: (\d+), the stranger: (\d+), host a's agent: (\d+)\n", out)
+    assert said and said[2] == said[3], f"the stranger did not take the ended agent's PID: {out}"
+    assert said[1] == "143" and (tmp_path / "b.got").exists(), "the agent still running was stopped"
+    assert not (tmp_path / "stranger.got").exists(), "./run signalled a process it never started"
 
 
 @pytest.mark.slow
