@@ -149,7 +149,7 @@ def stopped_docker2(env: dict[str, str], results: Path, stop: Callable[[subproce
         deadline = time.monotonic() + 300
         while proc.poll() is None and time.monotonic() < deadline and _steps(run) < 2:
             time.sleep(0.5)
-        assert proc.poll() is None, proc.communicate()
+        assert proc.poll() is None, "".join(proc.communicate())[-4000:]  # (a tuple: its repr is cut short)
         stop(proc)
         out, err = proc.communicate(timeout=180)
     finally:

@@ -127,7 +127,7 @@ def test_sigterm_to_run_ray_saves_exits_75_and_leaves_no_process(tmp_path: Path)
         deadline = time.monotonic() + 300
         while len(_train_steps(output)) < 2 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert proc.poll() is None, proc.communicate()
+        assert proc.poll() is None, "".join(proc.communicate())[-4000:]
         ours = descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)  # ./run's PID: it execs the driver
         out, err = proc.communicate(timeout=180)
