@@ -332,6 +332,9 @@ while [ -e "/proc/$a" ]; do sleep 0.02; done  # ended, and reaped by ./run
 echo $((a - 1)) >/proc/sys/kernel/ns_last_pid
 (trap ': >"$T/stranger.got"' TERM; echo "$BASHPID" >"$T/stranger.pid"; sleep 30 & wait; sleep 30 & wait) &
 until [ -s "$T/stranger.pid" ]; do sleep 0.02; done
+kill -USR1 "$run"  # (to the agents' children: host b's has none)
+sleep 0.5
+kill -0 "$run" || echo "./run ended on SIGUSR1"
 kill -TERM "$run"
 wait "$run"
 echo "run: $?, the stranger: $(cat "$T/stranger.pid"), host a's agent: $a"
@@ -341,13 +344,15 @@ AGENT = """#!/bin/bash
 echo $$ >"$T/$1.pid"
 [ "$1" = a ] && exit 0
 trap ': >"$T/b.got"; exit 143' TERM
-sleep 30 & wait
+mkfifo "$T/b.fifo"
+while :; do read -rt 1 <>"$T/b.fifo" || :; done  # (no child process)
 """
 
 
 def test_a_signal_to_run_never_reaches_a_process_that_took_the_pid_of_an_agent_that_ended(tmp_path: Path) -> None:
     # ./run passed SIGTERM on to every agent it had started, one that had ended too (as a node's
-    # agent does that an elastic job lost): bash had reaped it, and its PID was anyone's by then
+    # agent does that an elastic job lost): bash had reaped it, and its PID was anyone's by then.
+    # And a signal that found no process (SIGUSR1 for agents without ranks) ended ./run itself
     if os.geteuid() != 0 or not shutil.which("unshare"):
         (pytest.fail if os.environ.get("CI") == "true" else pytest.skip)("root and unshare needed: a PID namespace")
     (tmp_path / "ssh").write_text(AGENT)
@@ -355,6 +360,7 @@ def test_a_signal_to_run_never_reaches_a_process_that_took_the_pid_of_an_agent_t
     env = {**os.environ, "ROOT": str(ROOT), "T": str(tmp_path)}
     cmd = ["unshare", "--pid", "--fork", "--mount-proc", "bash", "-c", STALE_PID]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120).stdout
+    assert "./run ended on SIGUSR1" not in out, out
     said = re.fullmatch(r"run: (\d+), the stranger: (\d+), host a's agent: (\d+)\n", out)
     assert said and said[2] == said[3], f"the stranger did not take the ended agent's PID: {out}"
     assert said[1] == "143" and (tmp_path / "b.got").exists(), "the agent still running was stopped"
