@@ -324,7 +324,7 @@ def test_sigterm_to_run_saves_exits_75_and_leaves_no_process(verb: list[str], tm
 # a ends at once; a stranger then takes its PID, and ./run gets SIGTERM.
 STALE_PID = r"""
 cd "$ROOT"
-SSH="$T/ssh" OUTPUT="$T/run" ./run nodes a,b --data "$T/none" &
+SSH="$T/ssh" OUTPUT="$T/run" ./run nodes b,a --data "$T/none" &  # (waiting for b, a ends)
 run=$!
 until [ -s "$T/a.pid" ] && [ -s "$T/b.pid" ]; do sleep 0.02; done
 a=$(cat "$T/a.pid")
@@ -336,6 +336,8 @@ kill -USR1 "$run"  # (to the agents' children: host b's has none)
 sleep 0.5
 kill -0 "$run" || echo "./run ended on SIGUSR1"
 kill -TERM "$run"
+for _ in $(seq 100); do kill -0 "$run" 2>/dev/null || break; sleep 0.1; done
+kill -0 "$run" 2>/dev/null && echo "./run still waiting 10 s after b ended" && kill -KILL "$run"
 wait "$run"
 echo "run: $?, the stranger: $(cat "$T/stranger.pid"), host a's agent: $a"
 sleep 1  # (for a signal on its way to the stranger)
@@ -352,7 +354,8 @@ while :; do read -rt 1 <>"$T/b.fifo" || :; done  # (no child process)
 def test_a_signal_to_run_never_reaches_a_process_that_took_the_pid_of_an_agent_that_ended(tmp_path: Path) -> None:
     # ./run passed SIGTERM on to every agent it had started, one that had ended too (as a node's
     # agent does that an elastic job lost): bash had reaped it, and its PID was anyone's by then.
-    # And a signal that found no process (SIGUSR1 for agents without ranks) ended ./run itself
+    # And a signal that found no process (SIGUSR1 for agents without ranks) ended ./run itself;
+    # and ./run waited for the stranger as if it were that agent
     if os.geteuid() != 0 or not shutil.which("unshare"):
         (pytest.fail if os.environ.get("CI") == "true" else pytest.skip)("root and unshare needed: a PID namespace")
     (tmp_path / "ssh").write_text(AGENT)
@@ -360,7 +363,7 @@ def test_a_signal_to_run_never_reaches_a_process_that_took_the_pid_of_an_agent_t
     env = {**os.environ, "ROOT": str(ROOT), "T": str(tmp_path)}
     cmd = ["unshare", "--pid", "--fork", "--mount-proc", "bash", "-c", STALE_PID]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120).stdout
-    assert "./run ended on SIGUSR1" not in out, out
+    assert "./run ended on SIGUSR1" not in out and "./run still waiting" not in out, out
     said = re.fullmatch(r"run: (\d+), the stranger: (\d+), host a's agent: (\d+)\n", out)
     assert said and said[2] == said[3], f"the stranger did not take the ended agent's PID: {out}"
     assert said[1] == "143" and (tmp_path / "b.got").exists(), "the agent still running was stopped"
