@@ -141,9 +141,13 @@ def test_a_feed_closed_from_one_of_its_own_threads_stops_the_others() -> None:
     # (a collection that ends a dropped loader closes its feed in whichever thread it runs: one of
     # the feed's own, say, which cannot join itself)
     closing: list[BaseException | None] = []
+    named = threading.Event()
 
     def prepare(i: int) -> tuple:
         if i == 3:
+            # (the threads start inside DeviceFeed(): this item can come before ``feed`` is bound,
+            # a NameError in a clean clone's suite)
+            named.wait(10)
             try:
                 feed.close(timeout=5)
                 closing.append(None)
@@ -152,6 +156,7 @@ def test_a_feed_closed_from_one_of_its_own_threads_stops_the_others() -> None:
         return as_tensor(i)
 
     feed = DeviceFeed(itertools.count(), [("add", lambda i: i + 1), ("prepare", prepare)], CPU, ahead=2)
+    named.set()
     next(feed)
     deadline = time.monotonic() + 10
     while not closing and time.monotonic() < deadline:
