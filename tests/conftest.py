@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import io
 import json
 import os
@@ -18,6 +19,7 @@ import tarfile
 import tempfile
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -241,6 +243,20 @@ def outliving(pids: set[int], seconds: float) -> set[int]:
     while (alive := {p for p in pids if _stat(p)[:1] not in ([], ["Z"])}) and time.monotonic() < deadline:
         time.sleep(0.05)
     return alive
+
+
+def ended_as_dropped(held: list, workers: set[int]) -> None:
+    """Drops ``held``'s one item, its last reference, with the garbage collector off: it must be
+    freed then, not at some later collection in whatever thread, lock or signal handler that runs
+    in, and its worker processes ``workers`` must end within 5 s."""
+    gone = weakref.ref(held[0])
+    gc.disable()
+    try:
+        held.clear()
+        assert gone() is None, "freed as it was dropped"
+    finally:
+        gc.enable()
+    assert not outliving(workers, 5)
 
 
 def wait_until(

@@ -18,7 +18,6 @@ import sys
 import tarfile
 import threading
 import time
-import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from conftest import ROOT, child_pids, outliving, relist, sparse_member, tiny_jpeg, write_shards
+from conftest import ROOT, child_pids, ended_as_dropped, outliving, relist, sparse_member, tiny_jpeg, write_shards
 from PIL import Image
 
 from imagenet_ais.loader.engine import Feeding, TrainLoader, ValLoader
@@ -400,13 +399,7 @@ def test_a_process_that_never_reads_its_loaders_problems_still_exits() -> None:
 def test_a_forked_child_that_collects_a_loader_leaves_its_workers_alone(tmp_path: Path) -> None:
     # a child forked from the training process (a library user's own, one of torch's) inherits
     # the loader but not its workers: collecting it there must not kill them
-    manifest = write_shards(tmp_path, {"train": [40] * 4})
-    dropped = loaders(tmp_path, manifest, "resampled", world=1, batch=2, workers=2)
-    dropped[0].set_epoch(0)
-    before = child_pids(os.getpid())
-    next(iter(dropped[0]))
-    workers = child_pids(os.getpid()) - before
-    assert len(workers) == 2
+    dropped, workers = _with_workers(tmp_path)
     child = os.fork()
     if child == 0:  # its last reference goes (and a collection, for a cycle that would hold it)
         dropped.clear()
@@ -450,34 +443,14 @@ def test_a_sample_the_devices_decoder_failed_and_libjpeg_decoded_is_named_once_a
 def test_a_loader_dropped_between_epochs_ends_its_workers_at_once(tmp_path: Path) -> None:
     # not at some later collection, in whatever thread, lock or signal handler that runs in: a
     # closed feed lets go of the loader's batch generator, which held the loader in a cycle
-    manifest = write_shards(tmp_path, {"train": [40] * 4})
-    (loader,) = loaders(tmp_path, manifest, "resampled", world=1, batch=2, workers=2)
-    loader.set_epoch(0)
-    before = child_pids(os.getpid())
-    next(iter(loader))
-    workers = child_pids(os.getpid()) - before
-    assert len(workers) == 2
-    gone = weakref.ref(loader)
-    gc.disable()
-    try:
-        del loader
-        assert gone() is None
-    finally:
-        gc.enable()
-    assert not outliving(workers, 5)
+    ended_as_dropped(*_with_workers(tmp_path))
 
 
 def test_a_loader_collected_where_multiprocessings_heap_is_locked_ends_its_workers(tmp_path: Path) -> None:
     # A collection runs a dropped loader's __del__ in whichever thread allocates at the time,
     # inside multiprocessing's heap lock too (in mp.Value's malloc; the lock is not re-entrant):
     # a __del__ that made a new shared counter there waited for ever (a suite's test hung 600 s)
-    manifest = write_shards(tmp_path, {"train": [40] * 4})
-    dropped = loaders(tmp_path, manifest, "resampled", world=1, batch=2, workers=2)
-    dropped[0].set_epoch(0)
-    before = child_pids(os.getpid())
-    next(iter(dropped[0]))  # (the iterator goes; the workers stay, for the next epoch)
-    workers = child_pids(os.getpid()) - before
-    assert len(workers) == 2
+    dropped, workers = _with_workers(tmp_path)
     # its last reference goes (and a collection, for a cycle that would hold it): __del__ runs there
     drop = threading.Thread(target=lambda: (dropped.clear(), gc.collect()), daemon=True)
     with multiprocessing.heap.BufferWrapper._heap._lock:  # type: ignore[attr-defined]
@@ -485,3 +458,16 @@ def test_a_loader_collected_where_multiprocessings_heap_is_locked_ends_its_worke
         drop.join(30)
         assert not drop.is_alive(), "the loader's __del__ waits on multiprocessing's heap lock"
     assert not workers & child_pids(os.getpid())
+
+
+def _with_workers(tmp_path: Path) -> tuple[list[TrainLoader], set[int]]:
+    """A loader of 2 workers, held alone in a list, one batch into its first epoch (the iterator
+    gone; the workers stay, for the next epoch), and its workers' PIDs."""
+    manifest = write_shards(tmp_path, {"train": [40] * 4})
+    held = loaders(tmp_path, manifest, "resampled", world=1, batch=2, workers=2)
+    held[0].set_epoch(0)
+    before = child_pids(os.getpid())
+    next(iter(held[0]))
+    workers = child_pids(os.getpid()) - before
+    assert len(workers) == 2
+    return held, workers

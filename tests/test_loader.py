@@ -13,13 +13,12 @@ import signal
 import threading
 import time
 import warnings
-import weakref
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_ARCH, child_pids, outliving, write_shards
+from conftest import TINY_ARCH, child_pids, ended_as_dropped, write_shards
 from PIL import Image
 from torch import nn
 from torchvision.transforms import v2
@@ -134,18 +133,11 @@ def test_a_pass_ended_before_its_end_says_so_rather_than_stop_as_if_whole(data: 
 def test_a_loader_whose_loop_broke_off_a_pass_and_dropped_it_ends_its_workers_at_once(data: str) -> None:
     # as it is dropped, not at some later collection, in whatever thread or lock that runs in
     before = child_pids(os.getpid())
-    loader = ShardLoader(data, "train", 8, **OPTIONS)
-    assert len(train_steps(loader, tiny_model(), steps=2)) == 16  # the loop breaks off its pass
+    held = [ShardLoader(data, "train", 8, **OPTIONS)]
+    assert len(train_steps(held[0], tiny_model(), steps=2)) == 16  # the loop breaks off its pass
     workers = child_pids(os.getpid()) - before
     assert len(workers) == 2
-    gone = weakref.ref(loader)
-    gc.disable()
-    try:
-        del loader
-        assert gone() is None
-    finally:
-        gc.enable()
-    assert not outliving(workers, 5)
+    ended_as_dropped(held, workers)
 
 
 def _solid_red(img: Image.Image) -> Image.Image:
