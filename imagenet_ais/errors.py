@@ -14,6 +14,7 @@ from contextlib import contextmanager
 # How a training run ends, where not 0 (done) or 1 (bad input): here, so that what reads them
 # (torchrun's wrapper, Ray's driver) needs nothing of the training run itself
 EXIT_WORKER_DIED = 1  # a DataLoader worker was killed (the OOM killer?): continue with --resume auto
+EXIT_OUT_OF_MEMORY = 1  # the GPU ran out of memory: lower --batch-size, then --resume auto
 EXIT_UPLOAD_FAILED = 3  # trained (or stopped cleanly), but some upload never made it: see stderr
 EXIT_BAD_DATA = 4  # an epoch skipped or padded more than --max-bad of its samples (checkpoint saved)
 EXIT_DIVERGED = 5  # the loss stayed NaN or infinite for loop.NONFINITE_STEPS steps (nothing saved past them)
@@ -45,6 +46,10 @@ class InUse(Refused, ValueError):
 
 class StorageError(Refused, OSError):
     """A location that cannot be read or written as needed: unreachable, refused, full, corrupting."""
+
+
+class OutOfMemory(Refused, RuntimeError):
+    """A device too small for the run's settings (batch, image size, model): the message names them."""
 
 
 class NotFound(StorageError, FileNotFoundError):

@@ -297,14 +297,14 @@ def main(compile_: bool, **options: object) -> None:
     """Train with fixed-length epochs, DDP, validation and checkpoints every epoch.
 
     Exit status: 0 done (or --max-steps reached); 1 bad input, or a DataLoader worker was killed
-    (continue with --resume auto); 3 some upload never made it
-    (local copies kept); 4 an epoch's data was damaged beyond --max-bad (checkpoint saved), or
-    none of it could be read; 5 the loss stayed NaN or infinite (diverged: nothing saved past the
-    last finite checkpoint); 6 some rank never reached the others within --collective-timeout
-    (named: continue with --resume auto once every rank can run); 75 stopped by SIGTERM/SIGUSR1
-    after saving (or, with several ranks whose data never came, without: from the last
-    checkpoint): continue with --resume auto; 130 stopped by Ctrl-C before training began
-    (nothing to save).
+    (continue with --resume auto), or the GPU ran out of memory (lower --batch-size, then --resume
+    auto); 3 some upload never made it (local copies kept); 4 an epoch's data was damaged beyond
+    --max-bad (checkpoint saved), or none of it could be read; 5 the loss stayed NaN or infinite
+    (diverged: nothing saved past the last finite checkpoint); 6 some rank never reached the others
+    within --collective-timeout (named: continue with --resume auto once every rank can run); 75
+    stopped by SIGTERM/SIGUSR1 after saving (or, with several ranks whose data never came, without:
+    from the last checkpoint): continue with --resume auto; 130 stopped by Ctrl-C before training
+    began (nothing to save).
     """
     for sig in STOPS:
         signal.signal(sig, _stopped)  # for the rest of this process (the run sets its own meanwhile)

@@ -26,6 +26,7 @@ from imagenet_ais import distributed
 from imagenet_ais.errors import (
     EXIT_BAD_DATA,
     EXIT_DIVERGED,
+    EXIT_OUT_OF_MEMORY,
     EXIT_PREEMPTED,
     EXIT_RANKS_LOST,
     EXIT_UPLOAD_FAILED,
@@ -36,7 +37,17 @@ from imagenet_ais.errors import (
 from imagenet_ais.loader import Interrupted, UnreadableData, WorkerDied
 from imagenet_ais.loader.shard_loader import ShardLoader
 from imagenet_ais.storage import locks
-from imagenet_ais.train import checkpoint, data_cost, decentralized, keys_log, resume, setup, upload, watchdog
+from imagenet_ais.train import (
+    checkpoint,
+    data_cost,
+    decentralized,
+    keys_log,
+    out_of_memory,
+    resume,
+    setup,
+    upload,
+    watchdog,
+)
 from imagenet_ais.train.config import TrainConfig, check, differences, image_sizes, with_recipe
 from imagenet_ais.train.data_health import DataHealth
 from imagenet_ais.train.ema import ModelEma
@@ -110,11 +121,12 @@ def _train(
         for source, settings in differences(cfg).items():
             echo(f"{source}: {', '.join(settings)}")
     sizes, val_size = image_sizes(cfg)
-    parts = setup.build(cfg, process, output, sizes, val_size, echo)
-    try:
-        return _resume_and_train(parts, found, sizes, report, stop)
-    finally:
-        parts.close()
+    with out_of_memory.told(cfg, process.device):  # (the settings the run trains with, a checkpoint's included)
+        parts = setup.build(cfg, process, output, sizes, val_size, echo)
+        try:
+            return _resume_and_train(parts, found, sizes, report, stop)
+        finally:
+            parts.close()
 
 
 def _resume_and_train(
@@ -179,8 +191,11 @@ def epochs(run: Run, sizes: list[int]) -> dict[str, Any]:
             return loader_failed(run, e, EXIT_WORKER_DIED)
         except Diverged:  # a checkpoint was due, of weights gone NaN before the loss could stop the run
             return diverged(run, f"the weights hold NaN or infinity at step {train_state.step}")
-        except RuntimeError as e:  # a collective that failed: a rank died (gloo's connections broke)?
-            if run.watchdog and run.watchdog.lost(e):
+        except Exception as e:
+            if out_of_memory.behind(e):  # closed as any failed run is: its uploads made, its checkpoints named
+                run.echo(f"ERROR: {out_of_memory.said(run.cfg, run.process.device)}", err=True)
+                return finish(run, complete=False, exit_code=EXIT_OUT_OF_MEMORY)
+            if isinstance(e, RuntimeError) and run.watchdog and run.watchdog.lost(e):  # a rank died?
                 return finish(run, complete=False, exit_code=EXIT_RANKS_LOST)
             raise
         if damaged := run.health.end_epoch(epoch, len(run.train_loader) * run.global_batch):
