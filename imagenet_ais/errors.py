@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-# How a training run ends, where not 0 (done) or 1 (bad input): here, so that what reads them
+# How a training run ends, where not 0 (done): here, so that what reads them
 # (torchrun's wrapper, Ray's driver) needs nothing of the training run itself
 EXIT_WORKER_DIED = 1  # a DataLoader worker was killed (the OOM killer?): continue with --resume auto
 EXIT_OUT_OF_MEMORY = 1  # the GPU ran out of memory: lower --batch-size, then --resume auto
@@ -48,16 +48,17 @@ class StorageError(Refused, OSError):
     """A location that cannot be read or written as needed: unreachable, refused, full, corrupting."""
 
 
-class OutOfMemory(Refused, RuntimeError):
-    """A device too small for the run's settings (batch, image size, model): the message names them."""
-
-
 class NotFound(StorageError, FileNotFoundError):
     """A file or object that is not there."""
 
 
 class AlreadyThere(StorageError, FileExistsError):
     """An object that is there already, where one was to be written only once."""
+
+
+class OutOfMemory(Refused, RuntimeError):
+    """A device too small for the run's settings (batch, image size, model): the message names them.
+    Not torch's own error, which is its ``__cause__``."""
 
 
 def expected(e: BaseException) -> bool:

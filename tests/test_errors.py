@@ -13,7 +13,7 @@ from conftest import TINY, TINY_ARCH, UNSIZED, shards_here, train_here
 
 from imagenet_ais import errors
 from imagenet_ais.shards import verify
-from imagenet_ais.train import config, loop, setup
+from imagenet_ais.train import config, loop, out_of_memory, setup
 
 
 def test_a_bad_option_and_a_missing_data_location_are_one_line(tmp_path: Path) -> None:
@@ -88,65 +88,93 @@ def test_each_expected_failure_is_still_the_builtin_it_was_and_crosses_processes
         assert type(again) is type(e) and str(again) == str(e) and errors.expected(again)
 
 
-def _out_of_memory(wrapped: bool) -> Exception:
+def _out_of_memory(how: str) -> Exception:
     """What a CUDA step that ran out of memory raises: torch's own error, or (a compiled graph's
-    warm-up, say) an error of another kind raised from it."""
-    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity ...")
-    if not wrapped:
-        return oom
+    warm-up, say) an error of another kind raised from it or in its place."""
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of ...")
     try:
-        raise oom
-    except torch.OutOfMemoryError as e:
         try:
-            raise RuntimeError("compiled graph failed") from e
-        except RuntimeError as outer:
-            return outer
+            raise oom
+        except torch.OutOfMemoryError as e:
+            if how == "from":
+                raise RuntimeError("compiled graph failed") from e
+            if how == "in-place":
+                raise RuntimeError("compiled graph failed") from None
+            raise
+    except Exception as raised:
+        return raised
 
 
-@pytest.mark.parametrize("wrapped", [False, True], ids=["raised", "a-cause"])
+def says(batch: int = 4) -> str:
+    return (
+        f"ran out of memory for {TINY_ARCH} at --batch-size {batch} per GPU, images of 32 px: lower --batch-size (or "
+        "the image size); a run that saved a checkpoint goes on from it with --resume auto and the new --batch-size"
+    )
+
+
+@pytest.mark.parametrize("how", ["raised", "from", "in-place"])
 def test_a_gpu_out_of_memory_ends_the_run_in_one_line_and_resume_goes_on_with_a_smaller_batch(
-    wrapped: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # (no GPU here: the step's allocation fails as CUDA's would, at step 6, the second of epoch 2)
     output, up = tmp_path / "run", tmp_path / "up"
-    args = ["--synthetic", "--output", output, *TINY, "--epochs", "2", "--epoch-size", "16", "--log-every", "1"]
-    real_step, steps = loop.train_step, []
+    args = ["--synthetic", "--output", output, "--epochs", "2", "--epoch-size", "16", "--upload", up]
+    real_step, real_build, steps = loop.train_step, setup.build, []
 
     def step(*a: object, **k: object) -> torch.Tensor:
         steps.append(1)
         if len(steps) == 6:
-            raise _out_of_memory(wrapped)
+            raise _out_of_memory(how)
         return real_step(*a, **k)  # type: ignore[arg-type]
 
     monkeypatch.setattr(loop, "train_step", step)
-    proc = train_here(*args, "--upload", up, check=False)
+    proc = train_here(*args, *TINY, "--log-every", "1", check=False)
     assert proc.returncode == errors.EXIT_OUT_OF_MEMORY == 1 and "Traceback" not in proc.stderr
-    said = [line for line in proc.stderr.splitlines() if line.startswith("ERROR:")]
-    assert said == [
-        f"ERROR: cpu ran out of memory for {TINY_ARCH} at --batch-size 4 per GPU, --image-size 32: lower --batch-size "
-        "(or the image size); a run that saved a checkpoint goes on from it with --resume auto and the new --batch-size"
+    assert [line for line in proc.stderr.splitlines() if "ERROR" in line] == [
+        "ERROR: cpu, asked for 20.00 GiB more, " + says()
     ]
-    # epoch 1's checkpoint stands, uploaded before the run ended; nothing of the failed step saved
+    # closed as a failed run: epoch 1's checkpoint uploaded and named; nothing of the failed step saved
+    assert f"checkpoints in {output}: last.pt; uploaded to {up}" in proc.stdout
     assert [p.name for p in output.glob("ckpt-*.pt")] == ["ckpt-00000004.pt"]
     assert (up / "ckpt-00000004.pt").read_bytes() == (output / "ckpt-00000004.pt").read_bytes()
+
+    def build(*a: object) -> None:  # (the model's move to the device, say)
+        raise _out_of_memory(how)
+
+    monkeypatch.setattr(setup, "build", build)  # resumed with the checkpoint's settings, but the batch named
+    resumed = train_here(*args, "--resume", "auto", "--batch-size", "3", check=False)
+    assert resumed.returncode == 1
+    assert resumed.stderr.splitlines()[-1] == "Error: cpu, asked for 20.00 GiB more, " + says(3)
     monkeypatch.setattr(loop, "train_step", real_step)
-    train_here(*args, "--upload", up, "--resume", "auto", "--batch-size", "2")
+    monkeypatch.setattr(setup, "build", real_build)
+    train_here(*args, "--resume", "auto", "--batch-size", "2")
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train" and r["epoch"] == 2]
     assert train[-1]["step"] == 4 + 8, "epoch 2 in 8 steps of 2 (its 16 samples), after epoch 1's 4 of 4"
 
 
-def test_a_gpu_out_of_memory_while_the_run_is_built_is_one_line_and_leaves_no_output(
+def test_a_gpu_out_of_memory_before_training_is_one_line_and_for_a_library_an_error_of_its_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def build(*args: object) -> None:  # (the model's move to the device, say)
-        raise _out_of_memory(wrapped=False)
+    def build(*args: object) -> None:
+        raise _out_of_memory("raised")
 
     monkeypatch.setattr(setup, "build", build)
     proc = train_here("--synthetic", "--output", tmp_path / "run", *TINY, check=False)
-    assert proc.returncode == 1 and proc.stderr.startswith("Error: cpu ran out of memory for ")
-    assert len(proc.stderr.splitlines()) == 1 and not (tmp_path / "run").exists()
-    with pytest.raises(errors.OutOfMemory) as raised:  # a library's caller catches it as before, or as ours
-        loop.train(config.TrainConfig(output=str(tmp_path / "lib"), synthetic=True, arch=TINY_ARCH, image_size=32))
+    assert proc.returncode == 1 and proc.stderr == f"Error: cpu, asked for 20.00 GiB more, {says()}\n"
+    assert not (tmp_path / "run").exists(), "a start that failed leaves no folder"
+    cfg = config.TrainConfig(output=str(tmp_path / "lib"), synthetic=True, arch=TINY_ARCH, image_size=32, batch_size=4)
+    with pytest.raises(errors.OutOfMemory) as raised:
+        loop.train(cfg)
     assert isinstance(raised.value, RuntimeError) and errors.expected(raised.value)
-    assert isinstance(raised.value.__cause__, torch.OutOfMemoryError)
+    assert str(raised.value).endswith(says()) and isinstance(raised.value.__cause__, torch.OutOfMemoryError)
+
+
+def test_an_error_met_while_handling_an_out_of_memory_is_not_told_as_one() -> None:
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        except torch.OutOfMemoryError:
+            raise KeyError("a bug in the handler")  # noqa: B904 (chained implicitly, as a bug's would be)
+    except KeyError as e:
+        assert out_of_memory.behind(e) is None

@@ -192,9 +192,8 @@ def epochs(run: Run, sizes: list[int]) -> dict[str, Any]:
         except Diverged:  # a checkpoint was due, of weights gone NaN before the loss could stop the run
             return diverged(run, f"the weights hold NaN or infinity at step {train_state.step}")
         except Exception as e:
-            if out_of_memory.behind(e):  # closed as any failed run is: its uploads made, its checkpoints named
-                run.echo(f"ERROR: {out_of_memory.said(run.cfg, run.process.device)}", err=True)
-                return finish(run, complete=False, exit_code=EXIT_OUT_OF_MEMORY)
+            if oom := out_of_memory.behind(e):  # closed as any failed run is: its uploads made, its checkpoints named
+                return ran_out_of_memory(run, out_of_memory.said(cfg, run.process.device, oom, epoch))
             if isinstance(e, RuntimeError) and run.watchdog and run.watchdog.lost(e):  # a rank died?
                 return finish(run, complete=False, exit_code=EXIT_RANKS_LOST)
             raise
@@ -212,11 +211,22 @@ def epochs(run: Run, sizes: list[int]) -> dict[str, Any]:
 def loader_failed(run: Run, error: Exception, exit_code: int) -> dict[str, Any]:
     """Ends a run whose loader cannot go on. This rank names what its workers could not read and
     the failure, whichever rank it is: the other ranks may never reach another collective."""
-    rank = run.process.rank
-    say = partial(run.echo, err=True) if run.process.main else partial(rank_says, rank)
+    say = voice(run)
     run.health.failing(run.train_loader.counters(), say)
     say(f"ERROR: {error}")
     return finish(run, complete=False, exit_code=exit_code)
+
+
+def ran_out_of_memory(run: Run, line: str) -> dict[str, Any]:
+    """Ends a run whose GPU ran out of memory, said whichever rank it is (the others may never
+    reach another collective)."""
+    voice(run)(f"ERROR: {line}")
+    return finish(run, complete=False, exit_code=EXIT_OUT_OF_MEMORY)
+
+
+def voice(run: Run) -> Callable[[str], None]:
+    """Where this rank says a failure: rank 0's console and log, another rank's stderr with its rank."""
+    return partial(run.echo, err=True) if run.process.main else partial(rank_says, run.process.rank)
 
 
 def stop(run: Run, stopped: Stopped) -> dict[str, Any]:
