@@ -18,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from conftest import ROOT, free_port, output_to
 
@@ -142,6 +143,26 @@ def _end_together(started: list[Started], timeout: float) -> list[int]:
     return [p.wait() for p in started]
 
 
+OUT_OF_MEMORY = "FORKED_OUT_OF_MEMORY"  # RANK:STEP in a rank's environment: that rank's step runs out of GPU memory
+
+
+def _out_of_memory_at(step: int) -> None:
+    """(A test's fault, in the forked process) the training step ``step`` fails as CUDA's allocator
+    does when the GPU is full: there is no GPU here."""
+    import torch
+
+    from imagenet_ais.train import loop
+
+    real = loop.train_step
+
+    def train_step(run: Any, *args: Any) -> Any:
+        if run.train_state.step + 1 == step:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return real(run, *args)
+
+    loop.train_step = train_step
+
+
 def _train(
     argv: list[str], environ: dict[str, str], out: Path, err: Path | None, new_session: bool, method: str | None
 ) -> None:
@@ -158,6 +179,9 @@ def _train(
     os.environ.update(environ)
     if "OMP_NUM_THREADS" in environ:  # (read by torch at its import, in the server)
         torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
+    rank, _, step = environ.get(OUT_OF_MEMORY, "").partition(":")
+    if step and environ.get("RANK") == rank:
+        _out_of_memory_at(int(step))
     os.chdir(ROOT)
     with out.open("ab") as o, (err or out).open("ab") as e, output_to(o, e):
         try:

@@ -22,10 +22,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import TINY, QuietHandler, http_server, records, wait_until, write_shards
-from forked import Started, ranks, start_ranks
+from forked import OUT_OF_MEMORY, Started, ranks, start_ranks
 
 from imagenet_ais.distributed import Process
-from imagenet_ais.errors import EXIT_RANKS_LOST
+from imagenet_ais.errors import EXIT_OUT_OF_MEMORY, EXIT_RANKS_LOST
 from imagenet_ais.train.data_cost import described
 from imagenet_ais.train.slow_rank import slowest
 from imagenet_ais.train.watchdog import Watchdog
@@ -151,6 +151,33 @@ def test_a_rank_that_never_arrives_ends_every_live_rank_in_one_line(how: str, tm
     assert "rank 0 " not in line and "rank 2 " not in line, "the live ranks are not named"
     state = torch.load(output / "last.pt", weights_only=True)  # (whole: its digest is checked on resume)
     assert state["step"] >= 4 and not list(output.glob(".*")), list(output.iterdir())
+
+
+def test_a_rank_whose_gpu_runs_out_of_memory_says_so_and_the_others_name_it(tmp_path: Path) -> None:
+    """Rank 1's step 8 (the second of epoch 2) runs out of memory: rank 1 says its line and ends
+    with 1; rank 0, left at the step's all-reduce, ends with 6 within --collective-timeout,
+    naming rank 1 and what it ended at; the last checkpoint is whole."""
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": TRAIN})
+    started = start_ranks(
+        2, "--data", data, "--output", output, *TINY, "--epochs", "50", "--workers", "1", "--log-every", "1",
+        "--collective-timeout", str(TIMEOUT), env={OUT_OF_MEMORY: "1:8"},
+    )  # fmt: skip
+    try:
+        codes = {rank: proc.wait(timeout=120) for rank, proc in enumerate(started)}
+    finally:
+        for proc in started:
+            proc.kill()
+    assert codes == {0: EXIT_RANKS_LOST, 1: EXIT_OUT_OF_MEMORY}, codes
+    printed = "".join(out + (err or "") for out, err in (proc.communicate() for proc in started))
+    errors = [line for line in printed.splitlines() if "ERROR" in line]
+    (line,) = [line for line in errors if "did not meet" in line]
+    (own,) = [e for e in errors if e != line]
+    assert own.startswith("rank 1: ERROR: cpu, asked for 2.00 GiB more, ran out of memory for "), errors
+    assert "rank 1 (node " in line and "last seen at out of GPU memory at step 8" in line, line
+    assert "Traceback" not in printed, printed
+    state = torch.load(output / "last.pt", weights_only=True)  # (whole: its digest is checked on resume)
+    assert state["step"] == 6 and not list(output.glob(".*")), list(output.iterdir())
 
 
 def _stopped_one(started: list[Started], how: str) -> tuple[dict[int, int], float]:

@@ -221,6 +221,8 @@ def ran_out_of_memory(run: Run, line: str) -> dict[str, Any]:
     """Ends a run whose GPU ran out of memory, said whichever rank it is (the others may never
     reach another collective)."""
     voice(run)(f"ERROR: {line}")
+    if run.watchdog:
+        run.watchdog.last(f"out of GPU memory at step {run.train_state.step + 1}")
     return finish(run, complete=False, exit_code=EXIT_OUT_OF_MEMORY)
 
 

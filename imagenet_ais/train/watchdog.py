@@ -94,6 +94,13 @@ class Watchdog:
         """The main thread moves on to ``what`` (a new object: the watching thread reads it whole)."""
         self.doing = Doing(what, meeting, for_data)
 
+    def last(self, what: str) -> None:
+        """This rank ends at ``what`` (not by a signal, its own failure): its beat says so at once,
+        so the ranks it leaves waiting name it with that."""
+        self.now(what, meeting=False)
+        with suppress(*UNANSWERED):
+            self._beat()
+
     @contextmanager
     def checkpoint_written(self) -> Iterator[None]:
         """Around writing a checkpoint: a verdict meanwhile ends the process only once it is written."""
