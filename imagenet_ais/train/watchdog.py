@@ -56,6 +56,7 @@ class Doing:
     meeting: bool = True
     for_data: bool = False
     since: float = field(default_factory=time.monotonic)
+    ended: bool = False  # the rank's run ends here, of a failure of its own (``last``)
 
 
 class Watchdog:
@@ -97,7 +98,7 @@ class Watchdog:
     def last(self, what: str) -> None:
         """This rank ends at ``what`` (not by a signal, its own failure): its beat says so at once,
         so the ranks it leaves waiting name it with that."""
-        self.now(what, meeting=False)
+        self.doing = Doing(what, meeting=False, ended=True)
         with suppress(*UNANSWERED):
             self._beat()
 
@@ -146,7 +147,8 @@ class Watchdog:
         if d.for_data and (reads := sorted(self.reading(), key=lambda r: -r[1])):
             what += f" (its workers reading {', '.join(f'{shard} for {s:.0f} s' for shard, s in reads[:3])})"
         beat = {
-            "n": self.count, "what": what, "for": time.monotonic() - d.since, "host": self.host, "meeting": d.meeting
+            "n": self.count, "what": what, "for": time.monotonic() - d.since, "host": self.host, "meeting": d.meeting,
+            "ended": d.ended,
         }  # fmt: skip
         self.store.set(f"beat/{self.process.rank}", json.dumps(beat))
 
@@ -182,8 +184,11 @@ class Watchdog:
             if rank == self.process.rank:
                 continue
             if beat is None or (was is not None and was["n"] == beat["n"]):
-                last = f", last seen at {beat['what']}" if beat else ""
-                missing.append(f"rank {rank}{_node(beat)} silent (killed, stopped, or its node lost){last}")
+                if beat and beat.get("ended"):
+                    missing.append(f"rank {rank}{_node(beat)} ended: {beat['what']}")
+                else:
+                    last = f", last seen at {beat['what']}" if beat else ""
+                    missing.append(f"rank {rank}{_node(beat)} silent (killed, stopped, or its node lost){last}")
                 silent.add(rank)
             elif beat["what"] != doing.what and not silent_only:
                 named = f"rank {rank}{_node(beat)} {beat['what']} for {beat['for']:.0f} s"
