@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TINY, QuietHandler, http_server, records, wait_until, write_shards
+from conftest import TINY, QuietHandler, child_pids, http_server, records, wait_until, write_shards
 from forked import OUT_OF_MEMORY, Started, ranks, start_ranks
 
 from imagenet_ais.distributed import Process
-from imagenet_ais.errors import EXIT_OUT_OF_MEMORY, EXIT_RANKS_LOST
+from imagenet_ais.errors import EXIT_OUT_OF_MEMORY, EXIT_RANKS_LOST, EXIT_WORKER_DIED
 from imagenet_ais.train.data_cost import described
 from imagenet_ais.train.slow_rank import slowest
 from imagenet_ais.train.watchdog import Watchdog
@@ -153,31 +153,51 @@ def test_a_rank_that_never_arrives_ends_every_live_rank_in_one_line(how: str, tm
     assert state["step"] >= 4 and not list(output.glob(".*")), list(output.iterdir())
 
 
-def test_a_rank_whose_gpu_runs_out_of_memory_says_so_and_the_others_name_it(tmp_path: Path) -> None:
-    """Rank 1's step 8 (the second of epoch 2) runs out of memory: rank 1 says its line and ends
-    with 1; rank 0, left at the step's all-reduce, ends with 6 within --collective-timeout,
-    naming rank 1 and what it ended at; the last checkpoint is whole."""
+@pytest.mark.parametrize(
+    ("how", "code", "says", "ended"),
+    [
+        (
+            "GPU",
+            EXIT_OUT_OF_MEMORY,
+            "cpu, asked for 2.00 GiB more, ran out of memory for ",
+            "out of GPU memory at step 8.",
+        ),
+        ("worker", EXIT_WORKER_DIED, "", "its data loader failed at step "),
+    ],
+    ids=["out of memory", "a worker killed"],
+)
+def test_a_rank_that_fails_alone_says_so_and_the_others_name_it(
+    how: str, code: int, says: str, ended: str, tmp_path: Path
+) -> None:
+    """Rank 1's GPU runs out of memory at step 8 (the second of epoch 2), or its DataLoader worker
+    is killed there: rank 1 says its line and ends with its own status; rank 0, left at the step's
+    all-reduce, ends with 6, naming rank 1 as ended and at what; the last checkpoint is whole."""
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": TRAIN})
     started = start_ranks(
         2, "--data", data, "--output", output, *TINY, "--epochs", "50", "--workers", "1", "--log-every", "1",
-        "--collective-timeout", str(TIMEOUT), env={OUT_OF_MEMORY: "1:8"},
+        "--collective-timeout", str(TIMEOUT), env={OUT_OF_MEMORY: "1:8"} if how == "GPU" else {},
     )  # fmt: skip
     try:
+        if how == "worker":
+            mark = "epoch 2/50 step 2/6"
+            wait_until(started[0], lambda: mark in started[0].log.read_text(), mark, log=started[0].log)
+            (worker,) = child_pids(started[1].pid)
+            os.kill(worker, signal.SIGKILL)
         codes = {rank: proc.wait(timeout=120) for rank, proc in enumerate(started)}
     finally:
         for proc in started:
             proc.kill()
-    assert codes == {0: EXIT_RANKS_LOST, 1: EXIT_OUT_OF_MEMORY}, codes
+    assert codes == {0: EXIT_RANKS_LOST, 1: code}, codes
     printed = "".join(out + (err or "") for out, err in (proc.communicate() for proc in started))
     errors = [line for line in printed.splitlines() if "ERROR" in line]
     (line,) = [line for line in errors if "did not meet" in line]
     (own,) = [e for e in errors if e != line]
-    assert own.startswith("rank 1: ERROR: cpu, asked for 2.00 GiB more, ran out of memory for "), errors
-    assert f"rank 1 (node {socket.gethostname()}) ended: out of GPU memory at step 8." in line, line
+    assert own.startswith(f"rank 1: ERROR: {says}"), errors
+    assert f"rank 1 (node {socket.gethostname()}) ended: {ended}" in line, line
     assert "Traceback" not in printed, printed
     state = torch.load(output / "last.pt", weights_only=True)  # (whole: its digest is checked on resume)
-    assert state["step"] == 6 and not list(output.glob(".*")), list(output.iterdir())
+    assert state["step"] >= 6 and not list(output.glob(".*")), list(output.iterdir())
 
 
 def _stopped_one(started: list[Started], how: str) -> tuple[dict[int, int], float]:

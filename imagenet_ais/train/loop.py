@@ -209,21 +209,24 @@ def epochs(run: Run, sizes: list[int]) -> dict[str, Any]:
 
 
 def loader_failed(run: Run, error: Exception, exit_code: int) -> dict[str, Any]:
-    """Ends a run whose loader cannot go on. This rank names what its workers could not read and
-    the failure, whichever rank it is: the other ranks may never reach another collective."""
-    say = voice(run)
-    run.health.failing(run.train_loader.counters(), say)
-    say(f"ERROR: {error}")
-    return finish(run, complete=False, exit_code=exit_code)
+    """Ends a run whose loader cannot go on; this rank names what its workers could not read too."""
+    run.health.failing(run.train_loader.counters(), voice(run))
+    step = run.train_state.step + 1
+    return failed_alone(run, str(error), f"its data loader failed at step {step} ({type(error).__name__})", exit_code)
 
 
 def ran_out_of_memory(run: Run, line: str) -> dict[str, Any]:
-    """Ends a run whose GPU ran out of memory, said whichever rank it is (the others may never
-    reach another collective)."""
+    step = run.train_state.step + 1
+    return failed_alone(run, line, f"out of GPU memory at step {step}", EXIT_OUT_OF_MEMORY)
+
+
+def failed_alone(run: Run, line: str, what: str, exit_code: int) -> dict[str, Any]:
+    """Ends a run on a failure of this rank's own, said whichever rank it is: the others may never
+    reach another collective, and end naming this one as ended at ``what`` (its last beat)."""
     voice(run)(f"ERROR: {line}")
     if run.watchdog:
-        run.watchdog.last(f"out of GPU memory at step {run.train_state.step + 1}")
-    return finish(run, complete=False, exit_code=EXIT_OUT_OF_MEMORY)
+        run.watchdog.last(what)
+    return finish(run, complete=False, exit_code=exit_code)
 
 
 def voice(run: Run) -> Callable[[str], None]:
