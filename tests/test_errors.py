@@ -92,6 +92,8 @@ def _out_of_memory(how: str) -> Exception:
     """What a CUDA step that ran out of memory raises: torch's own error, or (a compiled graph's
     warm-up, say) an error of another kind raised from it or in its place."""
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of ...")
+    if how == "cuBLAS":  # (a library's own allocation: torch's plain error, no size)
+        return RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
     try:
         try:
             raise oom
@@ -112,11 +114,12 @@ def says(batch: int = 4) -> str:
     )
 
 
-@pytest.mark.parametrize("how", ["raised", "from", "in-place"])
+@pytest.mark.parametrize("how", ["raised", "from", "in-place", "cuBLAS"])
 def test_a_gpu_out_of_memory_ends_the_run_in_one_line_and_resume_goes_on_with_a_smaller_batch(
     how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # (no GPU here: the step's allocation fails as CUDA's would, at step 6, the second of epoch 2)
+    where = "cpu" if how == "cuBLAS" else "cpu, asked for 20.00 GiB more,"
     output, up = tmp_path / "run", tmp_path / "up"
     args = ["--synthetic", "--output", output, "--epochs", "2", "--epoch-size", "16", "--upload", up]
     real_step, real_build, steps = loop.train_step, setup.build, []
@@ -130,9 +133,7 @@ def test_a_gpu_out_of_memory_ends_the_run_in_one_line_and_resume_goes_on_with_a_
     monkeypatch.setattr(loop, "train_step", step)
     proc = train_here(*args, *TINY, "--log-every", "1", check=False)
     assert proc.returncode == errors.EXIT_OUT_OF_MEMORY == 1 and "Traceback" not in proc.stderr
-    assert [line for line in proc.stderr.splitlines() if "ERROR" in line] == [
-        "ERROR: cpu, asked for 20.00 GiB more, " + says()
-    ]
+    assert [line for line in proc.stderr.splitlines() if "ERROR" in line] == [f"ERROR: {where} {says()}"]
     # closed as a failed run: epoch 1's checkpoint uploaded and named; nothing of the failed step saved
     assert f"checkpoints in {output}: last.pt; uploaded to {up}" in proc.stdout
     assert [p.name for p in output.glob("ckpt-*.pt")] == ["ckpt-00000004.pt"]
@@ -144,7 +145,7 @@ def test_a_gpu_out_of_memory_ends_the_run_in_one_line_and_resume_goes_on_with_a_
     monkeypatch.setattr(setup, "build", build)  # resumed with the checkpoint's settings, but the batch named
     resumed = train_here(*args, "--resume", "auto", "--batch-size", "3", check=False)
     assert resumed.returncode == 1
-    assert resumed.stderr.splitlines()[-1] == "Error: cpu, asked for 20.00 GiB more, " + says(3)
+    assert resumed.stderr.splitlines()[-1] == f"Error: {where} {says(3)}"
     monkeypatch.setattr(loop, "train_step", real_step)
     monkeypatch.setattr(setup, "build", real_build)
     train_here(*args, "--resume", "auto", "--batch-size", "2")

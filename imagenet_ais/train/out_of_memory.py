@@ -19,14 +19,19 @@ from imagenet_ais.errors import OutOfMemory
 from imagenet_ais.train.config import TrainConfig, image_sizes
 
 GIB = 2**30
+# A full GPU met outside PyTorch's caching allocator (a library's own allocation, a raw cudaMalloc):
+# torch raises these as plain errors, not as OutOfMemoryError
+OUT_OF_MEMORY = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "CUDA error: out of memory")
 
 
-def behind(e: BaseException | None) -> torch.OutOfMemoryError | None:
+def behind(e: BaseException | None) -> BaseException | None:
     """The out-of-memory error that ``e`` is, or was raised from (``raise ... from``, or in place of
     it, ``from None``). Not one that ``e`` merely came while handling: that is another failure."""
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
-        if isinstance(e, torch.OutOfMemoryError):
+        if isinstance(e, torch.OutOfMemoryError) or (
+            isinstance(e, RuntimeError) and any(says in str(e) for says in OUT_OF_MEMORY)
+        ):
             return e
         seen.add(id(e))
         e = e.__cause__ or (e.__context__ if e.__suppress_context__ else None)
@@ -44,7 +49,7 @@ def told(cfg: TrainConfig, device: torch.device) -> Iterator[None]:
         raise OutOfMemory(said(cfg, device, oom)) from e
 
 
-def said(cfg: TrainConfig, device: torch.device, oom: torch.OutOfMemoryError, epoch: int = 0) -> str:
+def said(cfg: TrainConfig, device: torch.device, oom: BaseException, epoch: int = 0) -> str:
     """The line for ``oom`` on ``device``, training epoch ``epoch`` (from 0) as ``cfg`` says."""
     sizes, val_size = image_sizes(cfg)
     size = f"images of {sizes[epoch]} px" + (f" (validation {val_size} px)" if val_size != sizes[epoch] else "")
