@@ -216,6 +216,7 @@ def loader_failed(run: Run, error: Exception, exit_code: int) -> dict[str, Any]:
 
 
 def ran_out_of_memory(run: Run, line: str) -> dict[str, Any]:
+    """Ends a run whose GPU ran out of memory (out_of_memory.said's ``line``)."""
     step = run.train_state.step + 1
     return failed_alone(run, line, f"out of GPU memory at step {step}", EXIT_OUT_OF_MEMORY)
 
