@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +50,7 @@ from imagenet_ais.train import (
 from imagenet_ais.train.config import TrainConfig, check, differences, image_sizes, with_recipe
 from imagenet_ais.train.data_health import DataHealth
 from imagenet_ais.train.ema import ModelEma
-from imagenet_ais.train.metrics import CLASSES, CONFIG, LOG, TOP5_CLASSES, Reporter, accuracy, logs, rank_says
+from imagenet_ais.train.metrics import CLASSES, CONFIG, LOG, TOP5_CLASSES, Reporter, accuracy, logs, voice
 from imagenet_ais.train.model import autocast, check_arch
 from imagenet_ais.train.progress import Progress, Window
 from imagenet_ais.train.resume import TrainState
@@ -210,7 +209,7 @@ def epochs(run: Run, sizes: list[int]) -> dict[str, Any]:
 
 def loader_failed(run: Run, error: Exception, exit_code: int) -> dict[str, Any]:
     """Ends a run whose loader cannot go on; this rank names what its workers could not read too."""
-    run.health.failing(run.train_loader.counters(), voice(run))
+    run.health.failing(run.train_loader.counters(), voice(run.echo, run.process.rank))
     step = run.train_state.step + 1
     return failed_alone(run, str(error), f"its data loader failed at step {step} ({type(error).__name__})", exit_code)
 
@@ -224,15 +223,10 @@ def ran_out_of_memory(run: Run, line: str) -> dict[str, Any]:
 def failed_alone(run: Run, line: str, what: str, exit_code: int) -> dict[str, Any]:
     """Ends a run on a failure of this rank's own, said whichever rank it is: the others may never
     reach another collective, and end naming this one as ended at ``what`` (its last beat)."""
-    voice(run)(f"ERROR: {line}")
+    voice(run.echo, run.process.rank)(f"ERROR: {line}")
     if run.watchdog:
         run.watchdog.last(what)
     return finish(run, complete=False, exit_code=exit_code)
-
-
-def voice(run: Run) -> Callable[[str], None]:
-    """Where this rank says a failure: rank 0's console and log, another rank's stderr with its rank."""
-    return partial(run.echo, err=True) if run.process.main else partial(rank_says, run.process.rank)
 
 
 def stop(run: Run, stopped: Stopped) -> dict[str, Any]:

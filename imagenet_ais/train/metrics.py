@@ -161,6 +161,12 @@ def rank_says(rank: int, message: str) -> None:
     print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
 
 
+def voice(echo: Callable[..., None], rank: int) -> Callable[[str], None]:
+    """Where ``rank`` says a failure: rank 0 on its console and in its log (``echo``, on stderr),
+    another rank on stderr with its rank (``rank_says``)."""
+    return functools.partial(echo, err=True) if rank == 0 else functools.partial(rank_says, rank)
+
+
 class Reporter:
     """Rank 0's messages, on the console and in ``train.log``."""
 

@@ -38,7 +38,7 @@ from imagenet_ais.train.config import TrainConfig
 from imagenet_ais.train.data_cost import DataCost
 from imagenet_ais.train.data_health import DataHealth
 from imagenet_ais.train.ema import ModelEma, ema_decay
-from imagenet_ais.train.metrics import MetricsLog, logs, rank_says
+from imagenet_ais.train.metrics import MetricsLog, logs, voice
 from imagenet_ais.train.mixup import Mixer, batch_mixer
 from imagenet_ais.train.resume import TrainState
 from imagenet_ais.train.slow_rank import EpochFigures
@@ -318,7 +318,7 @@ def watch(parts: Parts, train_state: TrainState, log: MetricsLog, uploader: uplo
             err=True,
         )
         return None
-    say = functools.partial(parts.echo, err=True) if process.main else functools.partial(rank_says, process.rank)
+    say = voice(parts.echo, process.rank)
 
     def last_words(seconds: float) -> None:
         log.close("failed", step=train_state.step)
