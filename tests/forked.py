@@ -147,9 +147,10 @@ OUT_OF_MEMORY = "FORKED_OUT_OF_MEMORY"  # RANK:STEP in a rank's environment: tha
 
 
 def _out_of_memory_at(step: int) -> None:
-    """(A test's fault, in the forked process) the training step ``step`` fails as CUDA's allocator
-    does when the GPU is full: there is no GPU here."""
-    import torch
+    """(A test's fault, in the forked process) the training step ``step`` fails as NCCL's all-reduce
+    does when the GPU is too full for its buffers (torch quotes NCCL's last warning): there is no
+    GPU here."""
+    from torch.distributed import DistBackendError
 
     from imagenet_ais.train import loop
 
@@ -157,7 +158,11 @@ def _out_of_memory_at(step: int) -> None:
 
     def train_step(run: Any, *args: Any) -> Any:
         if run.train_state.step + 1 == step:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+            raise DistBackendError(
+                "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3690, unhandled cuda "
+                "error (run with NCCL_DEBUG=INFO for details), NCCL version 2.28.3\nncclUnhandledCudaError: Call "
+                "to CUDA function failed.\nLast error:\nCuda failure 2 'out of memory'"
+            )
         return real(run, *args)
 
     loop.train_step = train_step

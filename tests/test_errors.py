@@ -171,6 +171,24 @@ def test_a_gpu_out_of_memory_before_training_is_one_line_and_for_a_library_an_er
     assert str(raised.value).endswith(says()) and isinstance(raised.value.__cause__, torch.OutOfMemoryError)
 
 
+NCCL = "NCCL error in: ProcessGroupNCCL.cpp:3690, unhandled cuda error, NCCL version 2.28.3\nLast error:\n"
+
+
+@pytest.mark.parametrize(
+    ("message", "full"),
+    [
+        (NCCL + "Cuda failure 2 'out of memory'", True),  # (the driver API's failure, NCCL 2.19+)
+        (NCCL + "Cuda failure 'out of memory'", True),
+        (NCCL + "Failed to CUDA calloc 6291456 bytes", True),
+        (NCCL + "Cuda failure 1 'invalid argument'", False),
+        ("CUDA error: an illegal memory access was encountered", False),
+    ],
+)
+def test_nccl_out_of_memory_is_told_as_one_and_its_other_failures_are_not(message: str, full: bool) -> None:
+    e = torch.distributed.DistBackendError(message)
+    assert (out_of_memory.behind(e) is e) is full
+
+
 def test_an_error_met_while_handling_an_out_of_memory_is_not_told_as_one() -> None:
     try:
         try:

@@ -19,9 +19,13 @@ from imagenet_ais.errors import OutOfMemory
 from imagenet_ais.train.config import TrainConfig, image_sizes
 
 GIB = 2**30
-# A full GPU met outside PyTorch's caching allocator (a library's own allocation, a raw cudaMalloc):
-# torch raises these as plain errors, not as OutOfMemoryError
-OUT_OF_MEMORY = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "CUDA error: out of memory")
+# A full GPU met outside PyTorch's caching allocator (a library's own allocation, a raw cudaMalloc,
+# NCCL's buffers, whose last warning torch's DistBackendError quotes): torch raises these as plain
+# errors, not as OutOfMemoryError
+OUT_OF_MEMORY = re.compile(
+    r"CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|CUDA error: out of memory"
+    r"|Cuda failure (\d+ )?'out of memory'|Failed to CUDA calloc"
+)
 
 
 def behind(e: BaseException | None) -> BaseException | None:
@@ -29,9 +33,7 @@ def behind(e: BaseException | None) -> BaseException | None:
     it, ``from None``). Not one that ``e`` merely came while handling: that is another failure."""
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
-        if isinstance(e, torch.OutOfMemoryError) or (
-            isinstance(e, RuntimeError) and any(says in str(e) for says in OUT_OF_MEMORY)
-        ):
+        if isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and OUT_OF_MEMORY.search(str(e))):
             return e
         seen.add(id(e))
         e = e.__cause__ or (e.__context__ if e.__suppress_context__ else None)
