@@ -4,15 +4,17 @@ With DDP every step waits for the slowest rank, so one rank starved of data or w
 slows them all. Each rank adds up its own figures over the epoch (from the metrics windows it
 records anyway: time waiting for data, step and forward times, its feed threads' busy time) and
 its reads. At the epoch's end one gather (with what the reads cost, data_cost.py) brings every
-rank's to each, and rank 0 names the rank that held the others back: the one that waited for
-data most, or, where none waited, the one whose forward passes took longest (its own work, with
-no wait for the others in it), each against the other ranks.
+rank's to each, and rank 0 names the ranks that held the others back: those that waited for data
+while the others did not, or, where none waited, those whose forward passes took longest (their
+own work, with no wait for the others in it), each against the median of the others. All of a slow
+node's ranks are named together, not the first of them alone.
 """
 
 from __future__ import annotations
 
 import socket
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +23,9 @@ from imagenet_ais.loader.synthetic import SyntheticLoader
 from imagenet_ais.train.data_cost import Cost, minus, totals
 
 WAITED = 0.05  # a rank waiting for data this share of its time or more holds the others back
-SLOWER = 0.10  # as one whose forward passes took this much longer than the median rank's
+SLOWER = 0.10  # as one whose forward passes took this much longer than the others' median
 BUSY = 0.90  # a feed thread this busy is the limit of that rank's feed
+NODES = 4  # the most nodes a line names
 
 
 @dataclass
@@ -77,13 +80,18 @@ class EpochFigures:
         }
 
 
-def slowest(epoch: int, ranks: list[dict[str, Any]]) -> str:
-    """The line that names the rank that held the others back in ``epoch`` (counted from 1), and why."""
+def slowest(epoch: int, ranks: list[dict[str, Any]]) -> str | None:
+    """The line that names the ranks that held the others back in ``epoch`` (counted from 1), and
+    why; None where this attempt trained none of its steps (a resume at its end)."""
+    if not any(r["seconds"] for r in ranks):
+        return None
     waits = [r["data_wait"] for r in ranks]
+    # (the others may wait some: for them, or at the start)
+    starved, fed = apart(waits, lambda wait, others: wait >= WAITED and wait >= 2 * others)
+    if starved:
+        others = statistics.median(waits[i] for i in fed)
+        return f"epoch {epoch}: {_held(starved, ranks)}: {_starved(starved[0], fed, ranks, others)}"
     worst = max(range(len(ranks)), key=lambda i: (waits[i], -i))
-    others = statistics.median(w for i, w in enumerate(waits) if i != worst)
-    if waits[worst] >= WAITED and waits[worst] >= 2 * others:  # (the others may wait some: for it, or at the start)
-        return f"epoch {epoch}: {_named(worst, ranks)} held the others back: {_starved(worst, ranks, others)}"
     if min(waits) >= WAITED:
         return (
             f"epoch {epoch}: no one rank held the others back: every rank waited for data (the median rank "
@@ -91,35 +99,76 @@ def slowest(epoch: int, ranks: list[dict[str, Any]]) -> str:
             f"the limit{_busiest(ranks[worst])}"
         )
     forwards = [r["forward_ms"] for r in ranks]
-    longest, median = max(range(len(ranks)), key=lambda i: (forwards[i], -i)), statistics.median(forwards)
-    if median and forwards[longest] > (1 + SLOWER) * median:
+    slow, rest = apart(forwards, lambda forward, others: others > 0 and forward > (1 + SLOWER) * others)
+    if slow:
+        longest, others = slow[0], statistics.median(forwards[i] for i in rest)
         return (
-            f"epoch {epoch}: {_named(longest, ranks)} held the others back: its forward passes took "
-            f"{forwards[longest] / median - 1:.0%} longer than the median rank's ({forwards[longest]:.1f} ms against "
-            f"{median:.1f}): a slower or throttled GPU, or a busier host"
+            f"epoch {epoch}: {_held(slow, ranks)}: its forward passes took {forwards[longest] / others - 1:.0%} "
+            f"longer than the other ranks' median ({forwards[longest]:.1f} ms against {others:.1f}): a slower or "
+            "throttled GPU, or a busier host"
         )
     return (
         f"epoch {epoch}: no rank held the others back: the most any waited for data was {waits[worst]:.0%} "
-        f"(rank {worst}), and every rank's forward passes were within {SLOWER:.0%} of the median"
+        f"(rank {worst}), and every rank's forward passes were within {SLOWER:.0%} of the others' median"
     )
+
+
+def apart(values: list[float], behind: Callable[[float, float], bool]) -> tuple[list[int], list[int]]:
+    """The ranks that held the others back on ``values`` (higher: worse), worst first, and the
+    others: the most ranks, short of all, of which each is ``behind`` the others' median value."""
+    order = sorted(range(len(values)), key=lambda i: (-values[i], i))
+    for held in range(len(values) - 1, 0, -1):  # (the most: a slow node's ranks are named together)
+        others = statistics.median(values[i] for i in order[held:])
+        if all(behind(values[i], others) for i in order[:held]):
+            return order[:held], order[held:]
+    return [], order
+
+
+def _held(held: list[int], ranks: list[dict[str, Any]]) -> str:
+    """Who held the others back: one rank and its node ("rank 5 (node b07)"), or several, their
+    nodes, and the one the line goes on to speak of."""
+    if len(held) == 1:
+        return f"{_named(held[0], ranks)} held the others back"
+    nodes = list(dict.fromkeys(ranks[i]["host"] for i in sorted(held)))
+    on = f"nodes {', '.join(nodes)}" if len(nodes) <= NODES else f"{len(nodes)} nodes"
+    return f"{len(held)} ranks ({_spans(held)}, on {on}) held the others back, {_named(held[0], ranks)} the most"
+
+
+def _spans(ranks: list[int]) -> str:
+    """The ranks, each run of them as a span: "2-5, 9"."""
+    spans: list[list[int]] = []
+    for rank in sorted(ranks):
+        if spans and rank == spans[-1][-1] + 1:
+            spans[-1][1:] = [rank]
+        else:
+            spans.append([rank])
+    return ", ".join("-".join(map(str, span)) for span in spans)
 
 
 def _named(rank: int, ranks: list[dict[str, Any]]) -> str:
     return f"rank {rank} (node {ranks[rank]['host']})"
 
 
-def _starved(rank: int, ranks: list[dict[str, Any]], others: float) -> str:
-    """Why ``rank`` waited for data (``others``: the median of the other ranks' waits): how fast
-    it read, against the others."""
+def _starved(rank: int, fed: list[int], ranks: list[dict[str, Any]], others: float) -> str:
+    """Why ``rank`` waited for data (``others``: the median of the ``fed`` ranks' waits): how fast it
+    read, against the fed ranks that read the same store."""
     r = ranks[rank]
     said = f"it waited {r['data_wait']:.0%} of its time for data (the others' median {others:.0%})"
-    if r["pace_mb_s"]:  # its slowest store's pace, against the median rank's pace from any store
-        location = min(r["pace_mb_s"], key=r["pace_mb_s"].get)
-        median = statistics.median(min(x["pace_mb_s"].values()) for x in ranks if x["pace_mb_s"])
+    paces = r["pace_mb_s"]
+    medians = {
+        location: statistics.median(theirs)
+        for location in paces
+        if (theirs := [ranks[i]["pace_mb_s"][location] for i in fed if ranks[i]["pace_mb_s"].get(location)])
+    }
+    if medians:  # the store it read slowest from, against the fed ranks' pace from it
+        location = min(medians, key=lambda at: paces[at] / medians[at])
         said += (
-            f"; its reads from {location} came at {r['pace_mb_s'][location]:,.2f} MB/s a stream against a "
-            f"median of {median:,.2f}"
+            f"; its reads from {location} came at {paces[location]:,.2f} MB/s a stream against the others' "
+            f"median of {medians[location]:,.2f}"
         )
+    elif paces:
+        location = min(paces, key=paces.get)
+        said += f"; its reads from {location} came at {paces[location]:,.2f} MB/s a stream"
     if r["cache_mb_s"]:
         said += f", {r['cache_mb_s']:,.1f} MB/s from the node's cache"
     return said + _busiest(r)
