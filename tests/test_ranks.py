@@ -88,7 +88,7 @@ def test_the_rank_reading_through_a_slow_server_is_named_with_its_reads(serve, t
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tags = EventAccumulator(str(output)).Reload().Tags()["scalars"]
-    assert {"ranks/data_wait/0", "ranks/data_wait/1", "ranks/data_wait/2", "epoch/read_bytes"} <= set(tags), tags
+    assert {"ranks/data_wait/000", "ranks/data_wait/001", "ranks/data_wait/002", "epoch/read_bytes"} <= set(tags), tags
 
 
 @contextlib.contextmanager

@@ -64,7 +64,7 @@ def test_each_rank_has_its_own_tags_in_tensorboard_and_up_to_a_few_ranks_elsewhe
 
     for every_rank in (True, False):
         few = numbers(record(PER_RANK_TAGS), every_rank)
-        assert few["ranks/data_wait/05"] == 0.38 and few["ranks/read_mb_s/15"] == 880.0 and few["train/loss"] == 2.5
+        assert few["ranks/data_wait/005"] == 0.38 and few["ranks/read_mb_s/015"] == 880.0 and few["train/loss"] == 2.5
         assert len([t for t in few if t.startswith("ranks/")]) == 2 * PER_RANK_TAGS, "numbers only, one tag each"
     tensorboard = numbers(record(512), every_rank=True)
     assert (

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from imagenet_ais.errors import ConfigError, first_line, needs_extra
 
 PER_RANK_TAGS = 16  # ranks up to which each has its own tags in MLflow and W&B too (rank_figures)
+RANK_DIGITS = 3  # a tag's rank, zero-padded to sort: the same tag for a run resumed on more ranks
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")  # none: metrics.jsonl alone
 PROJECT = "imagenet-ais"  # MLflow's experiment and W&B's project, unless MLFLOW_EXPERIMENT_NAME / WANDB_PROJECT
 
@@ -66,7 +67,7 @@ def rank_figures(ranks: list[dict[str, Any]], every_rank: bool) -> dict[str, flo
     ``ranks/<name>/`` min, median and max, with the ranks that have the min and the max
     (``min_rank``, ``max_rank``). A tag per rank and figure at every record is thousands at a few
     hundred ranks: too many for MLflow's and W&B's quotas. metrics.jsonl keeps every rank's."""
-    digits = len(str(len(ranks) - 1))
+    digits = max(RANK_DIGITS, len(str(len(ranks) - 1)))
     values: dict[str, list[tuple[float, int]]] = {}  # each figure's (value, rank), where a number
     for rank, figures in enumerate(ranks):
         for name, value in figures.items():
