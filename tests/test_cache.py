@@ -28,7 +28,9 @@ from conftest import (
 from forked import Started, ranks
 
 from imagenet_ais.loader import ShardLoader
-from imagenet_ais.shards.cache import usage
+from imagenet_ais.loader.read_cost import ReadCost
+from imagenet_ais.loader.signals import Signals
+from imagenet_ais.shards.cache import FETCHED, REFETCHED, usage
 
 
 @pytest.mark.slow
@@ -69,6 +71,19 @@ def test_two_ranks_two_workers_fetch_each_shard_once_and_a_bad_copy_again(serve,
     assert bad.read_bytes() == (data / bad.name).read_bytes()
     (again,) = epoch_costs(tmp_path / "again", server.url)
     assert again["read_bytes"] == again["reread_bytes"] == bad.stat().st_size, "the bad copy, fetched again"
+
+
+@pytest.mark.parametrize(("came_from", "again"), [(FETCHED, 300), (REFETCHED, 1000)])
+def test_bytes_read_again_count_once(came_from: str, again: int) -> None:
+    """A resumed epoch reads 300 bytes of samples it trained before: read again, unless the whole
+    shard is counted so already, its cached copy being bad."""
+    signals = Signals(image_size=32)
+    cost = ReadCost(signals, 0, lambda: 1)
+    cost.fetching(1000)
+    cost.opened(came_from, 1000)
+    cost.update(1000, 300, 0.01, last=True)
+    (counted,) = signals.read_counts()
+    assert (counted["read_bytes"], counted["reread_bytes"]) == (1000, again)
 
 
 def epoch_costs(output: Path, location: str) -> list[dict[str, int]]:

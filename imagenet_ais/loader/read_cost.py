@@ -69,7 +69,8 @@ class ReadCost:
         sent = self.sent()
         new_sent, self.counted_sent = sent - self.counted_sent, sent
         self.counted, self.counted_again, self.counted_waited = read, again, waited
-        counts = {"reread_bytes": new_again, "read_requests": new_sent}
+        # (a bad copy fetched again counted whole as read again, its samples trained before among them)
+        counts = {"reread_bytes": 0 if self.came_from == REFETCHED else new_again, "read_requests": new_sent}
         if self.came_from == HIT:
             counts["cache_bytes"] = new
         elif self.came_from in (STORE, STREAMED):
