@@ -26,7 +26,7 @@ from forked import OUT_OF_MEMORY, Started, ranks, start_ranks
 
 from imagenet_ais.distributed import Process
 from imagenet_ais.errors import EXIT_OUT_OF_MEMORY, EXIT_RANKS_LOST, EXIT_WORKER_DIED
-from imagenet_ais.train.data_cost import described
+from imagenet_ais.train.data_cost import DataCost, described
 from imagenet_ais.train.slow_rank import slowest
 from imagenet_ais.train.watchdog import Watchdog
 
@@ -317,6 +317,32 @@ def test_the_data_line_says_each_stores_bytes_requests_and_cache() -> None:
         "s3://b/imagenet 156 GB in 2,204 requests; "
         "/data/shards 0 B, 154 GB from the node's cache, 1.2 GB read again after a failure"
     )
+
+
+class Reading:
+    """A loader that has read ``read_bytes`` from ais://b so far."""
+
+    read_bytes = 0
+
+    def reads(self) -> dict[str, dict[str, int]]:
+        return {"ais://b": {"read_bytes": self.read_bytes, "read_requests": 1, "cache_bytes": 0, "reread_bytes": 0,
+                            "store_us": 1}}  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_closing_data_line_counts_to_the_end_or_says_to_when(world: int) -> None:
+    """At a checkpoint (step 10) the ranks' reads were gathered; the run fails at step 14, where no
+    collective may run: one rank alone counts its own to the end, several say how far they counted."""
+    loader = Reading()
+    cost = DataCost([loader])  # type: ignore[list-item]
+    loader.read_bytes = 2_000_000
+    cost.run_totals(10)
+    loader.read_bytes = 3_000_000
+    said = cost.closing(world, 14)
+    if world == 1:
+        assert said == "ais://b 3 MB in 1 request" and cost.step == 14
+    else:
+        assert said == "ais://b 2 MB in 1 request by step 10 (the ranks' reads after it were not gathered)"
 
 
 @pytest.mark.parametrize(("codes", "status"), [((6, 6), 6), ((6, 1), 1)], ids=["all lost", "one failed"])

@@ -152,6 +152,9 @@ def test_an_exact_epoch_stopped_on_one_topology_ends_on_another_with_each_sample
     epochs = [r["read_bytes"] for r in metrics(output) if r["kind"] == "epoch"]
     run_before, run_after = (sum(c["read_bytes"] for c in s["data_cost"]["run"].values()) for s in (stopped, end))
     assert len(epochs) == 2 and sum(epochs) == run_after > run_before > 0, (epochs, run_before, run_after)
+    # and at each attempt's end, in its closing record
+    ends = [(r["status"], r["read_bytes"], "counted_to" in r) for r in metrics(output) if r["kind"] == "run"]
+    assert ends == [("stopped", run_before, False), ("finished", run_after, False)], ends
 
 
 def test_an_epoch_stopped_on_its_last_step_is_validated_then_the_next_follows_on_another_batch(tmp_path: Path) -> None:

@@ -41,12 +41,14 @@ def totals(cost: Cost) -> dict[str, int]:
 class DataCost:
     """The run's reads: ``carried`` (the run's totals in the checkpoint it resumed from) and this
     attempt's; ``epoch_start``: the run's totals when the epoch under way began. ``latest``: the
-    run's totals as the last gather found them (for a run ending where no collective may run)."""
+    run's totals as the last gather found them, at step ``step`` (for a run ending where no
+    collective may run)."""
 
     loaders: Sequence[ShardLoader | SyntheticLoader]
     carried: Cost = field(default_factory=dict)
     epoch_start: Cost = field(default_factory=dict)
     latest: Cost = field(default_factory=dict)
+    step: int = 0
 
     def __post_init__(self) -> None:
         self.latest = self.carried
@@ -55,20 +57,32 @@ class DataCost:
         """This rank's reads in this attempt, its loaders' together."""
         return plus(*(loader.reads() for loader in self.loaders))
 
-    def summed(self, gathered: Iterable[Cost]) -> Cost:
-        """The run's totals, from every rank's ``mine`` (``latest`` set to them)."""
-        self.latest = plus(self.carried, *gathered)
+    def summed(self, gathered: Iterable[Cost], step: int) -> Cost:
+        """The run's totals at ``step``, from every rank's ``mine`` (``latest`` set to them)."""
+        self.latest, self.step = plus(self.carried, *gathered), step
         return self.latest
 
-    def end_epoch(self, gathered: Iterable[Cost]) -> Cost:
-        """What the epoch just ended cost (its training and its validation), from every rank's ``mine``."""
-        run = self.summed(gathered)
+    def end_epoch(self, gathered: Iterable[Cost], step: int) -> Cost:
+        """What the epoch just ended at ``step`` cost (its training and its validation), from every
+        rank's ``mine``."""
+        run = self.summed(gathered, step)
         epoch, self.epoch_start = minus(run, self.epoch_start), run
         return epoch
 
-    def run_totals(self) -> Cost:
-        """The run's reads so far (a collective: every rank calls it)."""
-        return self.summed(distributed.gather_objects(self.mine()))
+    def run_totals(self, step: int) -> Cost:
+        """The run's reads so far, at ``step`` (a collective: every rank calls it)."""
+        return self.summed(distributed.gather_objects(self.mine()), step)
+
+    def closing(self, world_size: int, step: int) -> str:
+        """The run's reads for its closing line, where no collective may run: a rank alone counts
+        its own to the end; several, as their last gather found them."""
+        if world_size == 1:
+            self.summed([self.mine()], step)
+        if not self.latest:
+            return ""
+        if self.step == step:
+            return described(self.latest)
+        return f"{described(self.latest)} by step {self.step} (the ranks' reads after it were not gathered)"
 
     def state(self) -> dict[str, Cost]:
         """What a checkpoint carries (``carried`` and ``epoch_start`` of the run that resumes from it)."""
@@ -81,7 +95,8 @@ def described(cost: Cost) -> str:
     parts = []
     for location, c in cost.items():
         said = f"{location} {_size(c['read_bytes'])}"
-        said += f" in {c['read_requests']:,} requests" if c["read_requests"] else ""  # (a directory: none)
+        requests = c["read_requests"]
+        said += f" in {requests:,} request{'s' * (requests != 1)}" if requests else ""  # (a directory: none)
         if c["cache_bytes"]:
             said += f", {_size(c['cache_bytes'])} from the node's cache"
         if c["reread_bytes"]:

@@ -333,7 +333,8 @@ def epoch_ended(run: Run) -> None:
     epoch = run.train_state.epoch + 1
     at(run, f"the end of epoch {epoch}")
     gathered = distributed.gather_objects((run.cost.mine(), run.figures.mine()))  # (one small gather an epoch)
-    cost, ranks = run.cost.end_epoch(c for c, _ in gathered), [figures for _, figures in gathered]
+    cost = run.cost.end_epoch((c for c, _ in gathered), run.train_state.step)
+    ranks = [figures for _, figures in gathered]
     held_back = slowest(epoch, ranks) if len(ranks) > 1 else None
     run.log.write(
         kind="epoch", epoch=epoch, step=run.train_state.step, **data_cost.totals(cost), data=cost, ranks=ranks,
@@ -456,7 +457,7 @@ def save(run: Run, epoch: int, step_in_epoch: int, best: bool = False) -> None:
     if distributed.any_rank(not finite(run.raw_model), process.device):
         raise Diverged
     rng = distributed.gather_objects(checkpoint.rng_state())
-    run.cost.run_totals()
+    run.cost.run_totals(train_state.step)
     # where the epochs stand, an exact one's samples trained by any rank (synthetic data has none)
     data = loader.state_dict() if isinstance(loader, ShardLoader) else None
     if not process.main:
@@ -506,11 +507,17 @@ def finish(run: Run, complete: bool, exit_code: int = 0) -> dict[str, Any]:
     if run.watchdog:  # no more collectives: rank 0's uploads may take longer than the timeout
         run.watchdog.close()
     run.stop.restore()
+    step = run.train_state.step
+    reads = run.cost.closing(run.process.world, step)
     if not cfg.synthetic:
-        run.echo(run.health.summary(data_cost.described(run.cost.latest) if run.cost.latest else ""))
+        run.echo(run.health.summary(reads))
     last = run.train_state.last_val or {}
     status = "finished" if complete else "stopped" if exit_code in (0, EXIT_PREEMPTED) else "failed"
-    run.log.close(status, {f"final/{k}": last[k] for k in ("top1", "top5") if k in last}, run.train_state.step)
+    # what the run read, over its attempts so far (those it resumed from too)
+    counted = {"counted_to": run.cost.step} if run.cost.step != step else {}  # (several ranks, ending apart)
+    run.log.write(kind="run", step=step, status=status, **data_cost.totals(run.cost.latest), data=run.cost.latest,
+                  **counted)  # fmt: skip
+    run.log.close(status, {f"final/{k}": last[k] for k in ("top1", "top5") if k in last}, step)
     if run.uploader:
         run.echo(f"waiting up to {cfg.flush_timeout:.0f}s for uploads to {cfg.upload}")
         missing = run.uploader.flush(cfg.flush_timeout)
