@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,32 @@ def test_a_gpu_out_of_memory_ends_the_run_in_one_line_and_resume_goes_on_with_a_
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train" and r["epoch"] == 2]
     assert train[-1]["step"] == 4 + 8, "epoch 2 in 8 steps of 2 (its 16 samples), after epoch 1's 4 of 4"
+
+
+def test_a_run_that_failed_keeps_its_status_where_its_uploads_fail_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (with several ranks, the others' status too: an upload failure would have made rank 0's 3)
+    output, up = tmp_path / "run", tmp_path / "up"
+    real_step, steps = loop.train_step, []
+
+    def step(*a: object, **k: object) -> torch.Tensor:
+        steps.append(1)
+        if len(steps) == 4:  # (before epoch 1's checkpoint goes up)
+            shutil.rmtree(up)
+            up.write_text("the upload location, gone bad")
+        if len(steps) == 6:
+            raise _out_of_memory("raised")
+        return real_step(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loop, "train_step", step)
+    proc = train_here(
+        "--synthetic", "--output", output, "--epochs", "2", "--epoch-size", "16", "--upload", up,
+        "--upload-retry-seconds", "1", "--flush-timeout", "3", *TINY, check=False,
+    )  # fmt: skip
+    assert proc.returncode == errors.EXIT_OUT_OF_MEMORY, proc.stderr
+    assert f"ERROR: never uploaded to {up}: ckpt-00000004.pt" in proc.stderr
+    assert proc.stdout.splitlines()[-1] == f"checkpoints in {output}: last.pt", "not said to be uploaded"
 
 
 def test_a_gpu_out_of_memory_before_training_is_one_line_and_for_a_library_an_error_of_its_own(

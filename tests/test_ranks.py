@@ -25,7 +25,7 @@ from conftest import TINY, QuietHandler, child_pids, http_server, records, wait_
 from forked import OUT_OF_MEMORY, Started, ranks, start_ranks
 
 from imagenet_ais.distributed import Process
-from imagenet_ais.errors import EXIT_OUT_OF_MEMORY, EXIT_RANKS_LOST, EXIT_WORKER_DIED
+from imagenet_ais.errors import EXIT_BAD_DATA, EXIT_OUT_OF_MEMORY, EXIT_RANKS_LOST, EXIT_WORKER_DIED
 from imagenet_ais.train.data_cost import DataCost, described
 from imagenet_ais.train.slow_rank import slowest
 from imagenet_ais.train.watchdog import Watchdog
@@ -153,49 +153,104 @@ def test_a_rank_that_never_arrives_ends_every_live_rank_in_one_line(how: str, tm
     assert state["step"] >= 4 and not list(output.glob(".*")), list(output.iterdir())
 
 
+def test_a_rank_whose_read_outlasts_its_data_timeout_ends_and_the_others_name_its_shards(tmp_path: Path) -> None:
+    """Rank 1's first read hangs past its --data-timeout (5 s), well inside --collective-timeout
+    (60 s): it ends with its own line and status (4), and rank 0 ends at once (6), not after the
+    collective timeout, naming rank 1 as ended and the shard its workers were reading."""
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": TRAIN})
+    with hanging_server(data) as hanging:
+        started = start_ranks(
+            2, "--output", output, *TINY, "--epochs", "50", "--workers", "1", "--collective-timeout", "60",
+            rank_args=lambda rank: ["--data", hanging, "--data-timeout", "5"] if rank else ["--data", data],
+        )  # fmt: skip
+        try:
+            wait_until(started[0], lambda: "TensorBoard: " in started[0].log.read_text(), "set up", log=started[0].log)
+            began = time.monotonic()
+            codes = {rank: proc.wait(timeout=60) for rank, proc in enumerate(started)}
+            took = time.monotonic() - began
+        finally:
+            for proc in started:
+                proc.kill()
+    assert codes == {0: EXIT_RANKS_LOST, 1: EXIT_BAD_DATA}, codes
+    assert took < 30, f"{took:.0f} s: rank 0 ended on rank 1's verdict, not on --collective-timeout"
+    printed = "".join(out + (err or "") for out, err in (proc.communicate() for proc in started))
+    (line,) = [line for line in printed.splitlines() if "cannot meet again" in line]
+    ended = f"rank 1 (node {socket.gethostname()}) ended: its data loader failed at step 1 (Stalled) (its workers "
+    assert f"{ended}reading {hanging}" in line, line
+    assert "Traceback" not in printed, printed
+
+
+def test_ranks_whose_rendezvous_store_stops_answering_end_in_one_line(tmp_path: Path) -> None:
+    """Rank 0, which serves the job's store here (as in Ray's and Slurm's launches), stopped
+    mid-epoch: a call to the store would wait on its open socket for ever. Ranks 1 and 2 end with 6
+    within --collective-timeout and a few beats, each saying that the store stopped answering."""
+    data, output = tmp_path / "shards", tmp_path / "run"
+    write_shards(data, {"train": TRAIN})
+    started = start_ranks(
+        3, "--data", data, "--output", output, *TINY, "--epochs", "50", "--workers", "1", "--log-every", "1",
+        "--collective-timeout", str(TIMEOUT),
+    )  # fmt: skip
+    try:
+        mark = "epoch 2/50 step 2/4"
+        wait_until(started[0], lambda: mark in started[0].log.read_text(), mark, log=started[0].log)
+        began = time.monotonic()
+        os.kill(started[0].pid, signal.SIGSTOP)
+        codes = {rank: started[rank].wait(timeout=60) for rank in (1, 2)}
+        took = time.monotonic() - began
+    finally:
+        for proc in started:
+            proc.kill()
+    assert codes == {1: EXIT_RANKS_LOST, 2: EXIT_RANKS_LOST}, codes
+    assert took < TIMEOUT + 15, f"{took:.0f} s: bounded by --collective-timeout (and a few beats)"
+    printed = "".join(out + (err or "") for out, err in (proc.communicate() for proc in started[1:]))
+    errors = [line for line in printed.splitlines() if "ERROR" in line]
+    assert sorted(line.split(":")[0] for line in errors) == ["rank 1", "rank 2"], errors
+    assert all("the job's rendezvous store stopped answering" in line for line in errors), errors
+    assert "Traceback" not in printed, printed
+
+
 @pytest.mark.parametrize(
-    ("how", "code", "says", "ended"),
+    ("how", "failing", "code", "says", "ended"),
     [
-        (
-            "GPU",
-            EXIT_OUT_OF_MEMORY,
-            "cpu ran out of memory for ",
-            "out of GPU memory at step 8.",
-        ),
-        ("worker", EXIT_WORKER_DIED, "", "its data loader failed at step "),
+        ("GPU", 1, EXIT_OUT_OF_MEMORY, "cpu ran out of memory for ", "out of GPU memory at step 8 (its own line"),
+        ("GPU", 0, EXIT_OUT_OF_MEMORY, "cpu ran out of memory for ", "out of GPU memory at step 8 (its own line"),
+        ("worker", 1, EXIT_WORKER_DIED, "", "its data loader failed at step "),
     ],
-    ids=["out of memory", "a worker killed"],
+    ids=["out of memory", "out of memory on the store's rank", "a worker killed"],
 )
 def test_a_rank_that_fails_alone_says_so_and_the_others_name_it(
-    how: str, code: int, says: str, ended: str, tmp_path: Path
+    how: str, failing: int, code: int, says: str, ended: str, tmp_path: Path
 ) -> None:
-    """Rank 1's GPU runs out of memory at step 8 (the second of epoch 2: NCCL's buffers), or its
-    DataLoader worker is killed there: rank 1 says its line and ends with its own status; rank 0,
-    left at the step's all-reduce, ends with 6, naming rank 1 as ended and at what; the last
-    checkpoint is whole."""
+    """A rank's GPU runs out of memory at step 8 (the second of epoch 2: NCCL's buffers), or its
+    DataLoader worker is killed there: that rank says its line and ends with its own status; the
+    other, left at the step's all-reduce, ends with 6, naming it as ended and at what (rank 0, which
+    serves the job's store here, stays until the other has read that); the last checkpoint is whole."""
     data, output = tmp_path / "shards", tmp_path / "run"
     write_shards(data, {"train": TRAIN})
     started = start_ranks(
         2, "--data", data, "--output", output, *TINY, "--epochs", "50", "--workers", "1", "--log-every", "1",
-        "--collective-timeout", str(TIMEOUT), env={OUT_OF_MEMORY: "1:8"} if how == "GPU" else {},
+        "--collective-timeout", str(TIMEOUT), env={OUT_OF_MEMORY: f"{failing}:8"} if how == "GPU" else {},
     )  # fmt: skip
     try:
         if how == "worker":
             mark = "epoch 2/50 step 2/6"
             wait_until(started[0], lambda: mark in started[0].log.read_text(), mark, log=started[0].log)
-            (worker,) = child_pids(started[1].pid)
+            (worker,) = child_pids(started[failing].pid)
             os.kill(worker, signal.SIGKILL)
         codes = {rank: proc.wait(timeout=120) for rank, proc in enumerate(started)}
     finally:
         for proc in started:
             proc.kill()
-    assert codes == {0: EXIT_RANKS_LOST, 1: code}, codes
+    other = 1 - failing
+    assert codes == {other: EXIT_RANKS_LOST, failing: code}, codes
     printed = "".join(out + (err or "") for out, err in (proc.communicate() for proc in started))
     errors = [line for line in printed.splitlines() if "ERROR" in line]
-    (line,) = [line for line in errors if "did not meet" in line]
+    (line,) = [line for line in errors if "cannot meet again" in line]
     (own,) = [e for e in errors if e != line]
-    assert own.startswith(f"rank 1: ERROR: {says}"), errors
-    assert f"rank 1 (node {socket.gethostname()}) ended: {ended}" in line, line
+    assert own.startswith(f"rank 1: ERROR: {says}" if failing else f"ERROR: {says}"), errors
+    assert line.startswith("rank 1: " if other else "ERROR: "), line
+    assert f"rank {failing} (node {socket.gethostname()}) ended: {ended}" in line, line
     assert "Traceback" not in printed, printed
     state = torch.load(output / "last.pt", weights_only=True)  # (whole: its digest is checked on resume)
     assert state["step"] >= 6 and not list(output.glob(".*")), list(output.iterdir())
@@ -286,7 +341,7 @@ def test_the_verdict_names_the_ranks_that_hold_the_meeting_up(
         for n in range(10_000):
             for rank, (what, meeting, beating) in others.items():
                 if beating or n == 0:
-                    record = {"n": n, "what": what, "for": 9.0, "host": "h", "meeting": meeting}
+                    record = {"n": n, "what": what, "for": 9.0, "host": "h", "meeting": meeting, "ended": False}
                     beats.set(f"beat/{rank}", json.dumps(record))
             beaten.set()
             if stop.wait(0.05):

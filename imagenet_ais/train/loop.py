@@ -211,7 +211,8 @@ def loader_failed(run: Run, error: Exception, exit_code: int) -> dict[str, Any]:
     """Ends a run whose loader cannot go on; this rank names what its workers could not read too."""
     run.health.failing(run.train_loader.counters(), voice(run.echo, run.process.rank))
     step = run.train_state.step + 1
-    return failed_alone(run, str(error), f"its data loader failed at step {step} ({type(error).__name__})", exit_code)
+    what = f"its data loader failed at step {step} ({type(error).__name__})"
+    return failed_alone(run, str(error), what, exit_code, for_data=True)
 
 
 def ran_out_of_memory(run: Run, line: str) -> dict[str, Any]:
@@ -220,12 +221,13 @@ def ran_out_of_memory(run: Run, line: str) -> dict[str, Any]:
     return failed_alone(run, line, f"out of GPU memory at step {step}", EXIT_OUT_OF_MEMORY)
 
 
-def failed_alone(run: Run, line: str, what: str, exit_code: int) -> dict[str, Any]:
+def failed_alone(run: Run, line: str, what: str, exit_code: int, for_data: bool = False) -> dict[str, Any]:
     """Ends a run on a failure of this rank's own, said whichever rank it is: the others may never
-    reach another collective, and end naming this one as ended at ``what`` (its last beat)."""
+    reach another collective, and end at once naming this one as ended at ``what`` (``for_data``:
+    with the shards its workers were reading)."""
     voice(run.echo, run.process.rank)(f"ERROR: {line}")
     if run.watchdog:
-        run.watchdog.last(what)
+        run.watchdog.last(what, for_data)
     return finish(run, complete=False, exit_code=exit_code)
 
 
@@ -518,19 +520,26 @@ def finish(run: Run, complete: bool, exit_code: int = 0) -> dict[str, Any]:
     run.log.write(kind="run", step=step, status=status, **data_cost.totals(run.cost.latest), data=run.cost.latest,
                   **counted)  # fmt: skip
     run.log.close(status, {f"final/{k}": last[k] for k in ("top1", "top5") if k in last}, step)
-    if run.uploader:
-        run.echo(f"waiting up to {cfg.flush_timeout:.0f}s for uploads to {cfg.upload}")
-        missing = run.uploader.flush(cfg.flush_timeout)
-        if missing:
-            where = f"{', '.join(missing)} (local copies in {run.output})"
-            run.echo(f"ERROR: never uploaded to {cfg.upload}: {where}", err=True)
-            exit_code = EXIT_UPLOAD_FAILED
+    missing = never_uploaded(run)
+    if missing and exit_code in (0, EXIT_PREEMPTED):  # (one that failed otherwise, the other ranks too, keeps its)
+        exit_code = EXIT_UPLOAD_FAILED
     if saved := [name for name in (checkpoint.LAST, checkpoint.BEST) if (run.output / name).is_file()]:
         # the run's last line: where to find what it made
-        went_up = cfg.upload and exit_code != EXIT_UPLOAD_FAILED
+        went_up = cfg.upload and not missing
         uploaded = f"; uploaded to {cfg.upload} (its {upload.POINTER} names the last)" if went_up else ""
         run.echo(f"checkpoints in {run.output}: {', '.join(saved)}{uploaded}")
     return {"step": run.train_state.step, "val": run.train_state.last_val, "complete": complete, "exit_code": exit_code}
+
+
+def never_uploaded(run: Run) -> list[str]:
+    """The uploads not made within --flush-timeout of waiting for them (said, if any)."""
+    if not run.uploader:
+        return []
+    run.echo(f"waiting up to {run.cfg.flush_timeout:.0f}s for uploads to {run.cfg.upload}")
+    if missing := run.uploader.flush(run.cfg.flush_timeout):
+        where = f"{', '.join(missing)} (local copies in {run.output})"
+        run.echo(f"ERROR: never uploaded to {run.cfg.upload}: {where}", err=True)
+    return missing
 
 
 def catch_up(cfg: TrainConfig, output: Path, train_state: TrainState, echo: Callable[..., None]) -> int:

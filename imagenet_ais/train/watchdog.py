@@ -15,15 +15,19 @@ collective library's timeout stays the bound.
 
 Each rank's thread, seeing the verdict, ends its process with EXIT_RANKS_LOST (its main thread
 is blocked in the collective library, where nothing wakes it), after a checkpoint being written
-is finished and ``before_exit`` (rank 0: its logs closed and uploaded) within the timeout. A rank
-killed outright breaks gloo's connections instead: the collective raises at once, and ``lost``
-turns that into the same verdict.
+is finished and ``before_exit`` (rank 0: its logs closed and uploaded), within the process
+group's own timeout. A rank killed outright breaks gloo's connections instead: the collective
+raises at once, and ``lost`` turns that into the same verdict. A rank that ends on a failure of
+its own (``last``) writes the verdict itself: the others end within a beat. Every call to the
+store is bounded (``Answering``): where its holder is stopped or cut off, each rank says so
+itself.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import sys
 import threading
@@ -42,7 +46,7 @@ BEAT_MAX = 5.0  # seconds between beats at most (a tenth of the timeout where th
 STALE_BEATS = 4  # beats a count may stand still before its rank counts as silent (killed, stopped, its node lost)
 FIRST = 300.0  # seconds the process group's own timeout exceeds --collective-timeout by: this line comes first
 VERDICT = "verdict"
-# what the store's client raises when its server is gone or does not answer
+# what the store's client raises when its server is gone or does not answer (TimeoutError: Answering)
 UNANSWERED = (dist.DistError, OSError)
 
 
@@ -82,7 +86,7 @@ class Watchdog:
         self.stale = max(STALE_BEATS * self.beat, 2.0)
         self.doing, self.count, self.host = Doing("starting", meeting=False), 0, socket.gethostname()
         self.writing = threading.Lock()  # held while a checkpoint is written: never ended halfway
-        self.store = _store(f"imagenet_ais/watchdog/{token}", self.stale)  # this attempt's keys alone
+        self.store = Answering(f"imagenet_ais/watchdog/{token}", self.stale)
         self.stopped = threading.Event()
         self.ending = threading.Event()  # the main thread ends the run itself (``lost``): beat on, end nothing
         self.verdict: str | None = None  # once seen (the store may go with the rank that held it)
@@ -95,12 +99,27 @@ class Watchdog:
         """The main thread moves on to ``what`` (a new object: the watching thread reads it whole)."""
         self.doing = Doing(what, meeting, for_data)
 
-    def last(self, what: str) -> None:
-        """This rank ends at ``what`` (not by a signal, its own failure): its beat says so at once,
-        so the ranks it leaves waiting name it with that."""
+    def last(self, what: str, for_data: bool = False) -> None:
+        """This rank ends at ``what``, a failure of its own (its main thread ends the run, as in
+        ``lost``): its beat says so, and so does the verdict, written at once, so that the ranks it
+        leaves waiting end within a beat, naming it, not after --collective-timeout (``for_data``:
+        with the shards its workers were reading). Where this process serves the store, it
+        lingers until they have read the verdict."""
+        self.ending.set()
+        what += self._reads() if for_data else ""
         self.doing = Doing(what, meeting=False, ended=True)
+        line = (
+            f"ERROR: ranks cannot meet again: rank {self.process.rank} (node {self.host}) ended: {what} (its own line "
+            f"says why). The run ends on every other rank (exit {EXIT_RANKS_LOST}); its last checkpoint stands: "
+            "continue with --resume auto once every rank can run"
+        )
+        others = set(range(self.process.world)) - {self.process.rank}
+        verdict = {"line": line, "speaker": min(others), "silent": []}
         with suppress(*UNANSWERED):
             self._beat()
+            self.verdict = self.store.compare_set(VERDICT, "", json.dumps(verdict)).decode()
+            self.store.set(f"seen/{self.process.rank}", "")
+            self._linger(json.loads(self.verdict))
 
     @contextmanager
     def checkpoint_written(self) -> Iterator[None]:
@@ -143,14 +162,22 @@ class Watchdog:
 
     def _beat(self) -> None:
         d, self.count = self.doing, self.count + 1  # (two threads may beat: any change of the count is life)
-        what = d.what
-        if d.for_data and (reads := sorted(self.reading(), key=lambda r: -r[1])):
-            what += f" (its workers reading {', '.join(f'{shard} for {s:.0f} s' for shard, s in reads[:3])})"
+        what = d.what + (self._reads() if d.for_data else "")
         beat = {
             "n": self.count, "what": what, "for": time.monotonic() - d.since, "host": self.host, "meeting": d.meeting,
             "ended": d.ended,
         }  # fmt: skip
         self.store.set(f"beat/{self.process.rank}", json.dumps(beat))
+
+    def _reads(self) -> str:
+        """The shards the training loader's workers read, longest first, as " (its workers reading X
+        for 12 s, ...)"; "" where none (or where the loader cannot say: no beat is lost for it)."""
+        try:
+            reads = sorted(self.reading(), key=lambda r: -r[1])
+        except Exception:  # (a loader shutting down, say)
+            return ""
+        said = ", ".join(f"{shard} for {s:.0f} s" for shard, s in reads[:3])
+        return f" (its workers reading {said})" if reads else ""
 
     def _beats(self) -> dict[int, dict | None]:
         beats: dict[int, dict | None] = {}
@@ -183,12 +210,12 @@ class Watchdog:
             was, beat = before[rank], after[rank]
             if rank == self.process.rank:
                 continue
-            if beat is None or (was is not None and was["n"] == beat["n"]):
-                if beat and beat.get("ended"):
-                    missing.append(f"rank {rank}{_node(beat)} ended: {beat['what']}")
-                else:
-                    last = f", last seen at {beat['what']}" if beat else ""
-                    missing.append(f"rank {rank}{_node(beat)} silent (killed, stopped, or its node lost){last}")
+            if beat and beat["ended"]:  # (its last beats may still have moved its count)
+                missing.append(f"rank {rank}{_node(beat)} ended: {beat['what']}")
+                silent.add(rank)
+            elif beat is None or (was is not None and was["n"] == beat["n"]):
+                last = f", last seen at {beat['what']}" if beat else ""
+                missing.append(f"rank {rank}{_node(beat)} silent (killed, stopped, or its node lost){last}")
                 silent.add(rank)
             elif beat["what"] != doing.what and not silent_only:
                 named = f"rank {rank}{_node(beat)} {beat['what']} for {beat['for']:.0f} s"
@@ -220,15 +247,21 @@ class Watchdog:
             self.say(verdict["line"])
 
     def _end(self, verdict: dict) -> None:
-        """Ends this process: its main thread is blocked in the collective for good."""
-        self._say(verdict)
-        deadline = time.monotonic() + self.timeout
-        if self.writing.acquire(timeout=self.timeout):  # a checkpoint being written is finished first
-            self.before_exit(max(0.0, deadline - time.monotonic()))
-        self._linger(verdict)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_RANKS_LOST)
+        """Ends this process: its main thread is blocked in the collective for good. What is left to
+        do gets half of what remains of the process group's own timeout (NCCL's ends the process
+        by an abort), and the process ends even where something of it fails (a full disk)."""
+        try:
+            self._say(verdict)
+            budget = min(self.timeout, FIRST / 2)
+            deadline = time.monotonic() + budget
+            if self.writing.acquire(timeout=budget):  # a checkpoint being written is finished first
+                self.before_exit(max(0.0, deadline - time.monotonic()))
+            self._linger(verdict)
+        finally:
+            with suppress(OSError, ValueError):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(EXIT_RANKS_LOST)
 
     def _linger(self, verdict: dict) -> None:
         """Where this process serves the store, which goes with it: until every rank the verdict
@@ -252,17 +285,62 @@ def _holds_store(process: distributed.Process) -> bool:
     return process.main and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
 
 
-def _store(prefix: str, timeout: float) -> dist.Store:
-    """A connection of this thread's own to the job's rendezvous store (MASTER_ADDR:MASTER_PORT),
-    with a short timeout: a rank stopped while holding it must not hold this thread too."""
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(seconds=timeout),
-        wait_for_workers=False,
-    )
-    return dist.PrefixStore(prefix, store)
+class Answering:
+    """A connection of the watchdog's own to the job's rendezvous store (MASTER_ADDR:MASTER_PORT),
+    each call given ``timeout`` seconds to answer, else TimeoutError: a store whose holder is
+    stopped (SIGSTOP) or cut off keeps its socket open, and a call would wait there for ever
+    whatever TCPStore's own timeout says. Calls run one at a time on a thread of its own, left
+    behind (a daemon) where one never returns."""
+
+    def __init__(self, prefix: str, timeout: float) -> None:
+        self.timeout = timeout
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+        self.store = dist.PrefixStore(prefix, store)  # this attempt's keys alone
+        self.calls: queue.SimpleQueue[tuple[Callable[[], object], Answer]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="imagenet_ais watchdog store", daemon=True).start()
+
+    def set(self, key: str, value: str) -> None:
+        self._call(lambda: self.store.set(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._call(lambda: self.store.get(key))  # type: ignore[return-value]
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call(lambda: self.store.check(keys))  # type: ignore[return-value]
+
+    def compare_set(self, key: str, expected: str, value: str) -> bytes:
+        return self._call(lambda: self.store.compare_set(key, expected, value))  # type: ignore[return-value]
+
+    def _call(self, call: Callable[[], object]) -> object:
+        answer = Answer()
+        self.calls.put((call, answer))
+        if not answer.wait(self.timeout):
+            raise TimeoutError(f"the job's rendezvous store did not answer within {self.timeout:g} s")
+        if answer.error is not None:
+            raise answer.error
+        return answer.value
+
+    def _serve(self) -> None:
+        while True:
+            call, answer = self.calls.get()
+            try:
+                answer.value = call()
+            except Exception as e:  # (the caller's to raise)
+                answer.error = e
+            answer.set()
+
+
+class Answer(threading.Event):
+    """A store call's outcome, set once it returned or raised."""
+
+    value: object = None
+    error: Exception | None = None
 
 
 def watchable() -> bool:
