@@ -436,7 +436,7 @@ def ais(tmp_path_factory: pytest.TempPathFactory):
 
 
 def records(output: Path, kind: str) -> list[dict]:
-    """The records of ``kind`` ("train", "val", "epoch") in the metrics.jsonl of the run in ``output``."""
+    """The records of ``kind`` ("train", "val", "epoch", "run") in the metrics.jsonl of the run in ``output``."""
     lines = (output / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 

@@ -140,6 +140,8 @@ def test_a_rank_that_never_arrives_ends_every_live_rank_in_one_line(how: str, tm
     others = [e for e in errors if e != line]  # (rank 1, stopped, finds the store gone with rank 0 once continued)
     assert not others or (how == "stopped" and all(e.startswith("rank 1: ") for e in others)), errors
     assert "continue with --resume auto" in line and "Traceback" not in printed, printed
+    (ended,) = records(output, "run")  # (rank 0's metrics.jsonl closed, ended by the verdict or not)
+    assert ended["status"] == "failed" and "data" in ended, ended
     if how == "hung read":
         assert (
             f"rank 2 (node {socket.gethostname()}) waiting for data for step 1 (its workers reading {hanging}" in line
@@ -297,7 +299,11 @@ FED, SLOW = {"ais://a": 80.0, "s3://b": 5.0}, {"ais://a": 10.0, "s3://b": 6.0}  
             "4 ranks (2-5, on nodes b, c) held the others back, rank 5 (node c) the most: it waited 41% of its time "
             "for data (the others' median 0%)",
         ),
-        ([figures(0.0), figures(0.3), figures(0.3)], "2 ranks (1-2, on nodes n) held the others back, rank 1 (node"),
+        ([figures(0.0), figures(0.3), figures(0.3)], "2 ranks (1-2, on node n) held the others back, rank 1 (node"),
+        # the feed the limit everywhere, some ranks more: no rank is named as holding the others back
+        ([figures(0.30), figures(0.28), figures(0.25), figures(0.10)], "every rank waited for data (the median rank"),
+        # most ranks alike, one faster: the many are not named as slow
+        ([*[figures(0.0, 100) for _ in range(7)], figures(0.0, 89)], "no rank held the others back"),
         # of two ranks, the one 20% slower (the median of the two would hide it)
         ([figures(0.0, 10), figures(0.0, 12)], "rank 1 (node n) held the others back: its forward passes took 20% "),
         # its slowest store against the same store's pace on the fed ranks, not against any store's
@@ -334,7 +340,8 @@ def test_the_verdict_names_the_ranks_that_hold_the_meeting_up(
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(server.port))
     dog = Watchdog(Process(2, 3, 0, torch.device("cpu")), 1.0, "t", print, lambda s: None, lambda: [])
-    dog.close()  # (judged here, not by its thread)
+    dog.stopped.set()  # (judged here, not by its thread; the store's connection stays open)
+    dog.thread.join()
     beats, stop, beaten = dist.PrefixStore("imagenet_ais/watchdog/t", server), threading.Event(), threading.Event()
 
     def beat() -> None:
@@ -358,6 +365,7 @@ def test_the_verdict_names_the_ranks_that_hold_the_meeting_up(
     finally:
         stop.set()
         beating.join()
+        dog.close()
     assert verdict is not None
     line = json.loads(verdict)["line"]
     assert line.startswith("ERROR: ranks did not meet at training step 6 within --collective-timeout 1 s: ")

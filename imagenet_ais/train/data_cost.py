@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from imagenet_ais import distributed
 from imagenet_ais.loader import ShardLoader
@@ -72,6 +73,12 @@ class DataCost:
     def run_totals(self, step: int) -> Cost:
         """The run's reads so far, at ``step`` (a collective: every rank calls it)."""
         return self.summed(distributed.gather_objects(self.mine()), step)
+
+    def record(self, step: int) -> dict[str, Any]:
+        """The run's reads, for the ``run`` record that closes metrics.jsonl at ``step``
+        (``counted_to``: the step they were last gathered at, where that is not ``step``)."""
+        counted = {"counted_to": self.step} if self.step != step else {}
+        return {**totals(self.latest), "data": self.latest, **counted}
 
     def closing(self, world_size: int, step: int) -> str:
         """The run's reads for its closing line, where no collective may run: a rank alone counts

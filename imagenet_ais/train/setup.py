@@ -300,10 +300,12 @@ def build(
     )  # fmt: skip
 
 
-def watch(parts: Parts, train_state: TrainState, log: MetricsLog, uploader: upload.Uploader | None) -> Watchdog | None:
+def watch(
+    parts: Parts, train_state: TrainState, log: MetricsLog, uploader: upload.Uploader | None, cost: DataCost
+) -> Watchdog | None:
     """With several ranks and a --collective-timeout, the watchdog that ends them all where one
     never reaches the others (watchdog.py); before a process ends so, its log and trackers are
-    closed (the run failed) and rank 0 uploads its logs."""
+    closed (the run failed, its ``run`` record written) and rank 0 uploads its logs."""
     cfg, process = parts.cfg, parts.process
     if process.world == 1:
         return None
@@ -321,7 +323,9 @@ def watch(parts: Parts, train_state: TrainState, log: MetricsLog, uploader: uplo
     say = voice(parts.echo, process.rank)
 
     def last_words(seconds: float) -> None:
-        log.close("failed", step=train_state.step)
+        step = train_state.step
+        log.write(kind="run", epoch=train_state.epoch + 1, step=step, status="failed", **cost.record(step))
+        log.close("failed", step=step)
         if uploader:
             for file in logs(parts.output):
                 uploader.submit(file)
@@ -418,12 +422,13 @@ def assemble(
     )
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     stop = StopSignal(process.world, stop_requested, says=process.main)
-    watchdog = watch(parts, train_state, log, uploader)
+    cost = DataCost(parts.loaders, **train_state.data_cost, step=train_state.step)
+    watchdog = watch(parts, train_state, log, uploader, cost)
     if isinstance(parts.train_loader, ShardLoader):
         parts.train_loader.stop_waiting_when(stop.stop_waiting)
     return Run(
         **vars(parts), train_state=train_state, model=stepping, criterion=criterion,
         mixer=batch_mixer(cfg.mixup_alpha, cfg.cutmix_alpha, len(parts.classes)), scheduler=scheduler,
         log=log, uploader=uploader, stop=stop, figures=EpochFigures(parts.train_loader), watchdog=watchdog,
-        cost=DataCost(parts.loaders, **train_state.data_cost),
+        cost=cost,
     )  # fmt: skip

@@ -86,8 +86,8 @@ def slowest(epoch: int, ranks: list[dict[str, Any]]) -> str | None:
     if not any(r["seconds"] for r in ranks):
         return None
     waits = [r["data_wait"] for r in ranks]
-    # (the others may wait some: for them, or at the start)
-    starved, fed = apart(waits, lambda wait, others: wait >= WAITED and wait >= 2 * others)
+    # (the others, fed, may wait some: for them, or at the start; a slow node's ranks may be most of the job)
+    starved, fed = apart(waits, lambda wait, others: others < WAITED <= wait and wait >= 2 * others, len(ranks) - 1)
     if starved:
         others = statistics.median(waits[i] for i in fed)
         return f"epoch {epoch}: {_held(starved, ranks)}: {_starved(starved[0], fed, ranks, others)}"
@@ -99,7 +99,10 @@ def slowest(epoch: int, ranks: list[dict[str, Any]]) -> str | None:
             f"the limit{_busiest(ranks[worst])}"
         )
     forwards = [r["forward_ms"] for r in ranks]
-    slow, rest = apart(forwards, lambda forward, others: others > 0 and forward > (1 + SLOWER) * others)
+    # (at most half the ranks: where most are alike and a few are faster, the many are not the slow ones)
+    slow, rest = apart(
+        forwards, lambda forward, others: others > 0 and forward > (1 + SLOWER) * others, len(ranks) // 2
+    )
     if slow:
         longest, others = slow[0], statistics.median(forwards[i] for i in rest)
         return (
@@ -113,11 +116,11 @@ def slowest(epoch: int, ranks: list[dict[str, Any]]) -> str | None:
     )
 
 
-def apart(values: list[float], behind: Callable[[float, float], bool]) -> tuple[list[int], list[int]]:
+def apart(values: list[float], behind: Callable[[float, float], bool], most: int) -> tuple[list[int], list[int]]:
     """The ranks that held the others back on ``values`` (higher: worse), worst first, and the
-    others: the most ranks, short of all, of which each is ``behind`` the others' median value."""
+    others: the most ranks, up to ``most``, of which each is ``behind`` the others' median value."""
     order = sorted(range(len(values)), key=lambda i: (-values[i], i))
-    for held in range(len(values) - 1, 0, -1):  # (the most: a slow node's ranks are named together)
+    for held in range(min(most, len(values) - 1), 0, -1):  # (the most: a slow node's ranks are named together)
         others = statistics.median(values[i] for i in order[held:])
         if all(behind(values[i], others) for i in order[:held]):
             return order[:held], order[held:]
@@ -130,7 +133,7 @@ def _held(held: list[int], ranks: list[dict[str, Any]]) -> str:
     if len(held) == 1:
         return f"{_named(held[0], ranks)} held the others back"
     nodes = list(dict.fromkeys(ranks[i]["host"] for i in sorted(held)))
-    on = f"nodes {', '.join(nodes)}" if len(nodes) <= NODES else f"{len(nodes)} nodes"
+    on = f"{len(nodes)} nodes" if len(nodes) > NODES else f"node{'s' * (len(nodes) > 1)} {', '.join(nodes)}"
     return f"{len(held)} ranks ({_spans(held)}, on {on}) held the others back, {_named(held[0], ranks)} the most"
 
 

@@ -88,7 +88,8 @@ class Watchdog:
         self.writing = threading.Lock()  # held while a checkpoint is written: never ended halfway
         self.store = Answering(f"imagenet_ais/watchdog/{token}", self.stale)
         self.stopped = threading.Event()
-        self.ending = threading.Event()  # the main thread ends the run itself (``lost``): beat on, end nothing
+        self.ending = threading.Event()  # the main thread ends the run (``lost``, ``last``): beat on, end nothing
+        self.beating = threading.Lock()  # one beat at a time: an ended rank's last beat is the one that says so
         self.verdict: str | None = None  # once seen (the store may go with the rank that held it)
         self.said = threading.Lock()  # the line is said once, by its thread or the main one, whichever first
         self._beat()  # (before any rank can judge: every rank is here)
@@ -130,6 +131,7 @@ class Watchdog:
     def close(self) -> None:
         self.stopped.set()
         self.thread.join(timeout=2 * self.beat)
+        self.store.close()
 
     def lost(self, error: RuntimeError) -> bool:
         """After a collective raised ``error``: whether a rank was lost (its beats stopped, or
@@ -161,13 +163,14 @@ class Watchdog:
                 self._end(json.loads(verdict))
 
     def _beat(self) -> None:
-        d, self.count = self.doing, self.count + 1  # (two threads may beat: any change of the count is life)
-        what = d.what + (self._reads() if d.for_data else "")
-        beat = {
-            "n": self.count, "what": what, "for": time.monotonic() - d.since, "host": self.host, "meeting": d.meeting,
-            "ended": d.ended,
-        }  # fmt: skip
-        self.store.set(f"beat/{self.process.rank}", json.dumps(beat))
+        with self.beating:
+            d, self.count = self.doing, self.count + 1  # (two threads may beat: any change of the count is life)
+            what = d.what + (self._reads() if d.for_data else "")
+            beat = {
+                "n": self.count, "what": what, "for": time.monotonic() - d.since, "host": self.host,
+                "meeting": d.meeting, "ended": d.ended,
+            }  # fmt: skip
+            self.store.set(f"beat/{self.process.rank}", json.dumps(beat))
 
     def _reads(self) -> str:
         """The shards the training loader's workers read, longest first, as " (its workers reading X
@@ -248,8 +251,8 @@ class Watchdog:
 
     def _end(self, verdict: dict) -> None:
         """Ends this process: its main thread is blocked in the collective for good. What is left to
-        do gets half of what remains of the process group's own timeout (NCCL's ends the process
-        by an abort), and the process ends even where something of it fails (a full disk)."""
+        do gets at most FIRST / 2 seconds, well within the process group's own timeout (NCCL's ends
+        the process by an abort), and the process ends even where something of it fails (a full disk)."""
         try:
             self._say(verdict)
             budget = min(self.timeout, FIRST / 2)
@@ -302,7 +305,7 @@ class Answering:
             wait_for_workers=False,
         )
         self.store = dist.PrefixStore(prefix, store)  # this attempt's keys alone
-        self.calls: queue.SimpleQueue[tuple[Callable[[], object], Answer]] = queue.SimpleQueue()
+        self.calls: queue.SimpleQueue[tuple[Callable[[], object], Answer] | None] = queue.SimpleQueue()
         threading.Thread(target=self._serve, name="imagenet_ais watchdog store", daemon=True).start()
 
     def set(self, key: str, value: str) -> None:
@@ -326,9 +329,13 @@ class Answering:
             raise answer.error
         return answer.value
 
+    def close(self) -> None:
+        """Ends its thread once the calls before this one are answered; the connection goes with it."""
+        self.calls.put(None)
+
     def _serve(self) -> None:
-        while True:
-            call, answer = self.calls.get()
+        while (item := self.calls.get()) is not None:
+            call, answer = item
             try:
                 answer.value = call()
             except Exception as e:  # (the caller's to raise)
