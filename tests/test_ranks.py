@@ -155,16 +155,19 @@ def test_a_rank_that_never_arrives_ends_every_live_rank_in_one_line(how: str, tm
     assert state["step"] >= 4 and not list(output.glob(".*")), list(output.iterdir())
 
 
-def test_a_rank_whose_read_outlasts_its_data_timeout_ends_and_the_others_name_its_shards(tmp_path: Path) -> None:
-    """Rank 1's first read hangs past its --data-timeout (5 s), well inside --collective-timeout
-    (60 s): it ends with its own line and status (4), and rank 0 ends at once (6), not after the
-    collective timeout, naming rank 1 as ended and the shard its workers were reading."""
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_rank_whose_read_outlasts_its_data_timeout_ends_and_the_others_name_it(split: str, tmp_path: Path) -> None:
+    """Rank 1's first training read, or its validation's, hangs past its --data-timeout (5 s), well
+    inside --collective-timeout (60 s): it ends with its own line and status (4), and rank 0 ends at
+    once (6), not after the collective timeout, naming rank 1 as ended, where, and the shard its
+    training workers were reading."""
     data, output = tmp_path / "shards", tmp_path / "run"
-    write_shards(data, {"train": TRAIN})
+    write_shards(data, {"train": TRAIN, "val": [4]})
     with hanging_server(data) as hanging:
+        hangs = ["--data", hanging] if split == "train" else ["--data", data, "--val-data", hanging]
         started = start_ranks(
-            2, "--output", output, *TINY, "--epochs", "50", "--workers", "1", "--collective-timeout", "60",
-            rank_args=lambda rank: ["--data", hanging, "--data-timeout", "5"] if rank else ["--data", data],
+            2, "--output", output, *TINY, "--epochs", "2", "--workers", "1", "--collective-timeout", "60",
+            rank_args=lambda rank: [*hangs, "--data-timeout", "5"] if rank else ["--data", data],
         )  # fmt: skip
         try:
             wait_until(started[0], lambda: "TensorBoard: " in started[0].log.read_text(), "set up", log=started[0].log)
@@ -178,8 +181,11 @@ def test_a_rank_whose_read_outlasts_its_data_timeout_ends_and_the_others_name_it
     assert took < 30, f"{took:.0f} s: rank 0 ended on rank 1's verdict, not on --collective-timeout"
     printed = "".join(out + (err or "") for out, err in (proc.communicate() for proc in started))
     (line,) = [line for line in printed.splitlines() if "cannot meet again" in line]
-    ended = f"rank 1 (node {socket.gethostname()}) ended: its data loader failed at step 1 (Stalled) (its workers "
-    assert f"{ended}reading {hanging}" in line, line
+    ended = f"rank 1 (node {socket.gethostname()}) ended: its data loader failed at "
+    if split == "train":
+        assert f"{ended}step 1 (Stalled) (its workers reading {hanging}" in line, line
+    else:
+        assert f"{ended}validation after epoch 1 (Stalled) (its own line says why)" in line, line
     assert "Traceback" not in printed, printed
 
 

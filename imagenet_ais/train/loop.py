@@ -208,17 +208,23 @@ def epochs(run: Run, sizes: list[int]) -> dict[str, Any]:
 
 
 def loader_failed(run: Run, error: Exception, exit_code: int) -> dict[str, Any]:
-    """Ends a run whose loader cannot go on; this rank names what its workers could not read too."""
-    run.health.failing(run.train_loader.counters(), voice(run.echo, run.process.rank))
-    step = run.train_state.step + 1
-    what = f"its data loader failed at step {step} ({type(error).__name__})"
-    return failed_alone(run, str(error), what, exit_code, for_data=True)
+    """Ends a run whose loader cannot go on (the training one's, or in validation the val one's);
+    this rank names what its workers could not read too."""
+    # (the training data's counters: validation's are not among them)
+    run.health.failing({} if run.validating else run.train_loader.counters(), voice(run.echo, run.process.rank))
+    what = f"its data loader failed at {failing_at(run)} ({type(error).__name__})"
+    return failed_alone(run, str(error), what, exit_code, for_data=not run.validating)
 
 
 def ran_out_of_memory(run: Run, line: str) -> dict[str, Any]:
     """Ends a run whose GPU ran out of memory (out_of_memory.said's ``line``)."""
-    step = run.train_state.step + 1
-    return failed_alone(run, line, f"out of GPU memory at step {step}", EXIT_OUT_OF_MEMORY)
+    return failed_alone(run, line, f"out of GPU memory at {failing_at(run)}", EXIT_OUT_OF_MEMORY)
+
+
+def failing_at(run: Run) -> str:
+    """Where a failure of this rank's own came: the step it was at, or the validation."""
+    train_state = run.train_state
+    return f"validation after epoch {train_state.epoch + 1}" if run.validating else f"step {train_state.step + 1}"
 
 
 def failed_alone(run: Run, line: str, what: str, exit_code: int, for_data: bool = False) -> dict[str, Any]:
@@ -411,6 +417,7 @@ def validate_epoch(run: Run) -> bool:
     if not run.decent:  # every rank's share scored with the statistics the checkpoint keeps: rank 0's
         for module in [run.raw_model] + ([run.ema.module] if run.ema else []):
             distributed.broadcast_buffers(module)
+    run.validating = True  # (a loader failure from here is the val loader's)
     val = train_state.last_val = evaluate(run.raw_model, val_loader, run.cfg, run.process)
     top = f"val {accuracy(val)}"
     best_of = val["top1"]
@@ -419,6 +426,7 @@ def validate_epoch(run: Run) -> bool:
         val = {**val, **{f"ema_{k}": ema[k] for k in ("top1", "top5") if k in ema}}
         top += f" (EMA {accuracy(ema)})"
         best_of = ema["top1"] if run.cfg.model_ema_best else best_of
+    run.validating = False
     run.log.write(kind="val", epoch=train_state.epoch + 1, step=train_state.step, **val, **agreement)
     run.echo(f"epoch {train_state.epoch + 1}: {top} over {val['samples']} images")
     run.health.val_missing, run.health.val_listed = int(val["missing"]), int(val["samples"] + val["missing"])

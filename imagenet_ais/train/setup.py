@@ -143,6 +143,7 @@ class Run(Parts):
     figures: EpochFigures  # this rank's figures over the epoch, to find the rank that held the others back
     watchdog: Watchdog | None  # ends every rank where one never reaches the others (several ranks)
     nonfinite_steps: int = 0  # the last steps in a row whose loss was NaN or infinite (on any rank)
+    validating: bool = False  # in validate_epoch's evaluations: what a loader's failure is said of
     collector: Collector = field(default_factory=Collector)  # what the process holds, frozen past the first steps
 
 
