@@ -74,11 +74,13 @@ class DataCost:
         """The run's reads so far, at ``step`` (a collective: every rank calls it)."""
         return self.summed(distributed.gather_objects(self.mine()), step)
 
-    def record(self, step: int) -> dict[str, Any]:
-        """The run's reads, for the ``run`` record that closes metrics.jsonl at ``step``
-        (``counted_to``: the step they were last gathered at, where that is not ``step``)."""
+    def record(self, status: str, epoch: int, step: int) -> dict[str, Any]:
+        """The ``run`` record that closes metrics.jsonl: the run ``status`` at ``epoch`` (from 1) and
+        ``step``, and its reads (``counted_to``: the step they were last gathered at, where that is
+        not ``step``)."""
         counted = {"counted_to": self.step} if self.step != step else {}
-        return {**totals(self.latest), "data": self.latest, **counted}
+        where = {"kind": "run", "epoch": epoch, "step": step, "status": status}
+        return {**where, **totals(self.latest), "data": self.latest, **counted}
 
     def closing(self, world_size: int, step: int) -> str:
         """The run's reads for its closing line, where no collective may run: a rank alone counts

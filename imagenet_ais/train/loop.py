@@ -524,7 +524,7 @@ def finish(run: Run, complete: bool, exit_code: int = 0) -> dict[str, Any]:
     last = run.train_state.last_val or {}
     status = "finished" if complete else "stopped" if exit_code in (0, EXIT_PREEMPTED) else "failed"
     # what the run read, over its attempts so far (those it resumed from too)
-    run.log.write(kind="run", epoch=run.train_state.epoch + 1, step=step, status=status, **run.cost.record(step))
+    run.log.write(**run.cost.record(status, run.train_state.epoch + 1, step))
     run.log.close(status, {f"final/{k}": last[k] for k in ("top1", "top5") if k in last}, step)
     missing = never_uploaded(run)
     if missing and exit_code in (0, EXIT_PREEMPTED):  # (one that failed otherwise, the other ranks too, keeps its)

@@ -325,7 +325,7 @@ def watch(
 
     def last_words(seconds: float) -> None:
         step = train_state.step
-        log.write(kind="run", epoch=train_state.epoch + 1, step=step, status="failed", **cost.record(step))
+        log.write(**cost.record("failed", train_state.epoch + 1, step))
         log.close("failed", step=step)
         if uploader:
             for file in logs(parts.output):

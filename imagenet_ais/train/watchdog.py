@@ -46,6 +46,7 @@ BEAT_MAX = 5.0  # seconds between beats at most (a tenth of the timeout where th
 STALE_BEATS = 4  # beats a count may stand still before its rank counts as silent (killed, stopped, its node lost)
 FIRST = 300.0  # seconds the process group's own timeout exceeds --collective-timeout by: this line comes first
 VERDICT = "verdict"
+RESUME = "its last checkpoint stands: continue with --resume auto once every rank can run"  # (every verdict's end)
 # what the store's client raises when its server is gone or does not answer (TimeoutError: Answering)
 UNANSWERED = (dist.DistError, OSError)
 
@@ -111,16 +112,12 @@ class Watchdog:
         self.doing = Doing(what, meeting=False, ended=True)
         line = (
             f"ERROR: ranks cannot meet again: rank {self.process.rank} (node {self.host}) ended: {what} (its own line "
-            f"says why). The run ends on every other rank (exit {EXIT_RANKS_LOST}); its last checkpoint stands: "
-            "continue with --resume auto once every rank can run"
+            f"says why). The run ends on every other rank (exit {EXIT_RANKS_LOST}); {RESUME}"
         )
         others = set(range(self.process.world)) - {self.process.rank}
-        verdict = {"line": line, "speaker": min(others), "silent": []}
         with suppress(*UNANSWERED):
             self._beat()
-            self.verdict = self.store.compare_set(VERDICT, "", json.dumps(verdict)).decode()
-            self.store.set(f"seen/{self.process.rank}", "")
-            self._linger(json.loads(self.verdict))
+            self._linger(json.loads(self._written({"line": line, "speaker": min(others), "silent": []})))
 
     @contextmanager
     def checkpoint_written(self) -> Iterator[None]:
@@ -229,19 +226,22 @@ class Watchdog:
         how = f" ({failed})" if failed else f" within --collective-timeout {self.timeout:g} s"
         line = (
             f"ERROR: ranks did not meet at {doing.what}{how}: {'; '.join(missing)}. The run ends on every rank "
-            f"(exit {EXIT_RANKS_LOST}); its last checkpoint stands: continue with --resume auto once every rank can run"
+            f"(exit {EXIT_RANKS_LOST}); {RESUME}"
         )
         speaker = min(set(range(self.process.world)) - silent)
-        verdict = json.dumps({"line": line, "speaker": speaker, "silent": sorted(silent)})
-        self.verdict = self.store.compare_set(VERDICT, "", verdict).decode()
-        self.store.set(f"seen/{self.process.rank}", "")
+        return self._written({"line": line, "speaker": speaker, "silent": sorted(silent)})
+
+    def _written(self, verdict: dict) -> str:
+        """The verdict once written for all ranks: ``verdict``, or another rank's that came first
+        (the store's compare-and-set: the first stands)."""
+        self.verdict = self.store.compare_set(VERDICT, "", json.dumps(verdict)).decode()
+        self.store.set(f"seen/{self.process.rank}", "")  # (the store's holder waits for these)
         return self.verdict
 
     def _store_gone(self) -> str:
         line = (
             f"ERROR: the job's rendezvous store stopped answering while this rank was at {self.doing.what} (rank 0, "
-            f"or torchrun's agent, that held it is gone). The run ends (exit {EXIT_RANKS_LOST}); its last "
-            "checkpoint stands: continue with --resume auto once every rank can run"
+            f"or torchrun's agent, that held it is gone). The run ends (exit {EXIT_RANKS_LOST}); {RESUME}"
         )
         return json.dumps({"line": line, "speaker": self.process.rank})
 
